@@ -1,0 +1,145 @@
+"""The lazy checkpoint: every source and every transform looks like this.
+
+A :class:`LazyCheckpoint` knows the full list of tensor specs without reading data and reads one
+full tensor on demand, assembled from its pieces straight into a caller-given buffer. Transforms
+(``hf_merge.transforms``) wrap one lazy checkpoint in another; consumers (writer, model loader,
+verifier) pull from the top of the stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .spec import TensorSpec
+
+
+@dataclass
+class CheckpointInfo:
+    """What a source is, for ``inspect``, the model card and the provenance record.
+
+    ``hf_dir`` is the folder holding config.json / tokenizer files (None when unknown).
+    ``details`` is free-form, JSON-serialisable and format specific (mesh, placements, step...).
+    ``notes`` say what was chosen (which step, which role); ``warnings`` what the user should fix.
+    """
+
+    format: str
+    path: Path
+    hf_dir: Path | None = None
+    world_size: int | None = None
+    step: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+class LazyCheckpoint:
+    """Base class: subclasses implement :meth:`specs` and :meth:`read_into`.
+
+    Contract of ``read_into(name, out)``: ``out`` has exactly the spec's shape (any dtype, any
+    strides, possibly a view into a memory-mapped output file); the full tensor is written into it,
+    cast element-wise by ``Tensor.copy_`` if dtypes differ. Implementations never allocate the
+    full tensor themselves unless they must (a transform that computes, like LoRA fusion).
+    """
+
+    info: CheckpointInfo
+
+    def specs(self) -> dict[str, TensorSpec]:
+        raise NotImplementedError
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Return the full tensor ``name`` (in ``dtype``, default the spec's) as a new tensor."""
+        spec = self.specs()[name]
+        out = torch.empty(spec.shape, dtype=dtype or spec.dtype)
+        self.read_into(name, out)
+        return out
+
+    def keys(self) -> list[str]:
+        return list(self.specs())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.specs():
+            yield name, self.read(name)
+
+    def close(self) -> None:
+        """Release file handles / maps. Safe to call twice."""
+
+    def __enter__(self) -> "LazyCheckpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_out(spec: TensorSpec, out: torch.Tensor) -> None:
+    """Raise ValueError unless ``out`` has the spec's shape (the read_into contract)."""
+    if tuple(out.shape) != spec.shape:
+        raise ValueError(f"{spec.name}: buffer shape {tuple(out.shape)} != tensor shape {spec.shape}")
+
+
+BACKENDS = ("auto", "fsdp", "megatron", "hf")
+
+
+def detect_backend(path: Path) -> str:
+    """Which reader fits ``path`` (a best guess from file names only; nothing is loaded)."""
+    from .readers import fsdp
+
+    path = Path(path)
+    try:
+        fsdp.resolve_fsdp_dir(path)
+        return "fsdp"
+    except Exception:  # noqa: BLE001 - probing; the chosen reader reports the real error
+        pass
+    try:
+        from .readers import megatron
+
+        if megatron.probe(path):
+            return "megatron"
+    except ImportError:
+        pass
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "hf"
+    return "fsdp"  # its resolver gives the most helpful "nothing found" message
+
+
+def open_checkpoint(
+    source: "str | Path",
+    *,
+    backend: str = "auto",
+    config: "str | Path | None" = None,
+    is_value_model: bool | None = None,
+) -> LazyCheckpoint:
+    """Open any supported source as a lazy checkpoint with its training names and dtypes.
+
+    Args:
+        source: a verl ``actor/`` / ``global_step_N`` / checkpoints-root folder, a Megatron
+            checkpoint folder, or a Hugging Face safetensors folder.
+        backend: ``auto`` (detect), ``fsdp``, ``megatron`` or ``hf``.
+        config: a folder with config.json (and tokenizer) to use instead of the checkpoint's own
+            ``huggingface/`` folder.
+    """
+    from .errors import UnsupportedCheckpointError
+
+    source = Path(source)
+    config_dir = Path(config) if config is not None else None
+    if backend not in BACKENDS:
+        raise UnsupportedCheckpointError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = detect_backend(source)
+    if backend == "fsdp":
+        from .readers.fsdp import open_fsdp
+
+        return open_fsdp(source, config_dir=config_dir)
+    if backend == "megatron":
+        from .readers.megatron import open_megatron
+
+        return open_megatron(source, config_dir=config_dir, is_value_model=is_value_model)
+    from .readers.hf_dir import open_hf_dir
+
+    return open_hf_dir(source, config_dir=config_dir)

@@ -1,0 +1,1 @@
+"""The ``hf-merge`` command line: a thin layer over the library."""

@@ -1,0 +1,41 @@
+"""One table from exceptions to one-line messages (tracebacks only with HF_MERGE_DEBUG=1)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import traceback
+
+from ..errors import HfMergeError
+
+DEBUG_VAR = "HF_MERGE_DEBUG"
+
+
+def _os_error(e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device while writing {e.filename or 'the output'}; free space or choose another target"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied: {e.filename}; check the folder's permissions"
+    return f"{e.strerror or e} ({e.filename})" if e.filename else str(e)
+
+
+# (exception class, message function, exit code); the first match wins.
+CLI_ERROR_MAPPINGS = [
+    (HfMergeError, lambda e: str(e), None),
+    (KeyboardInterrupt, lambda e: "interrupted; nothing was written to the target", 130),
+    (MemoryError, lambda e: "out of memory; lower --workers (each worker holds the tensors it is writing)", 3),
+    (OSError, _os_error, 3),
+]
+
+
+def report(e: BaseException) -> int:
+    """Print one line for ``e`` on stderr and return the exit code."""
+    if os.environ.get(DEBUG_VAR, "") not in ("", "0"):
+        traceback.print_exception(e, file=sys.stderr)
+    for cls, message, code in CLI_ERROR_MAPPINGS:
+        if isinstance(e, cls):
+            print(f"error: {message(e)}", file=sys.stderr)
+            return code if code is not None else getattr(e, "exit_code", 2)
+    print(f"error: unexpected {type(e).__name__}: {e} (set {DEBUG_VAR}=1 for the traceback, and please report it)", file=sys.stderr)
+    return 1

@@ -1,0 +1,69 @@
+"""``hf-merge`` entry point: registers the commands, runs one, maps errors to one line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from .. import __version__
+from . import _errors
+
+
+class _NoteFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = "warning" if record.levelno >= logging.WARNING else "note"
+        return f"{prefix}: {record.getMessage()}"
+
+
+def _setup_logging(quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_NoteFormatter())
+    log = logging.getLogger("hf_merge")
+    log.handlers[:] = [handler]
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.propagate = False
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise KeyboardInterrupt
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import inspect as inspect_cmd
+    from . import merge as merge_cmd
+
+    parser = argparse.ArgumentParser(
+        prog="hf-merge",
+        description="Turn distributed training checkpoints (verl FSDP / Megatron, DCP) into Hugging Face models.",
+    )
+    parser.add_argument("--version", action="version", version=f"hf-merge {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    modules = [merge_cmd, inspect_cmd]
+    for optional in ("verify", "push"):
+        try:
+            modules.append(__import__(f"hf_merge.cli.{optional}", fromlist=["add_parser"]))
+        except ImportError:
+            continue
+    for module in modules:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.quiet)
+    try:
+        return int(args.run(args) or 0)
+    except BaseException as e:  # noqa: BLE001 - the one place errors become exit codes
+        if isinstance(e, SystemExit):
+            raise
+        return _errors.report(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""``hf-merge merge SOURCE TARGET``: also accepts verl's ``model_merger`` spellings."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger("hf_merge.cli")
+
+EXAMPLES = """examples:
+  hf-merge merge checkpoints/global_step_100/actor ./merged
+  hf-merge merge checkpoints/ ./merged --dtype bfloat16 --max-shard-size 2GB
+  hf-merge merge --backend fsdp --local_dir checkpoints/global_step_100/actor --target_dir ./merged   # verl's spelling
+"""
+
+# verl flags that change nothing here, with the reason shown once when given.
+IGNORED_VERL_FLAGS = {
+    "use_cpu_initialization": "--use_cpu_initialization is not needed: hf-merge never builds the model to merge",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "merge",
+        help="merge a sharded checkpoint into a Hugging Face model folder",
+        description="Merge a sharded training checkpoint into a Hugging Face model folder (safetensors + config + tokenizer).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("source", nargs="?", help="checkpoint folder: actor/, global_step_N/, or the checkpoints root")
+    p.add_argument("target", nargs="?", help="output folder (written atomically)")
+    p.add_argument("--local_dir", "--local-dir", dest="local_dir", help="verl spelling of SOURCE")
+    p.add_argument("--target_dir", "--target-dir", dest="target_dir", help="verl spelling of TARGET")
+    p.add_argument("--backend", default="auto", choices=["auto", "fsdp", "megatron", "hf"], help="source format (default: detect)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="output dtype; default: the config's dtype; auto: keep the checkpoint's",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    p.add_argument("--workers", type=int, default=None, help="processes writing output files (default: one per file, up to the CPU count)")
+    p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted for verl compatibility; hf-merge never runs checkpoint code to merge")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
+    p.add_argument("--is-value-model", action="store_true", default=None, help="write a critic's value head as score.weight (Megatron)")
+    p.add_argument("--tie-word-embedding", action="store_true", help="accepted for verl compatibility; ties follow config.json")
+    p.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from ..errors import HfMergeError
+    from ..merge import merge
+
+    source = args.source or args.local_dir
+    target = args.target or args.target_dir
+    if args.source and args.local_dir and args.source != args.local_dir:
+        raise HfMergeError("both SOURCE and --local_dir given; pass one")
+    if not source or not target:
+        raise HfMergeError("need a SOURCE and a TARGET: hf-merge merge SOURCE TARGET (or --local_dir X --target_dir Y)")
+    for flag, message in IGNORED_VERL_FLAGS.items():
+        if getattr(args, flag, False):
+            logger.info(message)
+    result = merge(
+        source,
+        target,
+        backend=args.backend,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        workers=args.workers,
+        config=args.config,
+        overwrite=args.overwrite,
+    )
+    if args.json:
+        print(json.dumps({
+            "target": str(result.target), "files": result.files, "dtype": result.dtype,
+            "tensors": result.num_tensors, "bytes": result.total_bytes, "notes": result.notes,
+        }, indent=2))
+    else:
+        size = result.total_bytes / 1e9
+        print(f"wrote {result.target} ({result.num_tensors} tensors, {size:.2f} GB, {len(result.files)} file(s), dtype {result.dtype or 'as trained'})", file=sys.stderr)
+    return 0

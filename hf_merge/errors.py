@@ -1,0 +1,59 @@
+"""Typed errors. Every error hf_merge raises on bad input derives from :class:`HfMergeError`.
+
+The CLI maps each class to one ``error: ...`` line (see ``hf_merge/cli/_errors.py``); the message
+itself must already say what is wrong *and* what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class HfMergeError(Exception):
+    """Base class of all hf_merge errors."""
+
+    exit_code = 2
+
+
+class SourceNotFoundError(HfMergeError):
+    """The source path does not exist or holds nothing hf_merge can read."""
+
+
+class UnsupportedCheckpointError(HfMergeError):
+    """The files exist but are not a layout hf_merge understands."""
+
+
+class CorruptCheckpointError(HfMergeError):
+    """A checkpoint file is truncated, garbage, or inconsistent with its siblings."""
+
+
+class UnsafeCheckpointError(HfMergeError):
+    """A pickle asks for code outside the allowlist; nothing from it was executed."""
+
+
+class MissingConfigError(HfMergeError):
+    """No Hugging Face config.json could be found for the checkpoint."""
+
+
+class TargetExistsError(HfMergeError):
+    """The output folder exists and is not empty (use --overwrite)."""
+
+
+class MappingError(HfMergeError):
+    """A tensor name or fused layout could not be mapped to the Hugging Face layout."""
+
+
+class LoraError(HfMergeError):
+    """LoRA settings are missing, inconsistent or unsupported."""
+
+
+class QuantizationError(HfMergeError):
+    """Quantized output was asked for but cannot be produced."""
+
+
+class VerificationError(HfMergeError):
+    """A merged output does not match what it was checked against."""
+
+    exit_code = 1
+
+
+class HubError(HfMergeError):
+    """An interaction with the Hugging Face Hub failed."""

@@ -1,0 +1,117 @@
+"""The Hugging Face side files of a checkpoint: config.json, tokenizer, generation config, code.
+
+config.json is read as JSON (never by executing remote code). It decides the default output dtype
+and which weights are tied; the output copy gets the written dtype. Everything else in the
+``huggingface/`` folder that is not a weight file is copied byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import MissingConfigError
+from .spec import dtype_name, parse_dtype
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+DEFAULT_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def find_config_dir(hf_dir: Path | None, source: Path) -> Path:
+    if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
+        return Path(hf_dir)
+    where = f" in {hf_dir}" if hf_dir else f" next to {source} (looked for huggingface/config.json)"
+    raise MissingConfigError(
+        f"no config.json{where}; pass --config DIR (alias --hf_model_path) with the base model's "
+        "config.json and tokenizer"
+    )
+
+
+def load_config(config_dir: Path) -> dict[str, Any]:
+    path = Path(config_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MissingConfigError(f"{path} is not readable JSON ({e}); fix it or pass --config DIR") from None
+
+
+def config_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype the model is meant to be in (``dtype``, older ``torch_dtype``, or the text config's)."""
+    for holder in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = holder.get(key)
+            if isinstance(value, str) and value != "auto":
+                try:
+                    return parse_dtype(value)
+                except ValueError:
+                    continue
+    return None
+
+
+def resolve_dtype(requested: "str | torch.dtype | None", config: dict[str, Any]) -> torch.dtype | None:
+    """Output dtype: None means keep each tensor's own dtype (``auto``)."""
+    if requested is None or requested == "config":
+        return config_dtype(config)
+    if requested == "auto":
+        return None
+    return parse_dtype(requested)
+
+
+def ties_word_embeddings(config: dict[str, Any]) -> bool:
+    text = config.get("text_config") or {}
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(text.get("tie_word_embeddings", False))
+
+
+def tied_pairs(config: dict[str, Any]) -> dict[str, str]:
+    """``{alias: source}`` weight pairs that the architecture ties when the config says so.
+
+    Read from the transformers class attribute ``_tied_weights_keys`` (a dict in transformers 5);
+    falls back to ``lm_head.weight -> model.embed_tokens.weight``. The class is imported, never
+    instantiated.
+    """
+    if not ties_word_embeddings(config):
+        return {}
+    for arch in config.get("architectures") or []:
+        try:
+            import transformers
+
+            cls = getattr(transformers, arch)
+        except (ImportError, AttributeError):
+            continue
+        keys = getattr(cls, "_tied_weights_keys", None)
+        if isinstance(keys, dict) and keys:
+            return {str(k): str(v) for k, v in keys.items() if "*" not in k and "(" not in k}
+    return dict(DEFAULT_TIED)
+
+
+def write_config(config: dict[str, Any], folder: Path, *, dtype: torch.dtype | None) -> None:
+    out = dict(config)
+    if dtype is not None:
+        out["dtype"] = dtype_name(dtype)
+        if "torch_dtype" in out:
+            out["torch_dtype"] = dtype_name(dtype)
+    (Path(folder) / "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+
+
+def copy_side_files(config_dir: Path, folder: Path) -> list[str]:
+    """Copy the top-level tokenizer / processor / generation config / remote-code files.
+
+    Weights, weight indexes, config.json (written separately), hidden files, folders and symlinks
+    are not copied.
+    """
+    copied = []
+    for item in sorted(Path(config_dir).iterdir()):
+        name = item.name
+        if name == "config.json" or name in WEIGHT_INDEXES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."):
+            continue
+        if item.is_file() and not item.is_symlink():
+            shutil.copyfile(item, Path(folder) / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,110 @@
+"""Shard planning from specs alone: file names, per-file layout and the index, before any read.
+
+Grouping into files is huggingface_hub's ``split_state_dict_into_shards_factory`` (the same greedy
+plan ``save_torch_state_dict`` uses), fed with specs instead of tensors. Inside a file tensors are
+ordered by decreasing item size (then name), so every tensor's data offset is aligned to its dtype
+and can be viewed in place in a memory-mapped output file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+from .spec import SAFETENSORS_DTYPES, TensorSpec
+
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_PATTERN = "model{suffix}.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def parse_size(size: "int | str") -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units, as huggingface_hub and transformers read them)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if isinstance(size, int):
+        return size
+    try:
+        return parse_size_to_int(size)
+    except ValueError:
+        raise ValueError(f"cannot read the size {size!r}; write it like 5GB, 500MB or 2000000000") from None
+
+
+@dataclass
+class FilePlan:
+    """One output safetensors file: its header bytes and where each tensor's data starts."""
+
+    name: str
+    specs: list[TensorSpec]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.specs = sorted(self.specs, key=lambda s: (-s.dtype.itemsize, s.name))
+        header: dict[str, object] = {}
+        if self.metadata:
+            header["__metadata__"] = dict(self.metadata)
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for spec in self.specs:
+            header[spec.name] = {
+                "dtype": SAFETENSORS_DTYPES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            self.offsets[spec.name] = offset
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # pad so the data section starts 8-byte aligned
+        self.header = struct.pack("<Q", len(raw)) + raw
+        self.data_size = offset
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return len(self.header) + self.data_size
+
+
+@dataclass
+class ShardPlan:
+    files: list[FilePlan]
+    index: dict | None  # the model.safetensors.index.json content, None for a single file
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.data_size for f in self.files)
+
+
+def plan_shards(
+    specs: "dict[str, TensorSpec] | list[TensorSpec]",
+    *,
+    max_shard_size: "int | str" = "5GB",
+    metadata: dict[str, str] | None = None,
+    filename_pattern: str = SAFETENSORS_PATTERN,
+) -> ShardPlan:
+    """Plan output files from specs. No tensor data is needed."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    by_name = {s.name: s for s in (specs.values() if isinstance(specs, dict) else specs)}
+    for spec in by_name.values():
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{spec.name}: dtype {spec.dtype} cannot be stored in safetensors")
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda s: s.nbytes,
+        get_storage_id=lambda s: None,  # every spec is its own storage: nothing is shared
+        filename_pattern=filename_pattern,
+        max_shard_size=parse_size(max_shard_size),
+    )
+    meta = {"format": "pt", **(metadata or {})}
+    files = [FilePlan(fname, [by_name[n] for n in names], meta) for fname, names in split.filename_to_tensors.items()]
+    index = None
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in by_name.values())},
+            "weight_map": dict(sorted(split.tensor_to_filename.items())),
+        }
+    return ShardPlan(files, index)

@@ -1,0 +1,300 @@
+"""verl FSDP checkpoints: ``model_world_size_{N}_rank_{r}.pt`` files of DTensors.
+
+Each rank file holds that rank's local shard of every parameter as a DTensor (FSDP1 with a device
+mesh, FSDP2 ``fully_shard``), or plain tensors at world size 1 and for buffers (a full copy in every
+rank). A DTensor's device mesh and placements say exactly which slice of the global tensor a rank
+holds; this reader reads them per tensor (never guessing from one key or a mesh name) and copies
+each rank's piece straight into its place in the caller's buffer.
+
+Sharding follows DTensor's ``Shard(d)`` semantics (``torch.chunk``): chunk size ``ceil(n/k)``, the
+last chunks short or empty. ``Replicate`` mesh dimensions are read from coordinate 0 only, so an
+HSDP checkpoint reads one replica group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from ..spec import TensorSpec
+from .safe_pickle import load_rank_file
+
+logger = logging.getLogger(__name__)
+
+RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def rank_file_name(world_size: int, rank: int) -> str:
+    return f"model_world_size_{world_size}_rank_{rank}.pt"
+
+
+def has_rank_files(folder: Path) -> bool:
+    return folder.is_dir() and any(RANK_FILE.match(p.name) for p in folder.iterdir())
+
+
+def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
+    """Find the folder holding rank files under what the user gave.
+
+    Accepts the ``actor/`` (or ``critic/``) folder itself, a ``global_step_N`` folder, or a
+    checkpoints root holding ``global_step_*`` folders (the one named by
+    ``latest_checkpointed_iteration.txt``, else the highest step). Returns
+    ``(folder, step, notes)``.
+    """
+    path = Path(path)
+    notes: list[str] = []
+    if not path.exists():
+        raise SourceNotFoundError(f"{path} does not exist; pass the checkpoint's actor/ or global_step_N folder")
+    if not path.is_dir():
+        raise SourceNotFoundError(f"{path} is a file; pass the folder that holds the model_world_size_*_rank_*.pt files")
+    if not any(path.iterdir()):
+        raise SourceNotFoundError(f"{path} is empty; pass the folder that holds the model_world_size_*_rank_*.pt files")
+    if not has_rank_files(path):
+        steps = {int(m.group(1)): p for p in path.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))}
+        if steps:
+            latest_file = path / "latest_checkpointed_iteration.txt"
+            chosen = None
+            if latest_file.is_file():
+                text = latest_file.read_text().strip()
+                if text.isdigit() and int(text) in steps:
+                    chosen = int(text)
+                    notes.append(f"using global_step_{chosen} (from latest_checkpointed_iteration.txt)")
+            if chosen is None:
+                chosen = max(steps)
+                notes.append(f"using global_step_{chosen} (the highest of {len(steps)} steps)")
+            path = steps[chosen]
+        if has_rank_files(path / "actor"):
+            if has_rank_files(path / "critic"):
+                notes.append(f"{path.name} also has critic/; merging actor/ (pass the critic/ folder for the critic)")
+            path = path / "actor"
+        elif has_rank_files(path / "critic"):
+            path = path / "critic"
+    if not has_rank_files(path):
+        raise SourceNotFoundError(
+            f"no model_world_size_*_rank_*.pt files in {path}; pass a verl FSDP actor/ folder "
+            "(or use --backend megatron for Megatron checkpoints)"
+        )
+    step = None
+    for part in reversed(path.parts):
+        if m := STEP_DIR.match(part):
+            step = int(m.group(1))
+            break
+    return path, step, notes
+
+
+def detect_world_size(folder: Path) -> tuple[int, list[str]]:
+    """World size from ``fsdp_config.json``, checked against the rank file names.
+
+    Returns ``(world size, warnings)``.
+    """
+    notes: list[str] = []
+    sizes = {int(m.group(1)) for p in folder.iterdir() if (m := RANK_FILE.match(p.name))}
+    config_path = folder / "fsdp_config.json"
+    if config_path.is_file():
+        try:
+            declared = int(json.loads(config_path.read_text())["world_size"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{config_path} is not valid ({e}); fix or delete it") from None
+        if sizes != {declared}:
+            found = ", ".join(str(s) for s in sorted(sizes))
+            raise CorruptCheckpointError(
+                f"fsdp_config.json says world_size {declared} but the rank files are for world size {found}; "
+                "the folder mixes runs or the config is stale: keep only one run's files"
+            )
+        return declared, notes
+    if len(sizes) != 1:
+        found = ", ".join(str(s) for s in sorted(sizes))
+        raise CorruptCheckpointError(f"rank files for several world sizes ({found}) in {folder}; keep one run's files")
+    (size,) = sizes
+    notes.append(f"no fsdp_config.json: world size {size} read from the rank file names")
+    return size, notes
+
+
+@dataclass(frozen=True)
+class _Piece:
+    rank: int
+    index: tuple[slice, ...]  # where this rank's local tensor goes in the global tensor
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one tensor is spread over the ranks."""
+
+    spec: TensorSpec
+    pieces: tuple[_Piece, ...]
+    placements: str  # for inspect, e.g. "(Shard(dim=0),)" or "plain"
+
+
+def _chunk_range(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
+    """Sub-range ``index`` of ``[lo, hi)`` split like ``torch.chunk`` (ceil-sized, trailing empties)."""
+    size = hi - lo
+    step = math.ceil(size / parts) if size else 0
+    start = min(lo + index * step, hi)
+    return start, min(start + step, hi)
+
+
+def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piece, ...], str]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = value.device_mesh
+    ranks = mesh.mesh  # tensor of global ranks, one axis per mesh dim
+    placements = tuple(value.placements)
+    for p in placements:
+        if type(p) not in (Shard, Replicate):
+            raise UnsupportedCheckpointError(
+                f"{name} has placement {p!r}; only Shard and Replicate are supported "
+                "(a Partial tensor is not reduced yet; _StridedShard comes from FSDP+TP and needs the TP layout)"
+            )
+    if ranks.numel() != world_size:
+        raise CorruptCheckpointError(
+            f"{name}: device mesh {tuple(ranks.shape)} has {ranks.numel()} ranks but the world size is {world_size}"
+        )
+    shape = tuple(value.shape)
+    pieces = []
+    for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape]).reshape(-1, ranks.dim()).tolist():
+        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord)):
+            continue  # another replica of a piece read from coordinate 0
+        bounds = [(0, n) for n in shape]
+        for mesh_dim, (p, c) in enumerate(zip(placements, coord)):
+            if isinstance(p, Shard):
+                lo, hi = bounds[p.dim]
+                bounds[p.dim] = _chunk_range(lo, hi, ranks.shape[mesh_dim], c)
+        rank = int(ranks[tuple(coord)])
+        pieces.append(_Piece(rank, tuple(slice(lo, hi) for lo, hi in bounds)))
+    return tuple(pieces), str(placements)
+
+
+class FsdpCheckpoint(LazyCheckpoint):
+    """A verl FSDP rank-file folder as a lazy checkpoint with the training names and dtype."""
+
+    def __init__(self, folder: Path, *, hf_dir: Path | None = None, step: int | None = None, notes=()):
+        self.folder = Path(folder)
+        self.world_size, ws_warnings = detect_world_size(self.folder)
+        missing = [rank_file_name(self.world_size, r) for r in range(self.world_size)
+                   if not (self.folder / rank_file_name(self.world_size, r)).is_file()]
+        if missing:
+            raise CorruptCheckpointError(
+                f"missing rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} in {self.folder}; "
+                "copy every rank's file of the checkpoint"
+            )
+        self._states: dict[int, dict[str, Any]] = {}
+        first = self._state(0)
+        self._layouts: dict[str, _Layout] = {}
+        mesh_info: dict[str, Any] = {}
+        for name, value in first.items():
+            self._layouts[name] = self._layout(name, value, mesh_info)
+        # Load (and so validate) every rank file a piece comes from, and check it agrees with rank 0.
+        needed = sorted({p.rank for lay in self._layouts.values() for p in lay.pieces} | {0})
+        for rank in needed:
+            self._check_rank(rank)
+        fsdp_version = None
+        cfg = self.folder / "fsdp_config.json"
+        if cfg.is_file():
+            fsdp_version = json.loads(cfg.read_text()).get("FSDP_version")
+        if hf_dir is None and (self.folder / "huggingface" / "config.json").is_file():
+            hf_dir = self.folder / "huggingface"
+        dtypes = sorted({str(lay.spec.dtype).removeprefix("torch.") for lay in self._layouts.values()})
+        self.info = CheckpointInfo(
+            format="verl-fsdp",
+            path=self.folder,
+            hf_dir=hf_dir,
+            world_size=self.world_size,
+            step=step,
+            details={
+                "fsdp_version": fsdp_version,
+                "mesh": mesh_info.get("mesh"),
+                "mesh_dim_names": mesh_info.get("names"),
+                "ranks_read": needed,
+                "placements": sorted({lay.placements for lay in self._layouts.values()}),
+                "dtypes": dtypes,
+            },
+            notes=list(notes),
+            warnings=ws_warnings,
+        )
+
+    def _state(self, rank: int) -> dict[str, Any]:
+        if rank not in self._states:
+            self._states[rank] = load_rank_file(self.folder / rank_file_name(self.world_size, rank))
+        return self._states[rank]
+
+    def _layout(self, name: str, value: Any, mesh_info: dict[str, Any]) -> _Layout:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            meta = value._spec.tensor_meta
+            if meta is not None and tuple(meta.shape) != tuple(value.shape):
+                raise CorruptCheckpointError(f"{name}: DTensor shape {tuple(value.shape)} != its spec {tuple(meta.shape)}")
+            pieces, placements = _dtensor_pieces(name, value, self.world_size)
+            mesh_info.setdefault("mesh", list(value.device_mesh.mesh.shape))
+            mesh_info.setdefault("names", list(value.device_mesh.mesh_dim_names or ()))
+            spec = TensorSpec(name, tuple(value.shape), value.dtype)
+        elif isinstance(value, torch.Tensor):
+            # Plain tensors: the whole tensor at world size 1, or a buffer replicated on every rank.
+            spec = TensorSpec(name, tuple(value.shape), value.dtype)
+            pieces = (_Piece(0, tuple(slice(0, n) for n in value.shape)),)
+            placements = "plain"
+        else:
+            raise UnsupportedCheckpointError(
+                f"{name} in rank 0 is a {type(value).__name__}, not a tensor; is this a model state dict?"
+            )
+        covered = sum(math.prod(s.stop - s.start for s in p.index) for p in pieces)
+        if covered != spec.numel:
+            raise CorruptCheckpointError(f"{name}: the pieces cover {covered} of {spec.numel} elements")
+        return _Layout(spec, pieces, placements)
+
+    def _check_rank(self, rank: int) -> None:
+        state = self._state(rank)
+        fname = rank_file_name(self.world_size, rank)
+        if state.keys() != self._layouts.keys():
+            extra = sorted(state.keys() - self._layouts.keys())[:3]
+            missing = sorted(self._layouts.keys() - state.keys())[:3]
+            raise CorruptCheckpointError(
+                f"{fname} has other tensors than rank 0 (missing {missing}, extra {extra}); the files are from different runs"
+            )
+        for name, lay in self._layouts.items():
+            local = _local(state[name])
+            for piece in lay.pieces:
+                if piece.rank == rank:
+                    expected = tuple(s.stop - s.start for s in piece.index)
+                    if tuple(local.shape) != expected:
+                        raise CorruptCheckpointError(
+                            f"{name} in {fname} has shape {tuple(local.shape)} but its placement "
+                            f"{lay.placements} on this mesh gives {expected}; the sharding layout is inconsistent"
+                        )
+            if lay.placements == "plain" and tuple(local.shape) != lay.spec.shape:
+                raise CorruptCheckpointError(f"{name} in {fname} has shape {tuple(local.shape)}, rank 0 has {lay.spec.shape}")
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: lay.spec for name, lay in self._layouts.items()}
+
+    def placements(self) -> dict[str, str]:
+        return {name: lay.placements for name, lay in self._layouts.items()}
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        lay = self._layouts[name]
+        check_out(lay.spec, out)
+        for piece in lay.pieces:
+            local = _local(self._state(piece.rank)[name])
+            if local.numel():
+                out[piece.index].copy_(local)
+
+    def close(self) -> None:
+        self._states.clear()
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value._local_tensor if hasattr(value, "_local_tensor") else value
+
+
+def open_fsdp(path: Path, *, config_dir: Path | None = None) -> FsdpCheckpoint:
+    folder, step, notes = resolve_fsdp_dir(Path(path))
+    return FsdpCheckpoint(folder, hf_dir=config_dir, step=step, notes=notes)

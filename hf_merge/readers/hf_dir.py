@@ -1,0 +1,73 @@
+"""A Hugging Face safetensors folder (single file or sharded with an index), via ``safe_open``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..errors import CorruptCheckpointError, SourceNotFoundError
+from ..plan import INDEX_NAME
+from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
+
+
+def _safe_member(folder: Path, name: str) -> Path:
+    """A file named by an index, refused if it points outside the folder."""
+    candidate = Path(name)
+    if candidate.is_absolute() or ".." in candidate.parts or len(candidate.parts) != 1:
+        raise CorruptCheckpointError(f"the index names {name!r}, which is not a file inside {folder}; refusing")
+    return folder / candidate
+
+
+class HfDirCheckpoint(LazyCheckpoint):
+    def __init__(self, folder: Path, *, config_dir: Path | None = None):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise SourceNotFoundError(f"{folder} is not a folder")
+        index = self.folder / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CorruptCheckpointError(f"{index} is not a valid index ({e})") from None
+            files = sorted({_safe_member(self.folder, f) for f in weight_map.values()})
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise SourceNotFoundError(f"no *.safetensors files in {self.folder}")
+        self._handles = {}
+        self._where: dict[str, object] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        for path in files:
+            if not path.is_file():
+                raise CorruptCheckpointError(f"{path.name} is named by the index but missing from {self.folder}")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise CorruptCheckpointError(f"{path.name} is not a valid safetensors file ({e})") from None
+            self._handles[path.name] = handle
+            for name in handle.keys():
+                sl = handle.get_slice(name)
+                self._specs[name] = TensorSpec(name, tuple(sl.get_shape()), SAFETENSORS_TO_TORCH[sl.get_dtype()])
+                self._where[name] = handle
+        hf_dir = config_dir or (self.folder if (self.folder / "config.json").is_file() else None)
+        self.info = CheckpointInfo(format="hf", path=self.folder, hf_dir=hf_dir, details={"files": len(files)})
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        check_out(self._specs[name], out)
+        out.copy_(self._where[name].get_tensor(name))
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+
+def open_hf_dir(path: Path, *, config_dir: Path | None = None) -> HfDirCheckpoint:
+    return HfDirCheckpoint(Path(path), config_dir=config_dir)

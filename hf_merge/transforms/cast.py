@@ -1,0 +1,37 @@
+"""Explicit dtype policy: floating tensors to one dtype, everything else untouched.
+
+The cast itself happens in ``read_into`` (``Tensor.copy_`` into a buffer of the target dtype),
+piece by piece as each rank's shard lands: one rounding (round-to-nearest-even), no full-size
+temporary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint import LazyCheckpoint
+from ..spec import TensorSpec
+
+
+def cast_policy(spec: TensorSpec, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``spec`` is written in: ``dtype`` for floating tensors, else unchanged."""
+    if dtype is None or not spec.dtype.is_floating_point:
+        return spec.dtype
+    return dtype
+
+
+class Cast(LazyCheckpoint):
+    def __init__(self, base: LazyCheckpoint, dtype: torch.dtype | None):
+        self.base = base
+        self.info = base.info
+        self.dtype = dtype
+        self._specs = {n: s.with_dtype(cast_policy(s, dtype)) for n, s in base.specs().items()}
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        self.base.read_into(name, out)
+
+    def close(self) -> None:
+        self.base.close()
