@@ -100,7 +100,7 @@ def write_config(config: dict[str, Any], folder: Path, *, dtype: torch.dtype | N
     (Path(folder) / "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
 
 
-def copy_side_files(config_dir: Path, folder: Path) -> list[str]:
+def copy_side_files(config_dir: Path, folder: Path, *, skip: tuple[str, ...] = ()) -> list[str]:
     """Copy the top-level tokenizer / processor / generation config / remote-code files.
 
     Weights, weight indexes, config.json (written separately), hidden files, folders and symlinks
@@ -109,7 +109,7 @@ def copy_side_files(config_dir: Path, folder: Path) -> list[str]:
     copied = []
     for item in sorted(Path(config_dir).iterdir()):
         name = item.name
-        if name == "config.json" or name in WEIGHT_INDEXES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."):
+        if name == "config.json" or name in skip or name in WEIGHT_INDEXES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."):
             continue
         if item.is_file() and not item.is_symlink():
             shutil.copyfile(item, Path(folder) / name)

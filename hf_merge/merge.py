@@ -23,6 +23,8 @@ from .writer import write_shards
 logger = logging.getLogger(__name__)
 
 PROVENANCE_NAME = "hf_merge.json"
+ADAPTER_SUBDIR = "lora_adapter"
+ADAPTER_PATTERN = "adapter_model{suffix}.safetensors"
 
 
 @dataclass
@@ -36,19 +38,100 @@ class MergeResult:
     provenance: dict[str, Any] = field(default_factory=dict)
 
 
-def model_view(
-    ckpt: LazyCheckpoint, config: dict[str, Any], *, dtype: "str | torch.dtype | None" = None
-) -> tuple[LazyCheckpoint, torch.dtype | None, list[str]]:
-    """The transform stack from a source's names to what the HF folder holds.
+@dataclass
+class Views:
+    """What a merge writes: the HF model view and/or the PEFT adapter view."""
 
-    Returns ``(view, output dtype or None for 'keep', notes)``.
+    model: LazyCheckpoint | None
+    out_dtype: torch.dtype | None
+    notes: list[str]
+    adapter: LazyCheckpoint | None = None
+    adapter_config: dict[str, Any] | None = None
+    lora: dict[str, Any] | None = None
+
+
+LORA_MODES = ("fuse", "adapter", "both")
+
+
+def build_views(
+    ckpt: LazyCheckpoint,
+    config: dict[str, Any],
+    *,
+    dtype: "str | torch.dtype | None" = None,
+    lora: str = "both",
+    lora_alpha: float | None = None,
+    use_rslora: bool | None = None,
+    base_model: "str | Path | None" = None,
+    base_model_name: str | None = None,
+) -> Views:
+    """The transform stack from a source's tensors to what the output folder(s) hold.
+
+    Plain checkpoints: tied alias dropped, floating tensors cast. PEFT checkpoints: the base
+    names unwrapped, LoRA folded in (``lora`` fuse/both) and/or the adapter on its own
+    (adapter/both; it keeps the training dtype unless ``dtype`` names one).
     """
+    from .errors import LoraError
+    from .lora import adapter_config, find_lora, resolve_settings
+    from .transforms import Renamed
+    from .transforms.lora import FusedLora, LoraAdapter
+
+    if lora not in LORA_MODES:
+        raise LoraError(f"unknown --lora mode {lora!r}; use fuse, adapter or both")
     notes: list[str] = []
     out_dtype = resolve_dtype(dtype, config)
-    view, dropped = drop_tied(ckpt, tied_pairs(config))
-    if dropped:
-        notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
-    return Cast(view, out_dtype), out_dtype, notes
+    layout = find_lora(ckpt.specs())
+    model: LazyCheckpoint | None = ckpt
+    views = Views(model=None, out_dtype=out_dtype, notes=notes)
+    if layout is not None:
+        settings = resolve_settings(
+            layout, ckpt.info.path, config, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model_name=base_model_name
+        )
+        views.lora = {
+            "mode": lora, "r": settings.r, "lora_alpha": settings.lora_alpha, "alpha_source": settings.alpha_source,
+            "target_modules": layout.target_modules, "use_rslora": settings.use_rslora,
+            "modules_to_save": layout.modules_to_save, "rank_pattern": settings.rank_pattern,
+            "modules": len(layout.modules), "lora_only": layout.lora_only,
+        }
+        notes.append(
+            f"LoRA: r={settings.r}, lora_alpha={settings.lora_alpha} (from {settings.alpha_source}), "
+            f"{'rsLoRA, ' if settings.use_rslora else ''}targets {', '.join(layout.target_modules)}"
+        )
+        if lora in ("adapter", "both"):
+            adapter_dtype = None if dtype in (None, "config") else out_dtype
+            views.adapter = Cast(LoraAdapter(ckpt, layout), adapter_dtype)
+            views.adapter_config = adapter_config(layout, settings)
+        if lora in ("fuse", "both"):
+            if layout.lora_only:
+                if base_model is None:
+                    raise LoraError(
+                        "this checkpoint holds only LoRA weights (save_lora_only); pass --base-model DIR with the "
+                        "base model's Hugging Face folder to fuse them, or --lora adapter to write the adapter alone"
+                    )
+                from .readers.hf_dir import open_hf_dir
+
+                base = open_hf_dir(Path(base_model))
+                notes.append(f"base weights from {base_model}")
+            else:
+                base = Renamed(ckpt, layout.base)
+            model = FusedLora(base, ckpt, layout, settings)
+        else:
+            model = None
+    elif lora == "adapter":
+        raise LoraError("--lora adapter was asked for, but the checkpoint has no LoRA weights (no lora_A/lora_B tensors)")
+    if model is not None:
+        model, dropped = drop_tied(model, tied_pairs(config))
+        if dropped:
+            notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
+        views.model = Cast(model, out_dtype)
+    return views
+
+
+def model_view(
+    ckpt: LazyCheckpoint, config: dict[str, Any], *, dtype: "str | torch.dtype | None" = None, **lora_options: Any
+) -> tuple[LazyCheckpoint, torch.dtype | None, list[str]]:
+    """The HF model as a lazy checkpoint (LoRA fused): ``(view, output dtype or None, notes)``."""
+    views = build_views(ckpt, config, dtype=dtype, lora="fuse", **lora_options)
+    return views.model, views.out_dtype, views.notes
 
 
 def merge(
@@ -61,6 +144,11 @@ def merge(
     workers: int | None = None,
     config: "str | Path | None" = None,
     overwrite: bool = False,
+    lora: str = "both",
+    lora_alpha: float | None = None,
+    use_rslora: bool | None = None,
+    base_model: "str | Path | None" = None,
+    base_model_name: str | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -72,6 +160,11 @@ def merge(
         workers: processes writing output files in parallel (default: one per file, up to the CPUs).
         config: folder with config.json / tokenizer, when the checkpoint has no ``huggingface/``.
         overwrite: replace a non-empty ``target``.
+        lora: for PEFT checkpoints, ``fuse`` (the model with LoRA folded in), ``adapter`` (a PEFT
+            adapter folder at ``target``) or ``both`` (fused model, adapter in ``target/lora_adapter``).
+        lora_alpha / use_rslora: LoRA settings when the checkpoint does not record them.
+        base_model: HF folder with the base weights, for ``save_lora_only`` checkpoints.
+        base_model_name: ``base_model_name_or_path`` for adapter_config.json / the model card.
     """
     target = Path(target)
     check_target(target, overwrite=overwrite)
@@ -79,36 +172,54 @@ def merge(
     try:
         config_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
         cfg = load_config(config_dir)
-        view, out_dtype, notes = model_view(ckpt, cfg, dtype=dtype)
-        notes = list(ckpt.info.notes) + notes + list(ckpt.info.warnings)
-        provenance = _provenance(ckpt, cfg, out_dtype)
-        metadata = {"hf_merge_version": __version__, "source_format": ckpt.info.format}
-        plan = plan_shards(view.specs(), max_shard_size=max_shard_size, metadata=metadata)
-        for note in notes[: len(notes) - len(ckpt.info.warnings)]:
+        views = build_views(
+            ckpt, cfg, dtype=dtype, lora=lora, lora_alpha=lora_alpha, use_rslora=use_rslora,
+            base_model=base_model, base_model_name=base_model_name,
+        )
+        for note in ckpt.info.notes + views.notes:
             logger.info(note)
         for warning in ckpt.info.warnings:
             logger.warning(warning)
+        provenance = _provenance(ckpt, cfg, views)
+        metadata = {"hf_merge_version": __version__, "source_format": ckpt.info.format}
+        model_plan = adapter_plan = None
+        if views.model is not None:
+            model_plan = plan_shards(views.model.specs(), max_shard_size=max_shard_size, metadata=metadata)
+        if views.adapter is not None:
+            adapter_plan = plan_shards(
+                # PEFT loads one adapter file: never shard it.
+                views.adapter.specs(), max_shard_size=2**62, metadata=metadata, filename_pattern=ADAPTER_PATTERN
+            )
         with atomic_folder(target, overwrite=overwrite) as tmp:
-            write_shards(view, plan, tmp, workers=workers, desc="Merging")
-            write_config(cfg, tmp, dtype=out_dtype)
-            copy_side_files(config_dir, tmp)
-            (tmp / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
-        specs = view.specs()
+            if model_plan is not None:
+                write_shards(views.model, model_plan, tmp, workers=workers, desc="Merging")
+                write_config(cfg, tmp, dtype=views.out_dtype)
+                copy_side_files(config_dir, tmp)
+                (tmp / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+            if adapter_plan is not None:
+                adapter_dir = tmp if model_plan is None else tmp / ADAPTER_SUBDIR
+                write_shards(views.adapter, adapter_plan, adapter_dir, workers=1, desc="Adapter")
+                (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
+                if model_plan is None:
+                    copy_side_files(config_dir, adapter_dir, skip=("generation_config.json",))
+                    (adapter_dir / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+        main_plan = model_plan or adapter_plan
         return MergeResult(
             target=target,
-            files=[f.name for f in plan.files],
-            dtype=dtype_name(out_dtype) if out_dtype else None,
-            num_tensors=len(specs),
-            total_bytes=plan.total_size,
-            notes=notes,
+            files=[f.name for f in main_plan.files],
+            dtype=dtype_name(views.out_dtype) if views.out_dtype else None,
+            num_tensors=sum(len(f.specs) for f in main_plan.files),
+            total_bytes=main_plan.total_size,
+            notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
             provenance=provenance,
         )
     finally:
         ckpt.close()
 
 
-def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], out_dtype: torch.dtype | None) -> dict[str, Any]:
+def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views) -> dict[str, Any]:
     info = ckpt.info
+    out_dtype = views.out_dtype
     return {
         "hf_merge_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -123,7 +234,7 @@ def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], out_dtype: torch.d
         "dtype": dtype_name(out_dtype) if out_dtype else "auto",
         "architecture": (config.get("architectures") or [None])[0],
         "base_model": config.get("_name_or_path") or None,
-        "lora": None,
+        "lora": views.lora,
         "quantization": None,
         "verification": None,
     }

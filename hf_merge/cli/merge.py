@@ -47,6 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--is-value-model", action="store_true", default=None, help="write a critic's value head as score.weight (Megatron)")
     p.add_argument("--tie-word-embedding", action="store_true", help="accepted for verl compatibility; ties follow config.json")
     p.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
+    lora = p.add_argument_group("LoRA (PEFT checkpoints)")
+    lora.add_argument("--lora", default="both", choices=["fuse", "adapter", "both"],
+                      help="fuse: model with LoRA folded in; adapter: a PEFT adapter folder; both (default): fused model + TARGET/lora_adapter/")
+    lora.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha, when the checkpoint does not record it")
+    lora.add_argument("--use-rslora", action="store_true", default=None, help="the adapter was trained with rsLoRA (scale alpha/sqrt(r))")
+    lora.add_argument("--base-model", default=None, help="HF folder with the base weights, for save_lora_only checkpoints")
+    lora.add_argument("--base-model-name", default=None, help="base_model_name_or_path for adapter_config.json and the model card")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(run=run)
 
@@ -75,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         config=args.config,
         overwrite=args.overwrite,
+        lora=args.lora,
+        lora_alpha=args.lora_alpha,
+        use_rslora=args.use_rslora,
+        base_model=args.base_model,
+        base_model_name=args.base_model_name,
     )
     if args.json:
         print(json.dumps({

@@ -1,0 +1,457 @@
+"""Model cards (``README.md``) for merged models and PEFT adapters, from the provenance record.
+
+Every merge writes its provenance to ``TARGET/hf_merge.json``; :func:`render_model_card` and
+:func:`render_adapter_card` turn that record into a Hub model card, built with huggingface_hub's
+``ModelCard`` / ``ModelCardData`` (YAML front matter validated the same way the Hub does).
+
+Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys marked
+*optional* may be absent; the others are always written, ``null`` where the fact is unknown::
+
+    {
+      "hf_merge_version": "0.1.0",                 # hf_merge.__version__ that wrote the folder
+      "created": "2026-01-01T00:00:00+00:00",      # optional: UTC time of the merge
+      "source": {
+        "format": "verl-fsdp",                     # reader that opened it: "verl-fsdp",
+                                                   #   "verl-megatron", "megatron", "dcp",
+                                                   #   "deepspeed", "hf"  (open set)
+        "framework": "verl",                       # training framework, or null
+        "path": "/ckpt/global_step_100/actor",     # as given on the command line
+        "world_size": 8,                           # ranks that wrote it, or null
+        "step": 100,                               # training step, or null
+        "mesh": [2, 4],                            # optional: device mesh shape from the DTensors
+        "mesh_dim_names": ["ddp", "fsdp"],         # optional: its dimension names
+        "fsdp_version": 2,                         # optional; other format details may follow
+        "role": "actor"                            # optional: "actor" | "critic" | ...
+      },
+      "dtype": "bfloat16",                         # dtype of the written weights ("auto": as stored)
+      "base_model": "Qwen/Qwen2.5-0.5B",           # model trained from (Hub id or a local path), or null
+      "architecture": "Qwen2ForCausalLM",          # config.json "architectures"[0], or null
+      "lora": null | {
+        "mode": "fuse" | "adapter" | "both",       # fused into W / PEFT folder / both
+        "r": 8, "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"],
+        "use_rslora": false,
+        "adapter_subfolder": "lora_adapter"        # optional, mode "both": where the adapter is
+      },                                           #   (more keys allowed, e.g. "alpha_source")
+      "quantization": null | {"method": "bitsandbytes", "mode": "nf4" | "fp4" | "int8"},
+      "verification": null | {"passed": true, "summary": "..."},
+      "files": {"model.safetensors": "<sha256 hex>", ...}   # optional: every file written
+    }
+
+Rendering is lenient: a missing key is shown as unknown (or left out), never an error.
+
+What the card says, from that record:
+
+- YAML: ``library_name`` (``transformers``; ``peft`` for an adapter), ``base_model`` (only when it
+  is a valid Hub repo id: a local path would be published and would not resolve), with
+  ``base_model_relation``: ``adapter`` for an adapter card, ``quantized`` when the weights are the
+  base model's own weights quantized (source format ``hf``), else ``finetune`` (weights from a
+  training checkpoint, quantized or not: calling a quantized fine-tune "quantized" would list it
+  among the base model's quantizations on the Hub). ``tags``: ``hf-merge``, the framework
+  (``verl``), the backend (``fsdp``, ``megatron``, ...), ``lora``, ``bitsandbytes`` + the mode +
+  ``4-bit``/``8-bit``. ``pipeline_tag`` from the architecture's suffix (``text-generation`` for
+  ``*ForCausalLM``).
+- Body: an ``hf-merge provenance`` section between HTML comment markers, holding the provenance
+  table, the file checksums and a loading snippet. Only the last two components of
+  ``source.path`` are shown, so a card does not publish the local directory layout.
+
+An existing card (for example the source's ``huggingface/README.md``) is never overwritten: its
+text and YAML are kept, missing fields are added, tags are merged, and the provenance section is
+appended, or replaced when a previous run already appended one (so re-running is idempotent).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+__all__ = ["render_model_card", "render_adapter_card", "SECTION_BEGIN", "SECTION_END"]
+
+SECTION_BEGIN = "<!-- hf-merge provenance: begin -->"
+SECTION_END = "<!-- hf-merge provenance: end -->"
+
+# Architecture class-name suffix -> (transformers Auto class, Hub pipeline tag). Longest suffix wins.
+_ARCH_TASKS: dict[str, tuple[str, str | None]] = {
+    "ForCausalLM": ("AutoModelForCausalLM", "text-generation"),
+    "LMHeadModel": ("AutoModelForCausalLM", "text-generation"),
+    "ForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification"),
+    "ForTokenClassification": ("AutoModelForTokenClassification", "token-classification"),
+    "ForQuestionAnswering": ("AutoModelForQuestionAnswering", "question-answering"),
+    "ForMaskedLM": ("AutoModelForMaskedLM", "fill-mask"),
+    "ForConditionalGeneration": ("AutoModelForImageTextToText", "image-text-to-text"),
+}
+# Tags per quantization mode, besides the method name.
+_QUANT_TAGS = {"nf4": ["nf4", "4-bit"], "fp4": ["fp4", "4-bit"], "int8": ["8-bit"]}
+_LORA_MODES = {
+    "fuse": "fused into the weights",
+    "adapter": "kept as a PEFT adapter",
+    "both": "fused into the weights, and kept as a PEFT adapter",
+}
+_ADAPTER_SUBFOLDER = "lora_adapter"  # where hf_merge.merge puts the adapter in LoRA mode "both"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+_SECTION_TEMPLATE = """\
+{{ begin }}
+## hf-merge provenance
+
+{{ summary }}
+
+| | |
+|---|---|
+{% for key, value in rows %}
+| {{ key }} | {{ value }} |
+{% endfor %}
+
+{% if files %}
+<details>
+<summary>Files written by the merge (sha256)</summary>
+
+| file | sha256 |
+|---|---|
+{% for name, digest in files %}
+| `{{ name }}` | `{{ digest }}` |
+{% endfor %}
+
+</details>
+
+{% endif %}
+### Loading
+
+```python
+{{ snippet }}
+```
+{{ end }}
+"""
+
+_CARD_TEMPLATE = """\
+---
+{{ card_data }}
+---
+
+# {{ title }}
+
+{{ section }}"""
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+def render_model_card(
+    info: dict[str, Any], *, repo_id: str | None = None, existing_card_text: str | None = None
+) -> str:
+    """Render the ``README.md`` of a merged model folder.
+
+    Args:
+        info: the provenance record (the content of ``hf_merge.json``, schema in the module doc).
+        repo_id: the Hub repo the folder goes to; used in the title and the loading snippet
+            (a placeholder is shown when None).
+        existing_card_text: a card to extend instead of starting afresh; its text and YAML are
+            kept, never overwritten.
+
+    Returns:
+        The card's full text: YAML front matter, then Markdown.
+    """
+    return _render(info, repo_id=repo_id, existing_card_text=existing_card_text, adapter=False)
+
+
+def render_adapter_card(
+    info: dict[str, Any], *, repo_id: str | None = None, existing_card_text: str | None = None
+) -> str:
+    """Render the ``README.md`` of a PEFT adapter folder (``library_name: peft``).
+
+    Args, returns: as :func:`render_model_card`. ``info["base_model"]`` should name the model the
+    adapter applies to; without it the card cannot link the base model (the snippet shows a
+    placeholder).
+    """
+    return _render(info, repo_id=repo_id, existing_card_text=existing_card_text, adapter=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# facts derived from the record
+# ---------------------------------------------------------------------------------------------
+def _hub_model_id(name: Any) -> str | None:
+    """``name`` when it is a valid Hub repo id, else None (local paths, empty, non-strings)."""
+    if not isinstance(name, str) or not name or name.startswith((".", "/", "~")) or "\\" in name:
+        return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
+def _arch_task(architecture: str | None) -> tuple[str, str | None]:
+    if architecture:
+        for suffix in sorted(_ARCH_TASKS, key=len, reverse=True):
+            if architecture.endswith(suffix):
+                return _ARCH_TASKS[suffix]
+    return "AutoModel", None
+
+
+def _backend_tag(source: dict[str, Any]) -> str | None:
+    """``verl-fsdp`` -> ``fsdp``; ``megatron`` -> ``megatron``; ``hf`` -> None."""
+    fmt = source.get("format")
+    if not isinstance(fmt, str) or not fmt or fmt == "hf":
+        return None
+    framework = source.get("framework")
+    if isinstance(framework, str) and fmt.startswith(framework + "-"):
+        fmt = fmt[len(framework) + 1 :]
+    return _slug(fmt)
+
+
+def _slug(value: str) -> str:
+    return re.sub(r"[^a-z0-9.+-]+", "-", value.lower()).strip("-")
+
+
+def _relation(info: dict[str, Any], adapter: bool) -> str:
+    if adapter:
+        return "adapter"
+    if info.get("quantization") and (info.get("source") or {}).get("format") == "hf":
+        return "quantized"
+    return "finetune"
+
+
+def _tags(info: dict[str, Any], adapter: bool) -> list[str]:
+    source = info.get("source") or {}
+    tags = ["hf-merge"]
+    if isinstance(source.get("framework"), str) and source["framework"]:
+        tags.append(_slug(source["framework"]))
+    if backend := _backend_tag(source):
+        tags.append(backend)
+    if info.get("lora") or adapter:
+        tags.append("lora")
+    quant = info.get("quantization")
+    if quant:
+        tags.append(_slug(str(quant.get("method") or "quantized")))
+        tags.extend(_QUANT_TAGS.get(str(quant.get("mode")), [_slug(str(quant.get("mode")))] if quant.get("mode") else []))
+    return _unique(tags)
+
+
+def _unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _card_fields(info: dict[str, Any], adapter: bool) -> dict[str, Any]:
+    """The YAML fields hf_merge owns, in the order they are written."""
+    base = _hub_model_id(info.get("base_model"))
+    _, pipeline_tag = _arch_task(info.get("architecture"))
+    fields: dict[str, Any] = {"library_name": "peft" if adapter else "transformers"}
+    if base:
+        fields["base_model"] = base
+        fields["base_model_relation"] = _relation(info, adapter)
+    fields["tags"] = _tags(info, adapter)
+    if pipeline_tag:
+        fields["pipeline_tag"] = pipeline_tag
+    return fields
+
+
+def _cell(value: Any) -> str:
+    """A Markdown table cell: one line, pipes escaped."""
+    return re.sub(r"\s+", " ", str(value)).replace("|", "\\|").strip()
+
+
+def _short_path(path: Any) -> str | None:
+    if not isinstance(path, str) or not path:
+        return None
+    pure = PureWindowsPath(path) if "\\" in path else PurePosixPath(path)
+    parts = [p for p in pure.parts if p not in ("/", "\\") and not p.endswith(":\\")]
+    return "/".join(parts[-2:]) or None
+
+
+def _mesh_text(mesh: Any, names: Any = None) -> str | None:
+    if not mesh:
+        return None
+    if isinstance(mesh, (list, tuple)):
+        names = list(names or []) + [f"dim{i}" for i in range(len(names or []), len(mesh))]
+        return " × ".join(f"{n}={s}" for n, s in zip(names, mesh))
+    if isinstance(mesh, dict) and "shape" in mesh:  # tolerated: {"dim_names": [...], "shape": [...]}
+        names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(mesh["shape"]))]
+        return " × ".join(f"{n}={s}" for n, s in zip(names, mesh["shape"]))
+    if isinstance(mesh, dict):  # tolerated: {"fsdp": 8}
+        return " × ".join(f"{n}={s}" for n, s in mesh.items())
+    return str(mesh)
+
+
+def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
+    source = info.get("source") or {}
+    rows: list[tuple[str, Any]] = []
+    fmt = source.get("format")
+    framework = source.get("framework")
+    rows.append(("Source format", f"`{fmt}`" + (f" ({framework})" if framework else "") if fmt else "unknown"))
+    where = _short_path(source.get("path"))
+    if where or source.get("step") is not None:
+        text = f"`{where}`" if where else ""
+        if source.get("step") is not None:
+            text += f" (step {source['step']})" if text else f"step {source['step']}"
+        rows.append(("Source checkpoint", text))
+    if source.get("role"):
+        rows.append(("Role", source["role"]))
+    if source.get("world_size") is not None or source.get("mesh"):
+        mesh = _mesh_text(source.get("mesh"), source.get("mesh_dim_names"))
+        ws = source.get("world_size")
+        rows.append(("World size / mesh", " / ".join(x for x in (str(ws) if ws is not None else None, f"`{mesh}`" if mesh else None) if x)))
+    if info.get("architecture"):
+        rows.append(("Architecture", f"`{info['architecture']}`"))
+    base_raw = info.get("base_model")
+    base = _hub_model_id(base_raw)
+    if base:
+        rows.append(("Base model", f"[{base}](https://huggingface.co/{base})"))
+    elif base_raw:
+        local_name = (_short_path(str(base_raw)) or "").split("/")[-1]
+        rows.append(("Base model", f"`{local_name}` (a local path, not a Hub id: not linked)"))
+    if info.get("dtype"):
+        dtype = info["dtype"]
+        rows.append(("dtype", "as stored in the checkpoint" if dtype == "auto" else f"`{dtype}`"))
+    lora = info.get("lora")
+    if lora:
+        how = _LORA_MODES.get(str(lora.get("mode")), str(lora.get("mode")))
+        details = [f"r={lora.get('r')}", f"lora_alpha={lora.get('lora_alpha')}"]
+        if lora.get("use_rslora"):
+            details.append("rsLoRA")
+        if lora.get("target_modules"):
+            details.append("modules: " + ", ".join(f"`{m}`" for m in lora["target_modules"]))
+        rows.append(("LoRA", f"{how} ({'; '.join(details)})"))
+    quant = info.get("quantization")
+    if quant:
+        rows.append(("Quantization", f"{quant.get('method')} `{quant.get('mode')}`"))
+    verification = info.get("verification")
+    if verification is None:
+        rows.append(("Verification", "not run"))
+    else:
+        verdict = "passed" if verification.get("passed") else "**FAILED**"
+        summary = verification.get("summary")
+        rows.append(("Verification", f"{verdict}: {summary}" if summary else verdict))
+    rows.append(("Merged with", f"hf-merge {info.get('hf_merge_version') or '(unknown version)'}"))
+    return [(k, _cell(v)) for k, v in rows]
+
+
+def _snippet(info: dict[str, Any], repo_id: str | None, adapter: bool) -> str:
+    model_id = repo_id or "path/or/repo-id"
+    auto_class, _ = _arch_task(info.get("architecture"))
+    files = info.get("files") or {}
+    has_tokenizer = any(name in files for name in _TOKENIZER_FILES)
+    quant = info.get("quantization")
+    lora = info.get("lora") or {}
+    lines: list[str] = []
+    if adapter:
+        base = _hub_model_id(info.get("base_model")) or "BASE_MODEL_ID"
+        lines += [
+            "from peft import PeftModel",
+            f"from transformers import {auto_class}",
+            "",
+            f'base = {auto_class}.from_pretrained("{base}")',
+            f'model = PeftModel.from_pretrained(base, "{model_id}")',
+        ]
+        return "\n".join(lines)
+    imports = [auto_class] + (["AutoTokenizer"] if has_tokenizer else [])
+    lines.append(f"from transformers import {', '.join(imports)}")
+    lines.append("")
+    if quant:
+        lines.append(f"# needs `pip install bitsandbytes`; the weights are stored {quant.get('mode')}-quantized")
+    lines.append(f'model = {auto_class}.from_pretrained("{model_id}")')
+    if has_tokenizer:
+        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("{model_id}")')
+    if lora.get("mode") == "both":
+        sub = lora.get("adapter_subfolder") or _ADAPTER_SUBFOLDER
+        base = _hub_model_id(info.get("base_model")) or "BASE_MODEL_ID"
+        lines += [
+            "",
+            f"# the LoRA adapter alone, in the `{sub}/` folder:",
+            "from peft import PeftModel",
+            f'base = {auto_class}.from_pretrained("{base}")',
+            f'adapted = PeftModel.from_pretrained(base, "{model_id}", subfolder="{sub}")',
+        ]
+    return "\n".join(lines)
+
+
+def _summary(info: dict[str, Any], adapter: bool) -> str:
+    source = info.get("source") or {}
+    what = "This LoRA adapter was" if adapter else "These weights were"
+    framework = source.get("framework")
+    backend = _backend_tag(source)
+    origin = " ".join(x for x in (framework, backend) if x)
+    if source.get("format") == "hf":
+        return f"{what} written from a Hugging Face model folder by hf-merge."
+    origin_text = f"a {origin} training checkpoint" if origin else "a distributed training checkpoint"
+    return f"{what} merged from {origin_text} into the Hugging Face format by hf-merge."
+
+
+def _section(info: dict[str, Any], repo_id: str | None, adapter: bool) -> str:
+    import jinja2
+
+    files = sorted((str(k), str(v)) for k, v in (info.get("files") or {}).items())
+    template = jinja2.Environment(keep_trailing_newline=True, autoescape=False, trim_blocks=True, lstrip_blocks=True).from_string(_SECTION_TEMPLATE)
+    return template.render(
+        begin=SECTION_BEGIN,
+        end=SECTION_END,
+        summary=_summary(info, adapter),
+        rows=_rows(info, adapter),
+        files=files,
+        snippet=_snippet(info, repo_id, adapter),
+    )
+
+
+def _title(info: dict[str, Any], repo_id: str | None, adapter: bool) -> str:
+    if repo_id:
+        return repo_id.split("/")[-1]
+    base = _hub_model_id(info.get("base_model"))
+    if base:
+        return f"{base.split('/')[-1]} ({'LoRA adapter' if adapter else 'fine-tuned'})"
+    return info.get("architecture") or ("LoRA adapter" if adapter else "Merged model")
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------------
+def _render(info: dict[str, Any], *, repo_id: str | None, existing_card_text: str | None, adapter: bool) -> str:
+    from huggingface_hub import ModelCard, ModelCardData
+
+    fields = _card_fields(info, adapter)
+    section = _section(info, repo_id, adapter)
+    if existing_card_text is None:
+        card = ModelCard.from_template(
+            ModelCardData(**fields),
+            template_str=_CARD_TEMPLATE,
+            title=_title(info, repo_id, adapter),
+            section=section,
+        )
+        return str(card)
+    return _extend(existing_card_text, fields, section)
+
+
+def _extend(existing: str, fields: dict[str, Any], section: str) -> str:
+    """Add hf_merge's fields and section to an existing card without overwriting anything."""
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK
+
+    if REGEX_YAML_BLOCK.search(existing):
+        card = ModelCard(existing, ignore_metadata_errors=True)
+    else:  # no front matter at all: the whole text is the body
+        card = ModelCard(f"---\n{{}}\n---\n{existing}", ignore_metadata_errors=True)
+    data: ModelCardData = card.data
+
+    if data.get("library_name") is None:
+        data.library_name = fields["library_name"]
+    ours_base = fields.get("base_model")
+    if ours_base and not data.get("base_model"):
+        data.base_model = ours_base
+    if ours_base and data.get("base_model_relation") is None and data.get("base_model") == ours_base:
+        data.base_model_relation = fields["base_model_relation"]
+    existing_tags = data.get("tags") or []
+    if isinstance(existing_tags, str):
+        existing_tags = [existing_tags]
+    data.tags = _unique([str(t) for t in existing_tags] + fields["tags"])
+    if data.get("pipeline_tag") is None and fields.get("pipeline_tag"):
+        data.pipeline_tag = fields["pipeline_tag"]
+
+    text = card.text
+    begin, end = text.find(SECTION_BEGIN), text.find(SECTION_END)
+    if begin != -1 and end > begin:  # a previous run's section: replace it in place
+        text = text[:begin] + section.rstrip("\n") + text[end + len(SECTION_END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section if text.strip() else "\n" + section
+    card.text = text
+    return str(card)

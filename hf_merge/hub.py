@@ -1,0 +1,371 @@
+"""Push a merged model or adapter folder to the Hugging Face Hub, with its model card.
+
+:func:`push` checks that the folder is complete before touching the network, writes (or
+extends) ``README.md`` from the provenance record ``hf_merge.json`` (see :mod:`hf_merge.card`),
+then calls ``HfApi.create_repo(..., exist_ok=True)`` and ``HfApi.upload_folder``.
+
+Why ``upload_folder`` (and not ``upload_large_folder``):
+
+- In huggingface_hub 2.x with ``hf_xet`` installed (the default), ``upload_folder`` *is* the
+  resumable upload: a pipelined, multi-commit upload where an interrupted run is resumed by
+  running it again (files already committed are skipped by comparing object ids, chunks already
+  uploaded are deduplicated by the Xet backend). ``upload_large_folder`` no longer exists there.
+- Without ``hf_xet`` (or with ``HF_HUB_DISABLE_XET=1``) it is one atomic commit: an interrupted
+  push leaves the branch unchanged, and a rerun sends only the files whose content differs from
+  the branch (the Hub's preupload answer carries each remote file's id; unchanged files are
+  dropped, and a rerun with nothing left to send makes no empty commit).
+- ``upload_large_folder`` (huggingface_hub < 2) writes resume state into ``TARGET/.cache``, takes
+  no commit message, and cannot open a pull request; our folders are a few files, not thousands.
+
+Tokens: never passed around by hf_merge unless the caller gives one; huggingface_hub resolves
+``HF_TOKEN`` or the ``hf auth login`` token itself. No message or log line here contains it.
+
+Errors: every huggingface_hub / network failure becomes a one-line :class:`~hf_merge.errors.HubError`
+(the original exception chained as ``__cause__``), see :func:`_hub_errors`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
+
+from .errors import HubError
+
+__all__ = ["push", "check_folder", "write_card", "PROVENANCE_FILE"]
+
+logger = logging.getLogger(__name__)
+
+PROVENANCE_FILE = "hf_merge.json"
+_TMP_PREFIX = ".hf_merge-"
+_MODEL_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_MODEL_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_LOGIN_HINT = "run `hf auth login` or set HF_TOKEN"
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+def push(
+    folder: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+    token: str | None = None,
+) -> str:
+    """Upload a model or PEFT adapter folder to a Hub model repo, creating the repo if needed.
+
+    Args:
+        folder: the folder ``hf-merge merge`` wrote (``config.json`` + weights, or
+            ``adapter_config.json`` + adapter weights).
+        repo_id: ``namespace/name`` (``name`` alone means your own namespace).
+        private: create the repo private (True) or public (False); None leaves the Hub default.
+            An existing repo keeps its visibility, except that ``private=True`` on an existing
+            *public* repo is refused before anything is uploaded.
+        revision: branch to push to; created from the default branch when missing.
+        commit_message: commit title; a default naming hf-merge is used when None.
+        create_pr: open a pull request against the default branch instead of committing to it.
+        token: a Hub token; None lets huggingface_hub resolve ``HF_TOKEN`` / ``hf auth login``.
+
+    Returns:
+        The URL of the repo (of the branch when ``revision`` is given, of the pull request when
+        ``create_pr`` opened one).
+
+    Raises:
+        HubError: the folder is incomplete, the arguments conflict, or the Hub refused or could
+            not be reached; the message says which and what to do.
+    """
+    folder = Path(folder)
+    kind = check_folder(folder)
+    _check_repo_id(repo_id)
+    if create_pr and revision not in (None, "main"):
+        raise HubError(
+            f"--create-pr opens a pull request against the default branch, so --revision {revision!r} "
+            "cannot be used with it: drop one of them"
+        )
+    info = _read_provenance(folder)
+    if info is not None and (info.get("verification") or {}).get("passed") is False:
+        logger.warning("%s: the merge's verification failed; the model card says so", folder)
+
+    from huggingface_hub import HfApi  # lazily: importing huggingface_hub costs time
+
+    api = HfApi(token=token)
+    with _hub_errors(repo_id, revision, api.endpoint):
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        full_id = repo_url.repo_id or repo_id
+        if private:
+            _refuse_public(api, full_id)
+        if revision not in (None, "main") and not create_pr:
+            _ensure_branch(api, full_id, revision)
+
+    if info is not None:
+        write_card(folder, info, kind=kind, repo_id=full_id)
+
+    message = commit_message or _default_message(kind, info)
+    with _hub_errors(full_id, revision, api.endpoint):
+        commit = api.upload_folder(
+            repo_id=full_id,
+            folder_path=folder,
+            repo_type="model",
+            revision=revision,
+            commit_message=message,
+            create_pr=create_pr,
+            ignore_patterns=[f"{_TMP_PREFIX}*"],
+        )
+    logger.info("pushed %s to %s (%s)", folder, full_id, getattr(commit, "commit_url", commit))
+
+    pr_url = getattr(commit, "pr_url", None)
+    if pr_url:
+        return str(pr_url)
+    base = str(repo_url).rstrip("/")
+    return f"{base}/tree/{revision}" if revision not in (None, "main") else base
+
+
+def check_folder(folder: Path) -> str:
+    """Check that ``folder`` holds a complete model or adapter; return ``"model"`` or ``"adapter"``.
+
+    Nothing is read beyond small JSON files: the checks are that the config exists, that the
+    weights exist (every shard of an index), and that every file ``hf_merge.json`` lists exists.
+
+    Raises:
+        HubError: naming what is missing.
+    """
+    if not folder.is_dir():
+        raise HubError(f"{folder} is not a folder: give the TARGET folder that `hf-merge merge` wrote")
+    if (folder / "config.json").is_file():
+        kind, weights, indexes = "model", _MODEL_WEIGHTS, _MODEL_INDEXES
+    elif (folder / "adapter_config.json").is_file():
+        kind, weights, indexes = "adapter", _ADAPTER_WEIGHTS, ()
+    else:
+        raise HubError(
+            f"{folder} is neither a model nor an adapter folder: it has no config.json (model) and no "
+            "adapter_config.json (PEFT adapter); push the TARGET folder that `hf-merge merge` wrote"
+        )
+    index = next((folder / name for name in indexes if (folder / name).is_file()), None)
+    if index is not None:
+        missing = [name for name in _index_files(index) if not (folder / name).is_file()]
+        if missing:
+            raise HubError(
+                f"{folder} is incomplete: {index.name} lists {len(missing)} missing shard(s) "
+                f"({_names(missing)}); re-run the merge"
+            )
+    elif not any((folder / name).is_file() for name in weights):
+        raise HubError(
+            f"{folder} has a {'config.json' if kind == 'model' else 'adapter_config.json'} but no weights: "
+            f"expected {' or '.join(weights + indexes)}; re-run the merge"
+        )
+    info = _read_provenance(folder)
+    if info is not None:
+        listed = info.get("files") or {}
+        missing = [name for name in listed if _safe_name(name) and not (folder / name).is_file()]
+        if missing:
+            raise HubError(
+                f"{folder} is incomplete: {PROVENANCE_FILE} lists {len(missing)} file(s) that are not there "
+                f"({_names(missing)}); re-run the merge"
+            )
+    return kind
+
+
+def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None = None) -> bool:
+    """Write ``folder/README.md`` from the provenance record; return True when the file changed.
+
+    A missing README is rendered afresh; an existing one is extended (its text and YAML kept, the
+    hf-merge provenance section appended, or refreshed when an earlier run added it).
+
+    Raises:
+        HubError: the existing README's YAML header cannot be parsed, or the file cannot be written.
+    """
+    import yaml
+
+    from .card import render_adapter_card, render_model_card
+
+    readme = folder / "README.md"
+    existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
+    if kind == "adapter" and not info.get("base_model"):
+        info = {**info, "base_model": _adapter_base_model(folder)}
+    render = render_adapter_card if kind == "adapter" else render_model_card
+    try:
+        text = render(info, repo_id=repo_id, existing_card_text=existing)
+    except (ValueError, yaml.YAMLError) as e:  # from the existing card's header
+        if existing is None:
+            raise
+        raise HubError(f"{readme} has a YAML header that cannot be read ({_one_line(e)}): fix or remove it") from e
+    if text == existing:
+        return False
+    try:
+        _write_atomic(readme, text)
+    except OSError as e:
+        raise HubError(f"cannot write {readme} ({_one_line(e)}): make the folder writable, or add a README.md") from e
+    logger.info("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise HubError(f"invalid repo id {repo_id!r}: expected 'namespace/name' or 'name' ({_one_line(e)})") from e
+
+
+def _read_provenance(folder: Path) -> dict[str, Any] | None:
+    path = folder / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HubError(f"{path} cannot be read ({_one_line(e)}): re-run the merge, or delete it to push without a card") from e
+    if not isinstance(info, dict) or not isinstance(info.get("files", {}), dict):
+        raise HubError(f"{path} is not an hf-merge provenance record: re-run the merge, or delete it to push without a card")
+    return info
+
+
+def _index_files(index: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HubError(f"{index} is not a valid shard index ({_one_line(e)}): re-run the merge") from e
+    bad = [name for name in names if not _safe_name(name)]
+    if bad:
+        raise HubError(f"{index} names shard files outside the folder ({_names(bad)}): re-run the merge")
+    return names
+
+
+def _safe_name(name: Any) -> bool:
+    """A relative path inside the folder: no absolute paths, no ``..``."""
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts
+
+
+def _adapter_base_model(folder: Path) -> str | None:
+    try:
+        value = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _default_message(kind: str, info: dict[str, Any] | None) -> str:
+    source = (info or {}).get("source") or {}
+    origin = ""
+    if source.get("format"):
+        origin = f" from {source['format']}" + (f" step {source['step']}" if source.get("step") is not None else "")
+    return f"Upload {'LoRA adapter' if kind == 'adapter' else 'model'}{origin} merged with hf-merge"
+
+
+def _refuse_public(api: Any, repo_id: str) -> None:
+    """``private=True`` on a repo that already exists and is public must not publish anything."""
+    repo = api.repo_info(repo_id, repo_type="model")
+    if getattr(repo, "private", None) is False:
+        raise HubError(
+            f"{repo_id} already exists and is public, but a private push was asked; nothing was uploaded: "
+            f"make it private first (`hf repos settings {repo_id} --private`) or push with --no-private"
+        )
+
+
+def _ensure_branch(api: Any, repo_id: str, revision: str) -> None:
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    try:
+        api.repo_info(repo_id, repo_type="model", revision=revision)
+    except RevisionNotFoundError:
+        logger.info("creating branch %s in %s", revision, repo_id)
+        api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _one_line(error: BaseException | str) -> str:
+    return re.sub(r"\s+", " ", str(error)).strip()
+
+
+def _network_error_types() -> tuple[type[BaseException], ...]:
+    """Connection/timeout errors of whichever HTTP client huggingface_hub uses (already imported)."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                          ("requests", ("ConnectionError", "Timeout"))):
+        mod = sys.modules.get(module)
+        for name in names:
+            cls = getattr(mod, name, None) if mod is not None else None
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                types.append(cls)
+    return tuple(types)
+
+
+@contextmanager
+def _hub_errors(repo_id: str, revision: str | None, endpoint: str) -> Iterator[None]:
+    """Turn huggingface_hub and network failures into one-line HubErrors (original chained)."""
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except HubError:
+        raise
+    except HfHubHTTPError as e:
+        status = e.response.status_code if getattr(e, "response", None) is not None else None
+        if status in (401, 403):
+            raise HubError(f"not logged in or no write access to {repo_id} on {endpoint}: {_LOGIN_HINT}") from e
+        if isinstance(e, RevisionNotFoundError):
+            raise HubError(
+                f"revision {revision or 'main'!r} not found in {repo_id} on {endpoint}: "
+                "check --revision (a branch name), or leave it out to push to main"
+            ) from e
+        if isinstance(e, RepositoryNotFoundError) or status == 404:
+            raise HubError(
+                f"repository {repo_id} not found on {endpoint}: check the repo id (namespace/name) "
+                f"and that your token may write to that namespace ({_LOGIN_HINT})"
+            ) from e
+        detail = _one_line(getattr(e, "server_message", None) or "")
+        raise HubError(
+            f"the Hub at {endpoint} answered HTTP {status}{': ' + detail if detail else ''}; "
+            "try again: re-running the push skips what is already uploaded"
+        ) from e
+    except OfflineModeIsEnabled as e:
+        raise HubError(f"HF_HUB_OFFLINE is set, so nothing can be pushed to {endpoint}: unset it and re-run") from e
+    except _network_error_types() as e:
+        raise HubError(
+            f"cannot reach the Hub at {endpoint} ({type(e).__name__}): check the network connection "
+            "and HF_ENDPOINT, then re-run the push"
+        ) from e
+    except ValueError as e:  # e.g. "Invalid metadata in README.md" from the Hub's YAML validation
+        text = _one_line(e)
+        if "README.md" in text:
+            raise HubError(f"the Hub rejected README.md: {text}; fix its YAML header and re-run") from e
+        raise HubError(f"upload to {repo_id} refused: {text}") from e

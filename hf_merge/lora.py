@@ -1,0 +1,251 @@
+"""LoRA in PEFT checkpoints: find the adapter, settle its settings, describe it.
+
+A PEFT-wrapped model's state dict (verl saves it as is) names tensors ``base_model.model.<hf
+name>``; a wrapped linear ``m`` becomes ``m.base_layer.weight`` (+ ``.bias``) plus
+``m.lora_A.<adapter>.weight`` ``[r, in]`` and ``m.lora_B.<adapter>.weight`` ``[out, r]``; a module
+in ``modules_to_save`` becomes ``m.original_module.*`` plus the trained ``m.modules_to_save.<adapter>.*``.
+``save_lora_only`` checkpoints hold only the LoRA (and modules_to_save) tensors.
+
+Settings are never guessed: r comes from the tensor shapes; ``lora_alpha`` from verl's
+``lora_train_meta.json``, an older ``lora_adapter/adapter_config.json``, or the caller, and
+nothing else (an adapter with a made-up alpha silently does the wrong thing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import LoraError
+from .spec import TensorSpec
+
+PEFT_PREFIX = "base_model.model."
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+_SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<param>.+)$")
+_ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<param>.+)$")
+_UNSUPPORTED = {
+    "lora_magnitude_vector": "DoRA (use_dora) magnitude vectors",
+    "lora_embedding_A": "LoRA on embeddings (lora_embedding_A/B)",
+    "lora_embedding_B": "LoRA on embeddings (lora_embedding_A/B)",
+}
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One LoRA-wrapped linear: ``name`` is its HF module path (``model.layers.0.self_attn.q_proj``)."""
+
+    name: str
+    a_key: str
+    b_key: str
+    r: int
+    in_features: int
+    out_features: int
+
+
+@dataclass
+class LoraLayout:
+    """Where everything of a PEFT checkpoint lives, by source key."""
+
+    adapter_name: str
+    modules: dict[str, LoraModule]
+    base: dict[str, str]  # HF tensor name -> source key, for every base (non-LoRA) tensor present
+    saved: dict[str, str]  # HF tensor name -> source key of the trained modules_to_save copy
+    lora_only: bool  # save_lora_only: the base weights are not in the checkpoint
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({m.rsplit(".", 1)[-1] for m in self.modules})
+
+    @property
+    def modules_to_save(self) -> list[str]:
+        return sorted({n.rsplit(".", 2)[-2] for n in self.saved})
+
+
+@dataclass
+class LoraSettings:
+    r: int
+    lora_alpha: float
+    alpha_source: str
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    task_type: str | None = None
+    base_model_name_or_path: str | None = None
+
+    def scale(self, module: LoraModule) -> float:
+        """PEFT's scaling for ``module``: alpha / r, or alpha / sqrt(r) with rsLoRA (r from its shapes)."""
+        alpha = _pattern_value(self.alpha_pattern, module.name, self.lora_alpha)
+        return alpha / math.sqrt(module.r) if self.use_rslora else alpha / module.r
+
+
+def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    for key, value in pattern.items():
+        if module == key or module.endswith("." + key):
+            return value
+    return default
+
+
+def _strip(name: str) -> str:
+    return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+
+
+def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
+    """The LoRA layout of a state dict's specs, or None when it holds no LoRA tensors."""
+    if not any(".lora_" in n for n in specs):
+        return None
+    for key in specs:
+        for marker, what in _UNSUPPORTED.items():
+            if f".{marker}." in key or key.endswith(f".{marker}"):
+                raise LoraError(
+                    f"{what} found ({key}); hf-merge does not merge these yet and will not write a wrong model. "
+                    "Merge this adapter with PEFT's merge_and_unload instead"
+                )
+    pieces: dict[str, dict[str, str]] = {}
+    adapters: set[str] = set()
+    base: dict[str, str] = {}
+    saved: dict[str, str] = {}
+    for key in specs:
+        name = _strip(key)
+        if m := _LORA.match(name):
+            adapters.add(m["adapter"])
+            pieces.setdefault(m["module"], {})[m["ab"]] = key
+        elif m := _SAVED.match(name):
+            adapters.add(m["adapter"])
+            saved[f"{m['module']}.{m['param']}"] = key
+        elif _ORIGINAL.match(name):
+            continue  # the untrained copy of a modules_to_save module; the trained one is kept
+        else:
+            base[name.replace(".base_layer.", ".")] = key
+    if len(adapters) > 1:
+        raise LoraError(f"the checkpoint holds several adapters ({', '.join(sorted(adapters))}); hf-merge merges one")
+    modules = {}
+    for module, ab in sorted(pieces.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"{module} has lora_{'A' if 'A' in ab else 'B'} but not its pair; the checkpoint is incomplete")
+        a, b = specs[ab["A"]], specs[ab["B"]]
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+            raise LoraError(f"{module}: lora_A {a.shape} and lora_B {b.shape} do not form a rank-r pair")
+        modules[module] = LoraModule(module, ab["A"], ab["B"], a.shape[0], a.shape[1], b.shape[0])
+    lora_only = not any(f"{m}.weight" in base for m in modules)
+    for module in modules.values():
+        weight = f"{module.name}.weight"
+        if weight in base and specs[base[weight]].shape != (module.out_features, module.in_features):
+            raise LoraError(
+                f"{module.name}: base weight {specs[base[weight]].shape} does not match lora_B@lora_A "
+                f"({module.out_features}, {module.in_features}); fan_in_fan_out (Conv1D) layers are not supported"
+            )
+    return LoraLayout(next(iter(adapters)), modules, base, saved, lora_only)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        raise LoraError(f"{path} is not valid JSON") from None
+
+
+def resolve_settings(
+    layout: LoraLayout,
+    folder: Path,
+    config: dict[str, Any],
+    *,
+    lora_alpha: float | None = None,
+    use_rslora: bool | None = None,
+    base_model_name: str | None = None,
+) -> LoraSettings:
+    """Settle r / alpha / rsLoRA / patterns from the checkpoint's files and the caller's options."""
+    meta = _read_json(Path(folder) / "lora_train_meta.json")
+    old = _read_json(Path(folder) / "lora_adapter" / "adapter_config.json")
+    ranks = Counter(m.r for m in layout.modules.values())
+    r = ranks.most_common(1)[0][0]
+    for source_name, source in (("lora_train_meta.json", meta), ("lora_adapter/adapter_config.json", old)):
+        if source and "r" in source and int(source["r"]) != r and int(source["r"]) in ranks:
+            r = int(source["r"])
+    rank_pattern = {m.name: m.r for m in layout.modules.values() if m.r != r}
+    if lora_alpha is not None:
+        alpha, alpha_source = float(lora_alpha), "--lora-alpha"
+    elif meta and meta.get("lora_alpha") is not None:
+        alpha, alpha_source = float(meta["lora_alpha"]), "lora_train_meta.json"
+    elif old and old.get("lora_alpha") is not None:
+        alpha, alpha_source = float(old["lora_alpha"]), "lora_adapter/adapter_config.json"
+    else:
+        raise LoraError(
+            "this checkpoint has LoRA weights but no lora_alpha is recorded (no lora_train_meta.json or "
+            "lora_adapter/adapter_config.json); pass --lora-alpha with the value used in training"
+        )
+    if alpha == int(alpha):
+        alpha = int(alpha)
+    if use_rslora is None:
+        use_rslora = bool((meta or {}).get("use_rslora", (old or {}).get("use_rslora", False)))
+    alpha_pattern = dict((old or {}).get("alpha_pattern") or {})
+    task_type = (meta or {}).get("task_type") or (old or {}).get("task_type")
+    if task_type is None and any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
+        task_type = "CAUSAL_LM"
+    return LoraSettings(
+        r=r,
+        lora_alpha=alpha,
+        alpha_source=alpha_source,
+        use_rslora=use_rslora,
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        task_type=task_type,
+        base_model_name_or_path=base_model_name or config.get("_name_or_path") or (old or {}).get("base_model_name_or_path"),
+    )
+
+
+def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]:
+    """adapter_config.json content, produced by PEFT's own LoraConfig."""
+    from peft import LoraConfig
+
+    cfg = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.lora_alpha,
+        target_modules=layout.target_modules,
+        lora_dropout=0.0,
+        bias="none",
+        use_rslora=settings.use_rslora,
+        use_dora=False,
+        modules_to_save=layout.modules_to_save or None,
+        rank_pattern=settings.rank_pattern,
+        alpha_pattern=settings.alpha_pattern,
+        task_type=settings.task_type,
+        base_model_name_or_path=settings.base_model_name_or_path,
+        fan_in_fan_out=False,
+        inference_mode=True,
+    )
+    out = cfg.to_dict()
+    out["target_modules"] = sorted(out["target_modules"])
+    for key, value in list(out.items()):
+        if isinstance(value, set):
+            out[key] = sorted(value)
+    return out
+
+
+def describe_lora(ckpt) -> dict[str, Any] | None:
+    """For ``inspect``: r, alpha (and where it came from), targets, adapter size. No data read."""
+    specs = ckpt.specs()
+    layout = find_lora(specs)
+    if layout is None:
+        return None
+    info: dict[str, Any] = {
+        "adapter_name": layout.adapter_name,
+        "modules": len(layout.modules),
+        "target_modules": layout.target_modules,
+        "modules_to_save": layout.modules_to_save,
+        "lora_only": layout.lora_only,
+        "adapter_bytes": sum(specs[m.a_key].nbytes + specs[m.b_key].nbytes for m in layout.modules.values())
+        + sum(specs[k].nbytes for k in layout.saved.values()),
+    }
+    try:
+        settings = resolve_settings(layout, ckpt.info.path, {})
+        info.update(r=settings.r, lora_alpha=settings.lora_alpha, alpha_source=settings.alpha_source,
+                    use_rslora=settings.use_rslora, rank_pattern=settings.rank_pattern)
+    except LoraError:
+        info.update(r=Counter(m.r for m in layout.modules.values()).most_common(1)[0][0],
+                    lora_alpha=None, alpha_source="not recorded: pass --lora-alpha")
+    return info

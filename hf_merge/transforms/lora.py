@@ -1,0 +1,79 @@
+"""LoRA views: the fused model (``W + scale * B @ A``) and the PEFT adapter, both lazy."""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint import LazyCheckpoint, check_out
+from ..lora import PEFT_PREFIX, LoraLayout, LoraSettings
+from ..spec import TensorSpec
+
+
+class FusedLora(LazyCheckpoint):
+    """The model with every LoRA delta folded into its base weight.
+
+    ``base`` serves HF-named base tensors (the checkpoint's own ``base_layer`` weights, or a
+    ``--base-model`` folder for ``save_lora_only`` checkpoints); ``source`` serves the LoRA and
+    modules_to_save tensors by their checkpoint keys. Each fused weight is computed alone in
+    float32 as PEFT's ``merge_and_unload`` does (``W += (B @ A) * scale``), then written in the
+    output buffer's dtype: one matmul and one weight-sized temporary in flight.
+    """
+
+    def __init__(self, base: LazyCheckpoint, source: LazyCheckpoint, layout: LoraLayout, settings: LoraSettings):
+        self.base, self.source, self.layout, self.settings = base, source, layout, settings
+        self.info = source.info
+        base_specs = base.specs()
+        self._fused = {f"{m.name}.weight": m for m in layout.modules.values()}
+        missing = sorted(n for n in self._fused if n not in base_specs)
+        if missing:
+            from ..errors import LoraError
+
+            raise LoraError(f"the base weights lack {missing[0]} (and {len(missing) - 1} more) that LoRA adapts; is --base-model the model that was trained?")
+        src_specs = source.specs()
+        self._specs = dict(base_specs)
+        for name, key in layout.saved.items():
+            self._specs[name] = src_specs[key].renamed(name)
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        check_out(self._specs[name], out)
+        module = self._fused.get(name)
+        if module is None:
+            if name in self.layout.saved:
+                self.source.read_into(self.layout.saved[name], out)
+            else:
+                self.base.read_into(name, out)
+            return
+        weight = self.base.read(name, dtype=torch.float32)
+        a = self.source.read(module.a_key, dtype=torch.float32)
+        b = self.source.read(module.b_key, dtype=torch.float32)
+        weight += (b @ a) * self.settings.scale(module)
+        out.copy_(weight)
+
+    def close(self) -> None:
+        self.base.close()
+        self.source.close()
+
+
+class LoraAdapter(LazyCheckpoint):
+    """The adapter alone, under PEFT's saved names (``base_model.model.<m>.lora_A.weight``)."""
+
+    def __init__(self, source: LazyCheckpoint, layout: LoraLayout):
+        self.source = source
+        self.info = source.info
+        src = source.specs()
+        self._table: dict[str, str] = {}
+        for m in layout.modules.values():
+            self._table[f"{PEFT_PREFIX}{m.name}.lora_A.weight"] = m.a_key
+            self._table[f"{PEFT_PREFIX}{m.name}.lora_B.weight"] = m.b_key
+        for name, key in layout.saved.items():
+            self._table[f"{PEFT_PREFIX}{name}"] = key
+        self._specs = {new: src[old].renamed(new) for new, old in self._table.items()}
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        self.source.read_into(self._table[name], out)
