@@ -18,6 +18,7 @@ from .output import atomic_folder, check_target
 from .plan import plan_shards
 from .spec import dtype_name
 from .transforms import Cast, drop_tied
+from .verify import file_checksums, verify_or_raise
 from .writer import write_shards
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ def merge(
     use_rslora: bool | None = None,
     base_model: "str | Path | None" = None,
     base_model_name: str | None = None,
+    verify: bool = False,
+    checksums: bool = True,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -165,6 +168,9 @@ def merge(
         lora_alpha / use_rslora: LoRA settings when the checkpoint does not record them.
         base_model: HF folder with the base weights, for ``save_lora_only`` checkpoints.
         base_model_name: ``base_model_name_or_path`` for adapter_config.json / the model card.
+        verify: re-read the written model and compare it with the source, tensor by tensor, before
+            the output is moved into place (a mismatch raises VerificationError; no target is left).
+        checksums: record each output file's sha256 in hf_merge.json (``hf-merge verify`` checks them).
     """
     target = Path(target)
     check_target(target, overwrite=overwrite)
@@ -195,7 +201,16 @@ def merge(
                 write_shards(views.model, model_plan, tmp, workers=workers, desc="Merging")
                 write_config(cfg, tmp, dtype=views.out_dtype)
                 copy_side_files(config_dir, tmp)
+                if checksums:
+                    provenance["files"] = file_checksums(tmp, [f.name for f in model_plan.files])
                 (tmp / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+                if verify:
+                    report = verify_or_raise(
+                        tmp, ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
+                        use_rslora=use_rslora, base_model=base_model,
+                    )
+                    provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
+                    (tmp / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
             if adapter_plan is not None:
                 adapter_dir = tmp if model_plan is None else tmp / ADAPTER_SUBDIR
                 write_shards(views.adapter, adapter_plan, adapter_dir, workers=1, desc="Adapter")

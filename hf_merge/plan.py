@@ -4,6 +4,12 @@ Grouping into files is huggingface_hub's ``split_state_dict_into_shards_factory`
 plan ``save_torch_state_dict`` uses), fed with specs instead of tensors. Inside a file tensors are
 ordered by decreasing item size (then name), so every tensor's data offset is aligned to its dtype
 and can be viewed in place in a memory-mapped output file.
+
+``group`` (optional) names tensors that belong together, e.g. the parts one quantized weight
+becomes (packed data, absmax, quant map, quant state): a group is sized as one unit, never split
+across files, and kept adjacent inside its file (after the ungrouped tensors), so a consumer can
+produce a group's parts from one computation held only while the group is written. Offsets inside
+grouped runs may then be unaligned; the writer handles that (``writer.write_file``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .spec import SAFETENSORS_DTYPES, TensorSpec
 
@@ -31,6 +38,17 @@ def parse_size(size: "int | str") -> int:
         raise ValueError(f"cannot read the size {size!r}; write it like 5GB, 500MB or 2000000000") from None
 
 
+GroupFn = Callable[[TensorSpec], "str | None"]
+
+
+def file_order(spec: TensorSpec, group: GroupFn | None = None) -> tuple[Any, ...]:
+    """Sort key inside a file: ungrouped tensors by (item size desc, name), then each group's run."""
+    g = group(spec) if group is not None else None
+    if g is None:
+        return (0, "", -spec.dtype.itemsize, spec.name)
+    return (1, g, -spec.dtype.itemsize, spec.name)
+
+
 @dataclass
 class FilePlan:
     """One output safetensors file: its header bytes and where each tensor's data starts."""
@@ -38,9 +56,10 @@ class FilePlan:
     name: str
     specs: list[TensorSpec]
     metadata: dict[str, str] = field(default_factory=dict)
+    group: GroupFn | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.specs = sorted(self.specs, key=lambda s: (-s.dtype.itemsize, s.name))
+        self.specs = sorted(self.specs, key=lambda s: file_order(s, self.group))
         header: dict[str, object] = {}
         if self.metadata:
             header["__metadata__"] = dict(self.metadata)
@@ -84,23 +103,37 @@ def plan_shards(
     max_shard_size: "int | str" = "5GB",
     metadata: dict[str, str] | None = None,
     filename_pattern: str = SAFETENSORS_PATTERN,
+    group: GroupFn | None = None,
 ) -> ShardPlan:
-    """Plan output files from specs. No tensor data is needed."""
+    """Plan output files from specs. No tensor data is needed.
+
+    ``group(spec)`` returns a group name or None; see the module docstring. Without it the plan is
+    the plain, fully aligned one.
+    """
     from huggingface_hub import split_state_dict_into_shards_factory
 
     by_name = {s.name: s for s in (specs.values() if isinstance(specs, dict) else specs)}
     for spec in by_name.values():
         if spec.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{spec.name}: dtype {spec.dtype} cannot be stored in safetensors")
+    group_of = {n: g for n, s in by_name.items() if group is not None and (g := group(s)) is not None}
+    group_bytes: dict[str, int] = {}
+    for n, g in group_of.items():
+        group_bytes[g] = group_bytes.get(g, 0) + by_name[n].nbytes
+    # A group is passed to the splitter as one "shared storage": it sizes the group's first key
+    # with the whole group and puts the other keys in the same file.
     split = split_state_dict_into_shards_factory(
         by_name,
-        get_storage_size=lambda s: s.nbytes,
-        get_storage_id=lambda s: None,  # every spec is its own storage: nothing is shared
+        get_storage_size=lambda s: group_bytes[group_of[s.name]] if s.name in group_of else s.nbytes,
+        get_storage_id=lambda s: group_of.get(s.name),  # ungrouped: its own storage, nothing shared
         filename_pattern=filename_pattern,
         max_shard_size=parse_size(max_shard_size),
     )
     meta = {"format": "pt", **(metadata or {})}
-    files = [FilePlan(fname, [by_name[n] for n in names], meta) for fname, names in split.filename_to_tensors.items()]
+    files = [
+        FilePlan(fname, [by_name[n] for n in names], meta, group=group)
+        for fname, names in split.filename_to_tensors.items()
+    ]
     index = None
     if split.is_sharded:
         index = {

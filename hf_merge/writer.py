@@ -41,8 +41,16 @@ def write_file(ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: Pro
                 if spec.nbytes == 0:
                     continue
                 start = plan.data_start + plan.offsets[spec.name]
-                view = data[start : start + spec.nbytes].view(spec.dtype).view(spec.shape)
-                ckpt.read_into(spec.name, view)
+                if start % spec.dtype.itemsize == 0:
+                    view = data[start : start + spec.nbytes].view(spec.dtype).view(spec.shape)
+                    ckpt.read_into(spec.name, view)
+                else:
+                    # Only in grouped layouts (plan.py), for small parts such as a quantized
+                    # weight's absmax: read into a temporary, then copy the bytes.
+                    tmp = torch.empty(spec.shape, dtype=spec.dtype)
+                    ckpt.read_into(spec.name, tmp)
+                    data[start : start + spec.nbytes].copy_(tmp.reshape(-1).view(torch.uint8))
+                    del tmp
                 if progress:
                     progress(spec.nbytes)
         finally:

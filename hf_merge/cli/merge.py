@@ -54,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lora.add_argument("--use-rslora", action="store_true", default=None, help="the adapter was trained with rsLoRA (scale alpha/sqrt(r))")
     lora.add_argument("--base-model", default=None, help="HF folder with the base weights, for save_lora_only checkpoints")
     lora.add_argument("--base-model-name", default=None, help="base_model_name_or_path for adapter_config.json and the model card")
+    p.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source before finishing")
+    p.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip recording sha256 of output files")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(run=run)
 
@@ -87,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         use_rslora=args.use_rslora,
         base_model=args.base_model,
         base_model_name=args.base_model_name,
+        verify=args.verify,
+        checksums=args.checksums,
     )
     if args.json:
         print(json.dumps({

@@ -1,0 +1,515 @@
+"""Lazy reader of a ``torch.distributed.checkpoint`` folder (``.metadata`` + ``*.distcp``).
+
+Used directly for plain DCP folders (accelerate FSDP ``SHARDED_STATE_DICT``, torchtitan, ...) and
+as the storage layer of Megatron-Core ``torch_dist`` checkpoints (:mod:`hf_merge.readers.megatron`).
+
+What the folder holds (checked against torch 2.13 ``torch/distributed/checkpoint/filesystem.py``
+and Megatron-Core 0.16 saves):
+
+- ``.metadata``: a pickled ``Metadata``. ``state_dict_metadata`` maps each key to a
+  ``TensorStorageMetadata`` (global size, dtype, list of chunks ``(offsets, sizes)``) or a
+  ``BytesStorageMetadata`` (opaque bytes: Megatron ``_extra_state``, rng state...).
+  ``storage_data`` maps ``MetadataIndex(fqn, chunk offsets)`` to
+  ``_StorageInfo(relative_path, offset, length, transform_descriptors)``.
+- ``__<rank>_<i>.distcp``: data files. With the default ``TORCH_SAVE`` serialization each tensor
+  chunk is a complete ``torch.save`` zip archive embedded at ``offset`` (records stored, never
+  compressed). The archive's start in the file is *not* aligned.
+
+How it is read here, without a process group and without ``torch.load`` of whole chunks:
+
+- ``.metadata`` is unpickled with an allowlist (the DCP dataclasses, ``torch.Size``, dtypes);
+  anything else raises :class:`~hf_merge.errors.UnsafeCheckpointError`.
+- For each chunk, the embedded zip's central directory and its tiny ``data.pkl`` are parsed once
+  (again with an allowlisting unpickler that only records *where* the tensor lives: storage record,
+  dtype, storage offset, size, stride). No tensor is materialised by unpickling.
+- Reads are byte-range reads (``os.pread``) of exactly the elements a requested region needs,
+  into a bounded buffer (``max_read_bytes``, default 64 MiB; larger regions are split), then
+  ``copy_`` into the caller's ``out`` (which may be a view into a memory-mapped output file and may
+  have another dtype). Memory stays flat in model size.
+
+Regions: :meth:`DcpCheckpoint.read_region_into` reads any box ``[start, start + out.shape)`` of a
+global tensor, so callers can read one layer of a stacked ``[L, ...]`` tensor, or one row range of
+a fused tensor, without reading the rest.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import struct
+import threading
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..errors import (
+    CorruptCheckpointError,
+    SourceNotFoundError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
+from ..spec import TensorSpec
+
+METADATA_FILE = ".metadata"
+DEFAULT_MAX_READ_BYTES = 64 << 20
+
+__all__ = ["DcpCheckpoint", "is_dcp_dir", "load_dcp_metadata", "DEFAULT_MAX_READ_BYTES"]
+
+
+def is_dcp_dir(path: Path) -> bool:
+    """True if ``path`` is a folder with a DCP ``.metadata`` file."""
+    return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
+
+
+# --------------------------------------------------------------------------------------------
+# .metadata: allowlisted unpickling
+# --------------------------------------------------------------------------------------------
+
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint._extension",
+)
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES and not name.startswith("__"):
+            import importlib
+
+            importlib.import_module("torch.distributed.checkpoint")  # registers the modules
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) or module == "torch.distributed.checkpoint.metadata":
+                return obj
+        elif (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise UnsafeCheckpointError(
+            f"DCP .metadata references {module}.{name}, which is not on hf_merge's allowlist of "
+            "checkpoint metadata classes; refusing to unpickle it"
+        )
+
+
+def load_dcp_metadata(path: Path) -> Any:
+    """Unpickle ``<path>/.metadata`` with an allowlist; return torch's ``Metadata`` object."""
+    meta_path = Path(path) / METADATA_FILE
+    if not meta_path.is_file():
+        raise SourceNotFoundError(f"{path}: no {METADATA_FILE} file; not a torch.distributed.checkpoint folder")
+    try:
+        with open(meta_path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # truncated / garbage pickle
+        raise CorruptCheckpointError(f"{meta_path}: cannot read DCP metadata ({type(e).__name__}: {e})") from e
+    if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
+        raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__})")
+    return md
+
+
+# --------------------------------------------------------------------------------------------
+# Chunks: where one piece of a tensor lives in a .distcp file
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a chunk's elements are, in the data file: ``data_start`` is the byte of element 0 of
+    the storage; the chunk is ``as_strided(size, stride, storage_offset)`` of that storage."""
+
+    data_start: int
+    storage_nbytes: int
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int  # byte offset of the embedded torch.save archive
+    length: int
+    layout: _Layout | None = None
+
+
+class _RebuildRecord:
+    """What ``torch._utils._rebuild_tensor_v2`` would have built, without building it."""
+
+    def __init__(self, storage: tuple, storage_offset: int, size: Sequence[int], stride: Sequence[int], *rest: Any):
+        self.storage = storage
+        self.storage_offset = int(storage_offset)
+        self.size = tuple(int(s) for s in size)
+        self.stride = tuple(int(s) for s in stride)
+
+
+def _storage_dtype(name: str) -> torch.dtype | None:
+    """``"FloatStorage"`` -> ``torch.float32`` (the legacy storage class names torch.save pickles)."""
+    if not name.endswith("Storage"):
+        return None
+    try:
+        from torch.storage import _get_dtype_from_pickle_storage_type
+
+        return _get_dtype_from_pickle_storage_type(name)
+    except Exception:
+        return None
+
+
+class _ChunkPickle(pickle.Unpickler):
+    """Unpickles the ``data.pkl`` of a one-tensor torch.save archive into a :class:`_RebuildRecord`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _RebuildRecord
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and _storage_dtype(name) is not None:
+            return ("storage_type", _storage_dtype(name))
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsupportedCheckpointError(
+            f"DCP chunk pickle references {module}.{name}; hf_merge reads plain dense tensors only"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        # ('storage', storage_type, key, location, numel)
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsupportedCheckpointError(f"DCP chunk pickle has an unexpected persistent id {pid!r}")
+        _, stype, key, _location, numel = pid
+        dtype = stype[1] if isinstance(stype, tuple) else stype
+        if not isinstance(dtype, torch.dtype):
+            raise UnsupportedCheckpointError(f"DCP chunk storage type {stype!r} is not understood")
+        return (str(key), dtype, int(numel))
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``[start, start + length)`` of an open file."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._length - self._pos))
+        if n == 0:
+            return 0
+        data = os.pread(self._fd, n, self._start + self._pos)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader
+
+
+def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
+    """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout."""
+    try:
+        zf = zipfile.ZipFile(_Window(fd, chunk.start, chunk.length))
+    except zipfile.BadZipFile as e:
+        raise UnsupportedCheckpointError(
+            f"{where}: chunk at byte {chunk.start} is not a torch.save archive ({e}); only DCP's "
+            "default TORCH_SAVE serialization is supported"
+        ) from e
+    names = {i.filename: i for i in zf.infolist()}
+    pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} has no single data.pkl record")
+    prefix = pkl[0][: -len("data.pkl")]
+    order = names.get(prefix + "byteorder")
+    if order is not None and zf.read(order).strip() not in (b"little", b""):
+        raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
+    try:
+        rec = _ChunkPickle(io.BytesIO(zf.read(pkl[0]))).load()
+    except (UnsupportedCheckpointError, CorruptCheckpointError):
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where}: chunk pickle at byte {chunk.start} is unreadable ({e})") from e
+    if not isinstance(rec, _RebuildRecord):
+        raise UnsupportedCheckpointError(f"{where}: chunk at byte {chunk.start} does not hold a single tensor")
+    key, dtype, numel = rec.storage
+    info = names.get(f"{prefix}data/{key}")
+    if info is None:
+        raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} lacks storage record data/{key}")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise UnsupportedCheckpointError(f"{where}: compressed tensor records are not supported")
+    hdr = os.pread(fd, _LOCAL_HEADER.size, chunk.start + info.header_offset)
+    if len(hdr) != _LOCAL_HEADER.size or hdr[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{where}: bad zip local header in chunk at byte {chunk.start}")
+    fields = _LOCAL_HEADER.unpack(hdr)
+    data_start = chunk.start + info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
+    nbytes = numel * dtype.itemsize
+    if info.file_size != nbytes or data_start + nbytes > chunk.start + chunk.length:
+        raise CorruptCheckpointError(
+            f"{where}: storage record of chunk at byte {chunk.start} has {info.file_size} bytes, expected {nbytes}"
+        )
+    layout = _Layout(data_start, nbytes, dtype, rec.storage_offset, rec.size, rec.stride)
+    if layout.size != chunk.sizes:
+        raise CorruptCheckpointError(
+            f"{where}: chunk at byte {chunk.start} holds shape {layout.size}, metadata says {chunk.sizes}"
+        )
+    if layout.size and any(s > 0 for s in layout.size):
+        last = layout.storage_offset + sum((n - 1) * st for n, st in zip(layout.size, layout.stride))
+        if min(layout.stride, default=0) < 0 or last >= numel:
+            raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} points outside its storage")
+    return layout
+
+
+# --------------------------------------------------------------------------------------------
+# The lazy checkpoint
+# --------------------------------------------------------------------------------------------
+
+_DISTCP_RANK = re.compile(r"__(\d+)_(\d+)\.distcp$")
+
+
+class DcpCheckpoint(LazyCheckpoint):
+    """A DCP folder as a :class:`~hf_merge.checkpoint.LazyCheckpoint` of its tensor entries.
+
+    ``specs()`` lists every tensor entry (global shape and dtype) under its DCP key; byte entries
+    (``BytesStorageMetadata``) are listed by :meth:`byte_keys` and never read. ``read_into`` and
+    :meth:`read_region_into` assemble tensors from their chunks with bounded byte-range reads.
+
+    Args:
+        path: the folder holding ``.metadata``.
+        max_read_bytes: largest single read buffer; bigger regions are read in pieces.
+        info: overrides the default :class:`CheckpointInfo` (``format="dcp"``).
+    """
+
+    def __init__(self, path: Path, *, max_read_bytes: int = DEFAULT_MAX_READ_BYTES, info: CheckpointInfo | None = None):
+        self.path = Path(path)
+        self.max_read_bytes = max(int(max_read_bytes), 1)
+        md = load_dcp_metadata(self.path)
+        self._specs: dict[str, TensorSpec] = {}
+        self._byte_keys: list[str] = []
+        self._chunks: dict[str, list[_Chunk]] = {}
+        storage: dict[tuple[str, tuple[int, ...]], Any] = {}
+        for idx, sinfo in md.storage_data.items():
+            off = tuple(idx.offset) if idx.offset is not None else None
+            storage[(idx.fqn, off)] = sinfo
+        files: set[str] = set()
+        for key, entry in md.state_dict_metadata.items():
+            if not hasattr(entry, "chunks"):
+                self._byte_keys.append(key)
+                continue
+            dtype = entry.properties.dtype
+            shape = tuple(int(s) for s in entry.size)
+            self._specs[key] = TensorSpec(key, shape, dtype)
+            chunks = []
+            for c in entry.chunks:
+                offsets, sizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+                sinfo = storage.get((key, offsets))
+                if sinfo is None:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: {key} chunk at {list(offsets)} has no storage entry in {METADATA_FILE}"
+                    )
+                if getattr(sinfo, "transform_descriptors", None):
+                    raise UnsupportedCheckpointError(
+                        f"{self.path}: {key} is stored with transforms {list(sinfo.transform_descriptors)} "
+                        "(e.g. compression); hf_merge reads untransformed DCP chunks only"
+                    )
+                rel = str(sinfo.relative_path)
+                if os.path.isabs(rel) or ".." in Path(rel).parts:
+                    raise UnsafeCheckpointError(f"{self.path}: storage path {rel!r} escapes the checkpoint folder")
+                files.add(rel)
+                chunks.append(_Chunk(offsets, sizes, rel, int(sinfo.offset), int(sinfo.length)))
+            self._check_cover(key, shape, chunks)
+            self._chunks[key] = chunks
+        self._file_sizes = {}
+        for rel in sorted(files):
+            p = self.path / rel
+            if not p.is_file():
+                raise CorruptCheckpointError(f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing")
+            self._file_sizes[rel] = p.stat().st_size
+        for key, chunks in self._chunks.items():
+            for c in chunks:
+                if c.start + c.length > self._file_sizes[c.file]:
+                    raise CorruptCheckpointError(
+                        f"{self.path / c.file}: truncated (ends at byte {self._file_sizes[c.file]}, "
+                        f"{key} needs bytes up to {c.start + c.length})"
+                    )
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        ranks = {int(m.group(1)) for f in files if (m := _DISTCP_RANK.search(f))}
+        self.info = info or CheckpointInfo(
+            format="dcp",
+            path=self.path,
+            world_size=(max(ranks) + 1) if ranks else None,
+            details={"files": len(files), "tensors": len(self._specs), "byte_entries": len(self._byte_keys)},
+        )
+
+    # ---- metadata ---------------------------------------------------------------------------
+
+    def _check_cover(self, key: str, shape: tuple[int, ...], chunks: list[_Chunk]) -> None:
+        total = 0
+        for c in chunks:
+            if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
+                o < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
+            ):
+                raise CorruptCheckpointError(
+                    f"{self.path}: {key} chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}"
+                )
+            n = 1
+            for s in c.sizes:
+                n *= s
+            total += n
+        numel = 1
+        for s in shape:
+            numel *= s
+        if total != numel:
+            raise CorruptCheckpointError(
+                f"{self.path}: chunks of {key} cover {total} of {numel} elements; the checkpoint is incomplete"
+                if total < numel
+                else f"{self.path}: chunks of {key} overlap ({total} elements for {numel})"
+            )
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def byte_keys(self) -> list[str]:
+        """Keys of opaque byte entries (``_extra_state``, rng state...); never read."""
+        return list(self._byte_keys)
+
+    def chunk_boxes(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``[(offsets, sizes)]`` of the stored chunks of ``name`` (e.g. to infer TP sharding)."""
+        return [(c.offsets, c.sizes) for c in self._chunks[name]]
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def _fd(self, rel: str) -> int:
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = os.open(self.path / rel, os.O_RDONLY)
+                self._fds[rel] = fd
+            return fd
+
+    def _layout(self, name: str, chunk: _Chunk) -> _Layout:
+        if chunk.layout is None:
+            chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})")
+            if chunk.layout.dtype != self._specs[name].dtype:
+                raise CorruptCheckpointError(
+                    f"{self.path / chunk.file}: {name} chunk has dtype {chunk.layout.dtype}, "
+                    f"metadata says {self._specs[name].dtype}"
+                )
+        return chunk.layout
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        spec = self._spec(name)
+        check_out(spec, out)
+        self.read_region_into(name, (0,) * len(spec.shape), out)
+
+    def read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
+        """Fill ``out`` with the box ``[start, start + out.shape)`` of tensor ``name``."""
+        spec = self._spec(name)
+        start = tuple(int(s) for s in start)
+        size = tuple(out.shape)
+        if len(start) != len(spec.shape) or len(size) != len(spec.shape) or any(
+            s < 0 or s + n > d for s, n, d in zip(start, size, spec.shape)
+        ):
+            raise ValueError(f"{name}: region {list(start)}+{list(size)} is outside shape {list(spec.shape)}")
+        if out.numel() == 0:
+            return
+        for chunk in self._chunks[name]:
+            lo = [max(s, o) for s, o in zip(start, chunk.offsets)]
+            hi = [min(s + n, o + z) for s, n, o, z in zip(start, size, chunk.offsets, chunk.sizes)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            box_size = tuple(b - a for a, b in zip(lo, hi))
+            src_start = tuple(a - o for a, o in zip(lo, chunk.offsets))
+            dst = out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))]
+            self._copy_box(name, chunk, src_start, box_size, dst)
+
+    def _copy_box(
+        self, name: str, chunk: _Chunk, src_start: tuple[int, ...], size: tuple[int, ...], dst: torch.Tensor
+    ) -> None:
+        """Copy the box ``src_start + size`` of one chunk into ``dst`` with bounded reads."""
+        lay = self._layout(name, chunk)
+        item = lay.dtype.itemsize
+        first = lay.storage_offset + sum(s * st for s, st in zip(src_start, lay.stride))
+        span = 1 + sum((n - 1) * st for n, st in zip(size, lay.stride))
+        if span * item > self.max_read_bytes:
+            # Split along the first dimension that has more than one index, and recurse.
+            for d, n in enumerate(size):
+                if n > 1:
+                    step = max(1, n // max(2, -(-span * item // self.max_read_bytes)))
+                    for a in range(0, n, step):
+                        b = min(n, a + step)
+                        sub_start = src_start[:d] + (src_start[d] + a,) + src_start[d + 1 :]
+                        sub_size = size[:d] + (b - a,) + size[d + 1 :]
+                        self._copy_box(name, chunk, sub_start, sub_size, dst.narrow(d, a, b - a))
+                    return
+            # a single element larger than the limit cannot happen; fall through
+        nbytes = span * item
+        buf = bytearray(nbytes)
+        fd = self._fd(chunk.file)
+        got = os.preadv(fd, [buf], lay.data_start + first * item) if hasattr(os, "preadv") else None
+        if got is None:
+            data = os.pread(fd, nbytes, lay.data_start + first * item)
+            got = len(data)
+            buf[: len(data)] = data
+        if got != nbytes:
+            raise CorruptCheckpointError(f"{self.path / chunk.file}: short read of {name} ({got} of {nbytes} bytes)")
+        src = torch.frombuffer(buf, dtype=lay.dtype).as_strided(size, lay.stride)
+        dst.copy_(src)
+
+    def _spec(self, name: str) -> TensorSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            hint = " (it is a byte entry, not a tensor)" if name in self._byte_keys else ""
+            raise KeyError(f"{name!r} is not a tensor in {self.path}{hint}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def iter_regions(shape: Sequence[int], axis: int = 0) -> Iterable[tuple[int, ...]]:
+    """Starts of the unit slices of ``shape`` along ``axis`` (helper for layer-by-layer reads)."""
+    for i in range(shape[axis]):
+        yield tuple(i if d == axis else 0 for d in range(len(shape)))

@@ -1,0 +1,217 @@
+"""Verify a merged folder: against its source checkpoint (exact) or a reference HF folder (tolerances).
+
+Both sides are lazy checkpoints and are compared one tensor at a time, so memory stays flat.
+Against a source, the expected tensors are recomputed through the same transform stack the merge
+used (names, tied alias, LoRA fusion, dtype cast), so the check is exact: bit-equal for the same
+dtype, exactly the one rounding of the cast otherwise. Against an HF folder, values are compared
+in float32 with ``atol``/``rtol`` and every difference is reported, not only the first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
+from .errors import HfMergeError, VerificationError
+
+CHUNK = 16 << 20
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class VerifyReport:
+    target: Path
+    against: str
+    checks: list[Check] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def add(self, name: str, ok: bool, detail: str = "") -> None:
+        self.checks.append(Check(name, ok, detail))
+
+    def table(self) -> str:
+        width = max(len(c.name) for c in self.checks) if self.checks else 5
+        rows = [f"{'check':<{width}}  result  detail"]
+        rows += [f"{c.name:<{width}}  {'ok' if c.ok else 'FAIL':<6}  {c.detail}" for c in self.checks]
+        rows += [f"  - {m}" for m in self.mismatches[:50]]
+        if len(self.mismatches) > 50:
+            rows.append(f"  ... and {len(self.mismatches) - 50} more")
+        return "\n".join(rows)
+
+    def summary(self) -> str:
+        failed = [c.name for c in self.checks if not c.ok]
+        return "all checks passed" if not failed else f"failed: {', '.join(failed)}"
+
+
+def file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(Path(folder) / name, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+        out[name] = h.hexdigest()
+    return out
+
+
+def _compare_specs(report: VerifyReport, got: LazyCheckpoint, want: LazyCheckpoint, *, check_dtype: bool) -> list[str]:
+    g, w = got.specs(), want.specs()
+    only_got, only_want = sorted(set(g) - set(w)), sorted(set(w) - set(g))
+    report.mismatches += [f"missing tensor {n}" for n in only_want] + [f"unexpected tensor {n}" for n in only_got]
+    report.add("tensor names", not only_got and not only_want, f"{len(g)} in target, {len(w)} expected")
+    common = sorted(set(g) & set(w))
+    bad_shape = [n for n in common if g[n].shape != w[n].shape]
+    report.mismatches += [f"{n}: shape {g[n].shape} != {w[n].shape}" for n in bad_shape]
+    report.add("shapes", not bad_shape, f"{len(bad_shape)} differ" if bad_shape else "")
+    if check_dtype:
+        bad_dtype = [n for n in common if g[n].dtype != w[n].dtype]
+        report.mismatches += [f"{n}: dtype {g[n].dtype} != {w[n].dtype}" for n in bad_dtype]
+        report.add("dtypes", not bad_dtype, f"{len(bad_dtype)} differ" if bad_dtype else "")
+    return [n for n in common if n not in bad_shape]
+
+
+def _compare_values(report: VerifyReport, got, want, names, *, exact: bool, atol: float, rtol: float) -> None:
+    from huggingface_hub.utils import tqdm
+
+    bad, worst, nonfinite = [], 0.0, []
+    for name in tqdm(names, desc="Verifying", unit="tensor"):
+        spec = got.specs()[name]
+        a = got.read(name)
+        if exact:
+            b = want.read(name, dtype=spec.dtype)
+            if not torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b):
+                diff = (a.double() - b.double()).abs().max().item() if a.numel() and a.is_floating_point() else float("nan")
+                bad.append(f"{name}: not bit-identical (max abs diff {diff:.3g})")
+        else:
+            b = want.read(name)
+            fa, fb = a.float(), b.float()
+            if fa.numel():
+                diff = (fa - fb).abs()
+                worst = max(worst, diff.max().item())
+                if not torch.allclose(fa, fb, atol=atol, rtol=rtol, equal_nan=True):
+                    bad.append(f"{name}: max abs diff {diff.max().item():.3g} > atol {atol} / rtol {rtol}")
+        if a.is_floating_point() and a.numel() and not torch.isfinite(a).all():
+            nonfinite.append(name)
+        del a, b
+    report.mismatches += bad + [f"{n}: has inf/nan" for n in nonfinite]
+    detail = "bit-exact" if exact else f"max abs diff {worst:.3g}"
+    report.add("values", not bad, f"{len(bad)} of {len(names)} differ" if bad else f"{len(names)} tensors, {detail}")
+    report.add("finite", not nonfinite, f"{len(nonfinite)} tensors with inf/nan" if nonfinite else "")
+
+
+def verify(
+    target: "str | Path",
+    against: "str | Path",
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    logits: bool = False,
+    logits_atol: float = 1e-3,
+    backend: str = "auto",
+    config: "str | Path | None" = None,
+    lora_alpha: float | None = None,
+    use_rslora: bool | None = None,
+    base_model: "str | Path | None" = None,
+) -> VerifyReport:
+    """Compare a merged folder with its source checkpoint or a reference HF folder.
+
+    Returns a report; does not raise on mismatches (see :func:`verify_or_raise`).
+    """
+    from .readers.hf_dir import open_hf_dir
+
+    target, against_path = Path(target), Path(against)
+    report = VerifyReport(target, str(against))
+    got = open_hf_dir(target)
+    provenance = _read_provenance(target)
+    _check_checksums(report, target, provenance)
+    kind = detect_backend(against_path)
+    if backend != "auto":
+        kind = backend
+    if kind == "hf":
+        want = open_hf_dir(against_path)
+        names = _compare_specs(report, got, want, check_dtype=False)
+        _compare_values(report, got, want, names, exact=False, atol=atol, rtol=rtol)
+    else:
+        from .hf_files import find_config_dir, load_config
+        from .merge import build_views
+
+        if provenance.get("quantization"):
+            raise HfMergeError("verifying a quantized output against its source is not supported; verify the plain merge")
+        source = open_checkpoint(against_path, backend=kind, config=config)
+        cfg = load_config(find_config_dir(source.info.hf_dir, source.info.path))
+        dtype = provenance.get("dtype") or "config"
+        lora_cfg = provenance.get("lora") or {}
+        views = build_views(
+            source, cfg, dtype=dtype, lora="fuse",
+            lora_alpha=lora_alpha if lora_alpha is not None else lora_cfg.get("lora_alpha"),
+            use_rslora=use_rslora if use_rslora is not None else lora_cfg.get("use_rslora"),
+            base_model=base_model,
+        )
+        names = _compare_specs(report, got, views.model, check_dtype=True)
+        _compare_values(report, got, views.model, names, exact=True, atol=0, rtol=0)
+        source.close()
+    if logits:
+        _check_logits(report, target, against_path if kind == "hf" else None, logits_atol)
+    got.close()
+    return report
+
+
+def verify_or_raise(target, against, **kwargs) -> VerifyReport:
+    report = verify(target, against, **kwargs)
+    if not report.ok:
+        first = report.mismatches[0] if report.mismatches else report.summary()
+        raise VerificationError(f"{target} does not match {against}: {report.summary()} ({first}); run hf-merge verify for the full table")
+    return report
+
+
+def _read_provenance(target: Path) -> dict[str, Any]:
+    path = target / "hf_merge.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+
+
+def _check_checksums(report: VerifyReport, target: Path, provenance: dict[str, Any]) -> None:
+    recorded = provenance.get("files") or {}
+    if not recorded:
+        return
+    missing = [n for n in recorded if not (target / n).is_file()]
+    actual = file_checksums(target, [n for n in recorded if n not in missing])
+    bad = [n for n, h in actual.items() if h != recorded[n]]
+    report.mismatches += [f"{n}: sha256 differs from the one recorded at merge time" for n in bad]
+    report.mismatches += [f"{n}: recorded at merge time but missing" for n in missing]
+    report.add("file checksums", not bad and not missing, f"{len(recorded)} files" if not bad else f"{len(bad)} changed")
+
+
+def _check_logits(report: VerifyReport, target: Path, reference: Path | None, atol: float) -> None:
+    from transformers import AutoModelForCausalLM
+
+    def run(folder: Path) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        vocab = model.config.get_text_config().vocab_size
+        ids = (torch.arange(16).reshape(2, 8) * 7919) % vocab
+        with torch.no_grad():
+            return model(ids).logits
+
+    got = run(target)
+    finite = bool(torch.isfinite(got).all())
+    report.add("logits finite", finite, f"shape {tuple(got.shape)}")
+    if reference is not None:
+        diff = (got - run(reference)).abs().max().item()
+        report.add("logits vs reference", diff <= atol, f"max abs diff {diff:.3g} (limit {atol})")

@@ -1,0 +1,195 @@
+"""Bad input: one error line naming the problem, non-zero exit, nothing left at the target."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import error_line, folder_tensors, no_leftovers, run_cli
+
+
+@pytest.fixture
+def actor_copy(qwen2_fp32_ws2, tmp_path):
+    dest = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, dest)
+    return dest
+
+
+def _fails(tmp_path, *args, match: str):
+    target = tmp_path / "out"
+    proc = run_cli("merge", *args, target)
+    line = error_line(proc)
+    assert match in line, line
+    assert not target.exists() and no_leftovers(target)
+    return line
+
+
+def test_path_missing(tmp_path):
+    _fails(tmp_path, tmp_path / "nope", match="does not exist")
+
+
+def test_empty_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _fails(tmp_path, tmp_path / "empty", match="is empty")
+
+
+def test_no_rank_files(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "notes.txt").write_text("hi")
+    _fails(tmp_path, tmp_path / "src", match="no model_world_size_*_rank_*.pt files")
+
+
+def test_missing_rank_file_is_named(actor_copy, tmp_path):
+    (actor_copy / "model_world_size_2_rank_1.pt").unlink()
+    _fails(tmp_path, actor_copy, match="model_world_size_2_rank_1.pt")
+
+
+def test_truncated_rank_file_is_named(actor_copy, tmp_path):
+    path = actor_copy / "model_world_size_2_rank_1.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    line = _fails(tmp_path, actor_copy, match="model_world_size_2_rank_1.pt")
+    assert "truncated" in line
+
+
+def test_garbage_rank_file_is_named(actor_copy, tmp_path):
+    (actor_copy / "model_world_size_2_rank_0.pt").write_bytes(os.urandom(4096))
+    _fails(tmp_path, actor_copy, match="model_world_size_2_rank_0.pt")
+
+
+def test_world_size_disagreeing_with_files(actor_copy, tmp_path):
+    (actor_copy / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+    _fails(tmp_path, actor_copy, match="world_size 4")
+
+
+def test_rank_files_of_two_runs(actor_copy, tmp_path):
+    (actor_copy / "fsdp_config.json").unlink()
+    shutil.copy(actor_copy / "model_world_size_2_rank_0.pt", actor_copy / "model_world_size_4_rank_0.pt")
+    _fails(tmp_path, actor_copy, match="several world sizes")
+
+
+def test_no_hf_config(actor_copy, tmp_path):
+    shutil.rmtree(actor_copy / "huggingface")
+    _fails(tmp_path, actor_copy, match="--config")
+
+
+def test_existing_target_is_refused_before_reading(qwen2_fp32_ws2, tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    line = error_line(run_cli("merge", qwen2_fp32_ws2.actor, target))
+    assert "--overwrite" in line
+    assert (target / "keep.txt").read_text() == "mine" and len(list(target.iterdir())) == 1
+
+
+def test_shard_shape_inconsistent_with_placement(actor_copy, tmp_path):
+    """A rank file whose local shard does not fit its DTensor placement is refused, naming it."""
+    import hf_merge.readers.safe_pickle as sp
+
+    path = actor_copy / "model_world_size_2_rank_1.pt"
+    state = sp.load_rank_file(path)
+    name = "model.norm.weight"
+    dt = state[name]
+    from torch.distributed.tensor import DTensor
+
+    local = dt._local_tensor.clone()[:-1]
+    state = {k: (v if k != name else DTensor(local, dt._spec, requires_grad=False)) for k, v in state.items()}
+    torch.save(state, path)
+    line = _fails(tmp_path, actor_copy, match=name)
+    assert "model_world_size_2_rank_1.pt" in line
+
+
+class _Payload:
+    """Pickles as a call to os.system: what an attacker would put in a checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_payload_is_refused_and_never_runs(actor_copy, tmp_path):
+    marker = tmp_path / "PWNED"
+    path = actor_copy / "model_world_size_2_rank_0.pt"
+    state = torch.load(path, weights_only=False)
+    state["evil"] = _Payload(marker)
+    torch.save(state, path)
+    line = _fails(tmp_path, actor_copy, match="model_world_size_2_rank_0.pt")
+    assert "allowlist" in line and "nothing from it was run" in line
+    assert not marker.exists()
+    proc = run_cli("inspect", actor_copy)  # inspect refuses too
+    assert "allowlist" in error_line(proc)
+    assert not marker.exists()
+
+
+def test_debug_variable_shows_traceback(tmp_path):
+    proc = run_cli("merge", tmp_path / "nope", tmp_path / "out", env={"HF_MERGE_DEBUG": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_sigkill_leaves_no_complete_looking_target_and_rerun_works(qwen2_fp32_ws2, tmp_path):
+    """Kill merges at several moments: the target is either absent or complete; a rerun cleans up."""
+    target = tmp_path / "out"
+    env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1")
+    outcomes = set()
+    for delay in (0.2, 0.8, 1.5, 3.0):
+        shutil.rmtree(target, ignore_errors=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hf_merge.cli.app", "merge", qwen2_fp32_ws2.actor, target, "--max-shard-size", "20000"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if target.exists():
+            outcomes.add("complete")
+            assert (target / "model.safetensors.index.json").is_file()
+            assert len(folder_tensors(target)) == len(folder_tensors(qwen2_fp32_ws2.reference))
+        else:
+            outcomes.add("absent")
+    assert outcomes  # at least one kill happened; both outcomes are valid
+    shutil.rmtree(target, ignore_errors=True)
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, target)
+    assert proc.returncode == 0, proc.stderr
+    assert no_leftovers(target)
+
+
+def test_interrupt_removes_temporary(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """An error while writing (here: an interrupt from inside the writer) leaves nothing behind."""
+    import hf_merge
+    import hf_merge.writer as writer
+
+    calls = {"n": 0}
+    real = writer.write_file
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer, "write_file", flaky)
+    target = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        hf_merge.merge(qwen2_fp32_ws2.actor, target, max_shard_size=20_000, workers=1)
+    assert not target.exists() and no_leftovers(target)
+
+
+def test_stale_temporary_from_dead_process_is_removed(qwen2_fp32_ws2, tmp_path):
+    target = tmp_path / "out"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".out.hf-merge-tmp-{dead.pid}"
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, target)
+    assert proc.returncode == 0, proc.stderr
+    assert not stale.exists()
