@@ -1,0 +1,80 @@
+"""verify: passes on good merges, fails (exit 1, naming the tensor) on damaged ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import run_cli
+from safetensors.torch import load_file, save_file
+
+import hf_merge
+from hf_merge.verify import verify
+
+
+@pytest.fixture(scope="module")
+def merged(qwen2_fp32_ws2, tmp_path_factory):
+    target = tmp_path_factory.mktemp("verify") / "merged"
+    hf_merge.merge(qwen2_fp32_ws2.actor, target)
+    return target
+
+
+def _copy(merged, tmp_path):
+    dest = tmp_path / "copy"
+    shutil.copytree(merged, dest)
+    return dest
+
+
+def test_good_merge_passes_against_source_and_reference(merged, qwen2_fp32_ws2):
+    proc = run_cli("verify", merged, "--against", qwen2_fp32_ws2.actor)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bit-exact" in proc.stdout and "file checksums" in proc.stdout
+    # against the fp32 reference folder, a bf16 merge is within one bf16 rounding
+    report = verify(merged, qwen2_fp32_ws2.reference, atol=0, rtol=2**-8)
+    assert report.ok, report.table()
+
+
+def test_lora_merge_verifies_against_source(lora_ckpt, tmp_path):
+    target = tmp_path / "m"
+    result = hf_merge.merge(lora_ckpt.actor, target, lora="fuse", verify=True)
+    assert result.provenance["verification"]["passed"] is True
+    assert verify(target, lora_ckpt.actor).ok
+
+
+def test_flipped_byte_fails_naming_the_tensor(merged, qwen2_fp32_ws2, tmp_path):
+    bad = _copy(merged, tmp_path)
+    path = bad / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.down_proj.weight"
+    raw = tensors[name].view(torch.int16).clone()
+    raw.view(-1)[3] ^= 1  # one bit of one element
+    tensors[name] = raw.view(torch.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
+    proc = run_cli("verify", bad, "--against", qwen2_fp32_ws2.actor)
+    assert proc.returncode == 1
+    assert name in proc.stdout and "not bit-identical" in proc.stdout
+    assert "sha256 differs" in proc.stdout
+
+
+def test_missing_tensor_and_wrong_dtype_fail(merged, qwen2_fp32_ws2, tmp_path):
+    bad = _copy(merged, tmp_path)
+    path = bad / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.norm.weight"]
+    tensors["model.layers.0.input_layernorm.weight"] = tensors["model.layers.0.input_layernorm.weight"].float()
+    save_file(tensors, path, metadata={"format": "pt"})
+    (bad / "hf_merge.json").write_text(json.dumps({**json.loads((bad / "hf_merge.json").read_text()), "files": {}}))
+    proc = run_cli("verify", bad, "--against", qwen2_fp32_ws2.actor)
+    assert proc.returncode == 1
+    assert "missing tensor model.norm.weight" in proc.stdout
+    assert "model.layers.0.input_layernorm.weight: dtype torch.float32 != torch.bfloat16" in proc.stdout
+    proc = run_cli("verify", bad, "--against", merged)  # against an HF folder: names every difference too
+    assert proc.returncode == 1 and "missing tensor model.norm.weight" in proc.stdout
+
+
+def test_logits_check_runs_a_forward_pass(merged, qwen2_fp32_ws2):
+    report = verify(merged, qwen2_fp32_ws2.reference, atol=1e-2, logits=True, logits_atol=0.1)
+    names = {c.name: c for c in report.checks}
+    assert names["logits finite"].ok and names["logits vs reference"].ok, report.table()
