@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = [merge_cmd, inspect_cmd]
-    for optional in ("verify", "push"):
+    for optional in ("verify", "push", "extension"):
         try:
             modules.append(__import__(f"hf_merge.cli.{optional}", fromlist=["add_parser"]))
         except ImportError:
@@ -54,7 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if hasattr(signal, "SIGPIPE"):  # `hf-merge inspect X | head` ends quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        argv.insert(0, "merge")  # `hf-merge SRC TGT` and `hf merge SRC TGT` mean merge
     args = parser.parse_args(argv)
     _setup_logging(args.quiet)
     try:
