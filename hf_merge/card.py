@@ -63,6 +63,7 @@ appended, or replaced when a previous run already appended one (so re-running is
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -138,7 +139,11 @@ _CARD_TEMPLATE = """\
 # public API
 # ---------------------------------------------------------------------------------------------
 def render_model_card(
-    info: dict[str, Any], *, repo_id: str | None = None, existing_card_text: str | None = None
+    info: dict[str, Any],
+    *,
+    repo_id: str | None = None,
+    existing_card_text: str | None = None,
+    folder_files: Iterable[str] | None = None,
 ) -> str:
     """Render the ``README.md`` of a merged model folder.
 
@@ -148,15 +153,21 @@ def render_model_card(
             (a placeholder is shown when None).
         existing_card_text: a card to extend instead of starting afresh; its text and YAML are
             kept, never overwritten.
+        folder_files: names of the files in the folder (default: ``info["files"]``); the loading
+            snippet loads a tokenizer only when tokenizer files are among them.
 
     Returns:
         The card's full text: YAML front matter, then Markdown.
     """
-    return _render(info, repo_id=repo_id, existing_card_text=existing_card_text, adapter=False)
+    return _render(info, repo_id, existing_card_text, folder_files, adapter=False)
 
 
 def render_adapter_card(
-    info: dict[str, Any], *, repo_id: str | None = None, existing_card_text: str | None = None
+    info: dict[str, Any],
+    *,
+    repo_id: str | None = None,
+    existing_card_text: str | None = None,
+    folder_files: Iterable[str] | None = None,
 ) -> str:
     """Render the ``README.md`` of a PEFT adapter folder (``library_name: peft``).
 
@@ -164,7 +175,7 @@ def render_adapter_card(
     adapter applies to; without it the card cannot link the base model (the snippet shows a
     placeholder).
     """
-    return _render(info, repo_id=repo_id, existing_card_text=existing_card_text, adapter=True)
+    return _render(info, repo_id, existing_card_text, folder_files, adapter=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +237,8 @@ def _tags(info: dict[str, Any], adapter: bool) -> list[str]:
     quant = info.get("quantization")
     if quant:
         tags.append(_slug(str(quant.get("method") or "quantized")))
-        tags.extend(_QUANT_TAGS.get(str(quant.get("mode")), [_slug(str(quant.get("mode")))] if quant.get("mode") else []))
+        mode = quant.get("mode")
+        tags.extend(_QUANT_TAGS.get(str(mode), [_slug(str(mode))] if mode else []))
     return _unique(tags)
 
 
@@ -266,10 +278,10 @@ def _mesh_text(mesh: Any, names: Any = None) -> str | None:
         return None
     if isinstance(mesh, (list, tuple)):
         names = list(names or []) + [f"dim{i}" for i in range(len(names or []), len(mesh))]
-        return " × ".join(f"{n}={s}" for n, s in zip(names, mesh))
+        return " × ".join(f"{n}={s}" for n, s in zip(names, mesh, strict=False))
     if isinstance(mesh, dict) and "shape" in mesh:  # tolerated: {"dim_names": [...], "shape": [...]}
         names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(mesh["shape"]))]
-        return " × ".join(f"{n}={s}" for n, s in zip(names, mesh["shape"]))
+        return " × ".join(f"{n}={s}" for n, s in zip(names, mesh["shape"], strict=False))
     if isinstance(mesh, dict):  # tolerated: {"fsdp": 8}
         return " × ".join(f"{n}={s}" for n, s in mesh.items())
     return str(mesh)
@@ -292,7 +304,9 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
     if source.get("world_size") is not None or source.get("mesh"):
         mesh = _mesh_text(source.get("mesh"), source.get("mesh_dim_names"))
         ws = source.get("world_size")
-        rows.append(("World size / mesh", " / ".join(x for x in (str(ws) if ws is not None else None, f"`{mesh}`" if mesh else None) if x)))
+        parts = [str(ws)] if ws is not None else []
+        parts += [f"`{mesh}`"] if mesh else []
+        rows.append(("World size / mesh", " / ".join(parts)))
     if info.get("architecture"):
         rows.append(("Architecture", f"`{info['architecture']}`"))
     base_raw = info.get("base_model")
@@ -328,11 +342,10 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
     return [(k, _cell(v)) for k, v in rows]
 
 
-def _snippet(info: dict[str, Any], repo_id: str | None, adapter: bool) -> str:
+def _snippet(info: dict[str, Any], repo_id: str | None, folder_files: set[str], adapter: bool) -> str:
     model_id = repo_id or "path/or/repo-id"
     auto_class, _ = _arch_task(info.get("architecture"))
-    files = info.get("files") or {}
-    has_tokenizer = any(name in files for name in _TOKENIZER_FILES)
+    has_tokenizer = any(name in folder_files for name in _TOKENIZER_FILES)
     quant = info.get("quantization")
     lora = info.get("lora") or {}
     lines: list[str] = []
@@ -379,18 +392,19 @@ def _summary(info: dict[str, Any], adapter: bool) -> str:
     return f"{what} merged from {origin_text} into the Hugging Face format by hf-merge."
 
 
-def _section(info: dict[str, Any], repo_id: str | None, adapter: bool) -> str:
+def _section(info: dict[str, Any], repo_id: str | None, folder_files: set[str], adapter: bool) -> str:
     import jinja2
 
     files = sorted((str(k), str(v)) for k, v in (info.get("files") or {}).items())
-    template = jinja2.Environment(keep_trailing_newline=True, autoescape=False, trim_blocks=True, lstrip_blocks=True).from_string(_SECTION_TEMPLATE)
+    env = jinja2.Environment(keep_trailing_newline=True, autoescape=False, trim_blocks=True, lstrip_blocks=True)
+    template = env.from_string(_SECTION_TEMPLATE)
     return template.render(
         begin=SECTION_BEGIN,
         end=SECTION_END,
         summary=_summary(info, adapter),
         rows=_rows(info, adapter),
         files=files,
-        snippet=_snippet(info, repo_id, adapter),
+        snippet=_snippet(info, repo_id, folder_files, adapter),
     )
 
 
@@ -406,11 +420,19 @@ def _title(info: dict[str, Any], repo_id: str | None, adapter: bool) -> str:
 # ---------------------------------------------------------------------------------------------
 # rendering
 # ---------------------------------------------------------------------------------------------
-def _render(info: dict[str, Any], *, repo_id: str | None, existing_card_text: str | None, adapter: bool) -> str:
+def _render(
+    info: dict[str, Any],
+    repo_id: str | None,
+    existing_card_text: str | None,
+    folder_files: Iterable[str] | None,
+    *,
+    adapter: bool,
+) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
     fields = _card_fields(info, adapter)
-    section = _section(info, repo_id, adapter)
+    names = set(folder_files) if folder_files is not None else set(info.get("files") or {})
+    section = _section(info, repo_id, names, adapter)
     if existing_card_text is None:
         card = ModelCard.from_template(
             ModelCardData(**fields),

@@ -32,9 +32,10 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import HubError
 
@@ -94,8 +95,10 @@ def push(
             "cannot be used with it: drop one of them"
         )
     info = _read_provenance(folder)
-    if info is not None and (info.get("verification") or {}).get("passed") is False:
-        logger.warning("%s: the merge's verification failed; the model card says so", folder)
+    if info is not None:
+        _check_card(folder, info, kind=kind, repo_id=repo_id)
+        if (info.get("verification") or {}).get("passed") is False:
+            logger.warning("%s: the merge's verification failed; the model card says so", folder)
 
     from huggingface_hub import HfApi  # lazily: importing huggingface_hub costs time
 
@@ -127,6 +130,8 @@ def push(
     pr_url = getattr(commit, "pr_url", None)
     if pr_url:
         return str(pr_url)
+    if create_pr:
+        logger.info("nothing differs from the default branch of %s: no pull request was opened", full_id)
     base = str(repo_url).rstrip("/")
     return f"{base}/tree/{revision}" if revision not in (None, "main") else base
 
@@ -185,6 +190,20 @@ def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | 
     Raises:
         HubError: the existing README's YAML header cannot be parsed, or the file cannot be written.
     """
+    readme = folder / "README.md"
+    text, existing = _card_text(folder, info, kind=kind, repo_id=repo_id)
+    if text == existing:
+        return False
+    try:
+        _write_atomic(readme, text)
+    except OSError as e:
+        raise HubError(f"cannot write {readme} ({_one_line(e)}): make the folder writable, or add a README.md") from e
+    logger.info("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
+    return True
+
+
+def _card_text(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None) -> tuple[str, str | None]:
+    """The README.md ``write_card`` would write, and the current one (None when absent)."""
     import yaml
 
     from .card import render_adapter_card, render_model_card
@@ -195,19 +214,21 @@ def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | 
         info = {**info, "base_model": _adapter_base_model(folder)}
     render = render_adapter_card if kind == "adapter" else render_model_card
     try:
-        text = render(info, repo_id=repo_id, existing_card_text=existing)
+        names = [p.relative_to(folder).as_posix() for p in folder.iterdir() if p.is_file()]
+        return render(info, repo_id=repo_id, existing_card_text=existing, folder_files=names), existing
     except (ValueError, yaml.YAMLError) as e:  # from the existing card's header
         if existing is None:
             raise
         raise HubError(f"{readme} has a YAML header that cannot be read ({_one_line(e)}): fix or remove it") from e
-    if text == existing:
-        return False
-    try:
-        _write_atomic(readme, text)
-    except OSError as e:
-        raise HubError(f"cannot write {readme} ({_one_line(e)}): make the folder writable, or add a README.md") from e
-    logger.info("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
-    return True
+
+
+def _check_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str) -> None:
+    """Fail before any network call when the card cannot be rendered or written."""
+    text, existing = _card_text(folder, info, kind=kind, repo_id=repo_id)
+    if text != existing and not os.access(folder, os.W_OK):
+        raise HubError(
+            f"cannot write {folder / 'README.md'} (folder not writable): make it writable, or add a README.md"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,9 +250,13 @@ def _read_provenance(folder: Path) -> dict[str, Any] | None:
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HubError(f"{path} cannot be read ({_one_line(e)}): re-run the merge, or delete it to push without a card") from e
+        raise HubError(
+            f"{path} cannot be read ({_one_line(e)}): re-run the merge, or delete it to push without a card"
+        ) from e
     if not isinstance(info, dict) or not isinstance(info.get("files", {}), dict):
-        raise HubError(f"{path} is not an hf-merge provenance record: re-run the merge, or delete it to push without a card")
+        raise HubError(
+            f"{path} is not an hf-merge provenance record: re-run the merge, or delete it to push without a card"
+        )
     return info
 
 
