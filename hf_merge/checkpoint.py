@@ -16,6 +16,8 @@ import torch
 
 from .spec import TensorSpec
 
+ROW_CHUNK_BYTES = 32 << 20  # converted / computed runs of rows are at most about this big
+
 
 @dataclass
 class CheckpointInfo:
@@ -59,6 +61,18 @@ class LazyCheckpoint:
         out = torch.empty(spec.shape, dtype=dtype or spec.dtype)
         self.read_into(name, out)
         return out
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES) -> Iterator[tuple[int, torch.Tensor]] | None:
+        """Optional streaming fast path: the tensor as contiguous runs of rows (along dim 0).
+
+        Returns None when not supported (the caller then uses :meth:`read_into`), else an iterator
+        of ``(first_row, rows)`` where ``rows`` is a contiguous tensor in ``dtype`` holding the rows
+        ``first_row .. first_row + len(rows)`` of the full tensor, in order, covering it exactly.
+        A run may be a zero-copy view of the source (same dtype) and must not be modified; a
+        converted or computed run holds at most about ``max_bytes``. Values are identical to what
+        :meth:`read_into` produces.
+        """
+        return None
 
     def keys(self) -> list[str]:
         return list(self.specs())
@@ -143,3 +157,18 @@ def open_checkpoint(
     from .readers.hf_dir import open_hf_dir
 
     return open_hf_dir(source, config_dir=config_dir)
+
+
+def row_runs(tensor: torch.Tensor, first_row: int, dtype: torch.dtype, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``tensor`` (rows ``first_row..``) as :meth:`LazyCheckpoint.read_rows` runs in ``dtype``.
+
+    Same dtype and contiguous: one zero-copy run. Otherwise runs of about ``max_bytes`` each,
+    converted with ``Tensor.to`` (the same round-to-nearest-even as ``copy_``).
+    """
+    if tensor.dtype == dtype and tensor.is_contiguous():
+        yield first_row, tensor
+        return
+    row_bytes = max(1, (tensor[0].numel() if tensor.dim() and len(tensor) else 1) * dtype.itemsize)
+    step = max(1, max_bytes // row_bytes)
+    for start in range(0, tensor.shape[0], step):
+        yield first_row + start, tensor[start : start + step].to(dtype).contiguous()

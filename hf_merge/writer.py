@@ -1,9 +1,10 @@
 """Streaming safetensors writer: fills planned files tensor by tensor, in place.
 
-Each output file is created at its final size with its header already written; its data section
-is memory-mapped and every tensor is read straight into its slot (``read_into`` on a view of the
-map), cast piece by piece when dtypes differ. Memory in use is the tensors in flight, never a
-shard or the model: dirty pages belong to the page cache and are written back by the kernel.
+Each output file is created at its final size with its header already written, and every tensor
+is written at its planned offset: runs of rows straight from the memory-mapped rank files
+(``pwrite`` of a zero-copy view when no cast is needed; converted chunks of ~32 MB when it is),
+small tensors whole, and large tensors with no row runs through a memory-mapped view of the output
+(``read_into``). Memory in use is the tensors in flight, never a shard or the model.
 
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
 (the plan is deterministic and partitions by file).
@@ -28,33 +29,52 @@ logger = logging.getLogger(__name__)
 ProgressFn = Callable[[int], None]
 
 
+# A tensor without a row fast path is read whole into memory up to this size; larger ones are read
+# into a memory-mapped view of the output file instead, so memory stays bounded either way.
+WHOLE_TENSOR_LIMIT = 256 << 20
+
+
+def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
 def write_file(ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: ProgressFn | None = None) -> Path:
-    """Write one planned safetensors file into ``folder``."""
+    """Write one planned safetensors file into ``folder``.
+
+    Tensors stream into place with ``pwrite``: runs of rows from :meth:`LazyCheckpoint.read_rows`
+    (zero-copy from the memory-mapped rank files when no cast is needed, else converted chunks),
+    or the whole tensor when it is small. A large tensor without runs is read into a view of the
+    memory-mapped output file.
+    """
     path = Path(folder) / plan.name
-    with open(path, "wb") as f:
-        f.write(plan.header)
-        f.truncate(plan.file_size)
-    if plan.data_size:
-        data = torch.from_file(str(path), shared=True, size=plan.file_size, dtype=torch.uint8)
-        try:
-            for spec in plan.specs:
-                if spec.nbytes == 0:
-                    continue
-                start = plan.data_start + plan.offsets[spec.name]
-                if start % spec.dtype.itemsize == 0:
-                    view = data[start : start + spec.nbytes].view(spec.dtype).view(spec.shape)
-                    ckpt.read_into(spec.name, view)
-                else:
-                    # Only in grouped layouts (plan.py), for small parts such as a quantized
-                    # weight's absmax: read into a temporary, then copy the bytes.
-                    tmp = torch.empty(spec.shape, dtype=spec.dtype)
-                    ckpt.read_into(spec.name, tmp)
-                    data[start : start + spec.nbytes].copy_(tmp.reshape(-1).view(torch.uint8))
-                    del tmp
-                if progress:
-                    progress(spec.nbytes)
-        finally:
-            del data
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    mapped = None
+    try:
+        os.pwrite(fd, plan.header, 0)
+        os.ftruncate(fd, plan.file_size)
+        for spec in plan.specs:
+            if spec.nbytes == 0:
+                continue
+            start = plan.data_start + plan.offsets[spec.name]
+            runs = ckpt.read_rows(spec.name, spec.dtype) if spec.shape else None
+            if runs is not None:
+                row_bytes = spec.nbytes // spec.shape[0]
+                for first, rows in runs:
+                    _pwrite_all(fd, rows, start + first * row_bytes)
+            elif spec.nbytes <= WHOLE_TENSOR_LIMIT or start % spec.dtype.itemsize:
+                _pwrite_all(fd, ckpt.read(spec.name, dtype=spec.dtype), start)
+            else:
+                if mapped is None:
+                    mapped = torch.from_file(str(path), shared=True, size=plan.file_size, dtype=torch.uint8)
+                ckpt.read_into(spec.name, mapped[start : start + spec.nbytes].view(spec.dtype).view(spec.shape))
+            if progress:
+                progress(spec.nbytes)
+    finally:
+        del mapped
+        os.close(fd)
     return path
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..spec import TensorSpec
 from .safe_pickle import load_rank_file
@@ -286,6 +286,23 @@ class FsdpCheckpoint(LazyCheckpoint):
             local = _local(self._state(piece.rank)[name])
             if local.numel():
                 out[piece.index].copy_(local)
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        """Rank pieces that split dim 0 only (FSDP's usual ``Shard(0)``) are runs of whole rows."""
+        lay = self._layouts[name]
+        if not lay.spec.shape or any(
+            s.start != 0 or s.stop != n for p in lay.pieces for s, n in zip(p.index[1:], lay.spec.shape[1:])
+        ):
+            return None
+        pieces = sorted(lay.pieces, key=lambda p: p.index[0].start)
+
+        def runs():
+            for piece in pieces:
+                local = _local(self._state(piece.rank)[name])
+                if local.numel():
+                    yield from row_runs(local, piece.index[0].start, dtype, max_bytes)
+
+        return runs()
 
     def close(self) -> None:
         self._states.clear()

@@ -8,7 +8,7 @@ memory-mapped (``mmap=True``): tensor bytes stay in the page cache and are read 
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib
 import logging
 import pickle
@@ -45,16 +45,31 @@ def _allowlist() -> list[Any]:
     return found
 
 
-@contextlib.contextmanager
-def _quiet_device_mesh():
-    # Unpickling a DeviceMesh without process groups logs a warning meant for torch.compile users.
-    log = logging.getLogger("torch.distributed.device_mesh")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
+@functools.cache
+def _register_allowlist() -> None:
+    """Add the DTensor classes to torch's weights_only allowlist, once per process.
+
+    Registered globally rather than with the ``safe_globals`` context manager: on exit, that
+    context removes the classes from the process-wide list, including the ones torch itself
+    registered when ``torch.distributed.tensor`` was imported, and later plain
+    ``torch.load(weights_only=True)`` calls of DTensor files would fail.
+    """
+    import torch
+
+    torch.serialization.add_safe_globals(_allowlist())
+
+
+class _DropMeshPickleWarning(logging.Filter):
+    """Unpickling a DeviceMesh without process groups logs a warning meant for torch.compile users;
+    reading files never needs process groups. Only that one message is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pickling/unpickling of the DeviceMesh" not in record.getMessage()
+
+
+@functools.cache
+def _quiet_device_mesh() -> None:
+    logging.getLogger("torch.distributed.device_mesh").addFilter(_DropMeshPickleWarning())
 
 
 def load_rank_file(path: Path) -> dict[str, Any]:
@@ -66,9 +81,10 @@ def load_rank_file(path: Path) -> dict[str, Any]:
     """
     import torch
 
+    _register_allowlist()
+    _quiet_device_mesh()
     try:
-        with _quiet_device_mesh(), torch.serialization.safe_globals(_allowlist()):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         text = str(e)
         if "Weights only load failed" in text or "Unsupported" in text:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint import LazyCheckpoint
+from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint
 from ..spec import TensorSpec
 
 
@@ -32,6 +32,9 @@ class Cast(LazyCheckpoint):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         self.base.read_into(name, out)
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        return self.base.read_rows(name, dtype, max_bytes)
 
     def close(self) -> None:
         self.base.close()

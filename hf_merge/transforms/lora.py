@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint import LazyCheckpoint, check_out
+from typing import Iterator
+
+from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out
 from ..lora import PEFT_PREFIX, LoraLayout, LoraSettings
 from ..spec import TensorSpec
 
@@ -46,11 +48,35 @@ class FusedLora(LazyCheckpoint):
             else:
                 self.base.read_into(name, out)
             return
-        weight = self.base.read(name, dtype=torch.float32)
+        for first, rows in self._fused_rows(name, module, out.dtype, ROW_CHUNK_BYTES):
+            out[first : first + len(rows)].copy_(rows)
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        module = self._fused.get(name)
+        if module is None:
+            if name in self.layout.saved:
+                return self.source.read_rows(self.layout.saved[name], dtype, max_bytes)
+            return self.base.read_rows(name, dtype, max_bytes)
+        return self._fused_rows(name, module, dtype, max_bytes)
+
+    def _fused_rows(self, name: str, module, dtype: torch.dtype, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """``W + (B @ A) * scale`` a run of rows at a time, in float32, converted to ``dtype``.
+
+        Row ``i`` of the result needs only row ``i`` of W and of B, so memory is a run of rows
+        plus A and B (rank-r, small), whatever the size of W.
+        """
         a = self.source.read(module.a_key, dtype=torch.float32)
         b = self.source.read(module.b_key, dtype=torch.float32)
-        weight += (b @ a) * self.settings.scale(module)
-        out.copy_(weight)
+        scale = self.settings.scale(module)
+        step = max(1, max_bytes // (module.in_features * 4))
+        runs = self.base.read_rows(name, torch.float32, max_bytes)
+        if runs is None:
+            runs = iter([(0, self.base.read(name, dtype=torch.float32))])
+        for first, weight in runs:
+            for start in range(0, len(weight), step):
+                rows = slice(first + start, first + min(start + step, len(weight)))
+                fused = weight[start : start + step] + (b[rows] @ a) * scale
+                yield rows.start, fused.to(dtype)
 
     def close(self) -> None:
         self.base.close()

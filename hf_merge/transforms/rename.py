@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint import LazyCheckpoint
+from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint
 from ..spec import TensorSpec
 
 
@@ -26,6 +26,9 @@ class Renamed(LazyCheckpoint):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         self.base.read_into(self._table[name], out)
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        return self.base.read_rows(self._table[name], dtype, max_bytes)
 
     def close(self) -> None:
         self.base.close()

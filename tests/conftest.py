@@ -1,0 +1,160 @@
+"""Shared pytest fixtures: REAL verl FSDP checkpoints written by ``examples/make_fsdp_checkpoint.py``.
+
+Every checkpoint fixture is session-scoped and lazy (built the first time a test asks for it) and
+returns a :class:`make_fsdp_checkpoint.FsdpCheckpoint`::
+
+    ck.root        checkpoint root (holds latest_checkpointed_iteration.txt, global_step_<i>/)
+    ck.actor       root/global_step_<i>/actor        (rank files, fsdp_config.json, huggingface/)
+    ck.hf_dir      ck.actor / "huggingface"
+    ck.rank_files  [actor/model_world_size_<N>_rank_<r>.pt ...]
+    ck.reference   root/reference: save_pretrained of the unsharded model, training dtype
+                   (LoRA: the PEFT model's merge_and_unload())
+    ck.logits      root/reference/logits.pt = {"input_ids": LongTensor[2, 8], "logits": float32}
+    ck.reference_adapter / ck.reference_base   LoRA only: PEFT adapter folder / base before LoRA
+    ck.base_model  save_lora_only only: HF folder of the base model, for ``--base-model``
+    ck.placements  {key: "(Shard(dim=0))" | "(Replicate(), Shard(dim=0))" | "plain" ...}
+    ck.options     what was asked for (arch, dtypes, world size, mesh, LoRA settings ...)
+
+Set ``HF_MERGE_FIXTURE_CACHE=/some/dir`` to keep the checkpoints between sessions (keyed by a hash
+of the generator's source); by default they live in pytest's tmp dir. ``-v`` prints build times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+import make_fsdp_checkpoint as mk  # noqa: E402
+
+FsdpCheckpoint = mk.FsdpCheckpoint
+BUILD_TIMES: dict[str, float] = {}
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# name -> (writer, kwargs). One real multi-process run per entry.
+CHECKPOINTS: dict[str, tuple] = {
+    # FSDP2 fully_shard (per decoder layer, then root) on a 1-D ("fsdp",) mesh
+    "qwen2_fp32_ws2": (mk.write_fsdp_checkpoint, dict(arch="qwen2", world_size=2)),
+    "llama_tied_bf16_ws4": (
+        mk.write_fsdp_checkpoint,
+        dict(arch="llama", tie_word_embeddings=True, train_dtype="bfloat16", world_size=4),
+    ),
+    "qwen2_shard1": (mk.write_fsdp_checkpoint, dict(arch="qwen2", world_size=2, shard_placement="first_divisible")),
+    # distribute_tensor layouts
+    "hsdp_ckpt": (mk.write_dtensor_checkpoint, dict(layout="hsdp")),
+    "uneven_ckpt": (mk.write_dtensor_checkpoint, dict(layout="uneven")),
+    "shard1_dtensor_ckpt": (mk.write_dtensor_checkpoint, dict(layout="shard1")),
+    "ws1_ckpt": (mk.write_dtensor_checkpoint, dict(layout="ws1")),
+    "mixed_buffers_ckpt": (mk.write_dtensor_checkpoint, dict(layout="mixed_buffers")),
+    # the same layouts produced by FSDP2 itself (fully_shard on the 2-D / uneven / 1-rank mesh)
+    "hsdp_fsdp2_ckpt": (mk.write_dtensor_checkpoint, dict(layout="hsdp", method="fully_shard")),
+    "uneven_fsdp2_ckpt": (mk.write_dtensor_checkpoint, dict(layout="uneven", method="fully_shard")),
+    "ws1_fsdp2_ckpt": (mk.write_dtensor_checkpoint, dict(layout="ws1", method="fully_shard")),
+    # LoRA (PEFT wrapped before sharding, init_lora_weights=False so B != 0)
+    "lora_ckpt": (mk.write_fsdp_checkpoint, dict(lora=dict(r=4, lora_alpha=8, target_modules=ALL_TARGETS))),
+    "lora_rslora_ckpt": (
+        mk.write_fsdp_checkpoint,
+        dict(lora=dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])),
+    ),
+    "lora_modules_to_save_ckpt": (
+        mk.write_fsdp_checkpoint,
+        dict(lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], modules_to_save=["lm_head"])),
+    ),
+    "lora_only_ckpt": (
+        mk.write_fsdp_checkpoint,
+        dict(lora=dict(r=4, lora_alpha=8, target_modules=ALL_TARGETS), save_lora_only=True),
+    ),
+    "lora_no_meta_ckpt": (
+        mk.write_fsdp_checkpoint,
+        dict(lora=dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"]), lora_meta=False),
+    ),
+}
+
+
+def _source_hash() -> str:
+    return hashlib.sha256(Path(mk.__file__).read_bytes()).hexdigest()[:12]
+
+
+def build_checkpoint(name: str, tmp_path_factory) -> FsdpCheckpoint:
+    """Build (or reuse from HF_MERGE_FIXTURE_CACHE) the checkpoint called ``name``."""
+    writer, kwargs = CHECKPOINTS[name]
+    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
+    if cache:
+        root = Path(cache) / _source_hash() / name
+        if (root / "fixture.json").is_file():
+            BUILD_TIMES[name] = 0.0
+            return mk.load_checkpoint_info(root)
+    else:
+        root = tmp_path_factory.mktemp(name, numbered=True)
+    t0 = time.perf_counter()
+    ck = writer(root, **kwargs)
+    BUILD_TIMES[name] = time.perf_counter() - t0
+    return ck
+
+
+def _make_fixture(name: str):
+    @pytest.fixture(scope="session", name=name)
+    def _fixture(tmp_path_factory) -> FsdpCheckpoint:
+        return build_checkpoint(name, tmp_path_factory)
+
+    _fixture.__doc__ = f"REAL checkpoint {name}: {CHECKPOINTS[name][1]}"
+    return _fixture
+
+
+for _name in CHECKPOINTS:
+    globals()[f"_fixture_{_name}"] = _make_fixture(_name)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """``checkpoint("hsdp_ckpt")`` -> the same object as the fixture of that name."""
+    built: dict[str, FsdpCheckpoint] = {}
+
+    def get(name: str) -> FsdpCheckpoint:
+        if name not in built:
+            built[name] = build_checkpoint(name, tmp_path_factory)
+        return built[name]
+
+    return get
+
+
+class CliResult(NamedTuple):
+    """Unpacks as ``rc, out, err``; also has ``.returncode/.stdout/.stderr`` like CompletedProcess."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_hf_merge(*args: str | os.PathLike, timeout: float = 600, env: dict | None = None, cwd=None) -> CliResult:
+    """Run the CLI in a fresh interpreter: ``python -m hf_merge.cli.app ARGS``."""
+    cmd = [sys.executable, "-m", "hf_merge.cli.app", *map(str, args)]
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    full_env.update(env or {})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+    return CliResult(p.returncode, p.stdout, p.stderr)
+
+
+@pytest.fixture
+def run_cli():
+    """``rc, out, err = run_cli("merge", src, dst, "--overwrite")``."""
+    return run_hf_merge
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+    if BUILD_TIMES and (config.option.verbose > 0 or os.environ.get("HF_MERGE_FIXTURE_TIMINGS")):
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in BUILD_TIMES.items())
+        terminalreporter.write_line(f"fixture checkpoints built ({sum(BUILD_TIMES.values()):.1f}s): {parts}")
