@@ -11,7 +11,7 @@ from helpers import run_cli
 from safetensors.torch import load_file, save_file
 
 import hf_merge
-from hf_merge.verify import verify
+from hf_merge.verification import verify
 
 
 @pytest.fixture(scope="module")

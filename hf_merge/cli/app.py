@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in ("-q", "--quiet") and any(a in ("-q", "--quiet") for a in argv):
+        argv = ["--quiet"] + [a for a in argv if a not in ("-q", "--quiet")]  # -q anywhere on the line
     commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
         argv.insert(0, "merge")  # `hf-merge SRC TGT` and `hf merge SRC TGT` mean merge

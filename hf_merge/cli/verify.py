@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..verify import verify
+    from ..verification import verify
 
     report = verify(
         args.target, args.against, atol=args.atol, rtol=args.rtol, logits=args.logits, logits_atol=args.logits_atol,
