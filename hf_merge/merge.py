@@ -18,7 +18,7 @@ from .output import atomic_folder, check_target
 from .plan import plan_shards
 from .spec import dtype_name
 from .transforms import Cast, drop_tied
-from .verify import file_checksums, verify_or_raise
+from .verification import file_checksums, verify_or_raise
 from .writer import write_shards
 
 logger = logging.getLogger(__name__)
