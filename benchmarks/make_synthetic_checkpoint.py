@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Write a synthetic verl FSDP checkpoint made of real DTensors.
+
+    python benchmarks/make_synthetic_checkpoint.py OUT_DIR --layers 2 [--world-size 4]
+
+The model is Qwen2-7B shaped (hidden 3584, intermediate 18944, 28 heads / 4 KV heads,
+vocab 152064, q/k/v biases, untied lm_head) with only ``--layers`` decoder layers, in bf16:
+about 2.18 GB of embeddings + lm_head plus 0.47 GB per layer (2 layers ~3.1 GB, 8 layers
+~5.9 GB).
+
+Like verl's FSDP2 checkpoint manager, ``world_size`` gloo processes (CPU) each save their own
+``model_world_size_{N}_rank_{r}.pt``: a ``torch.save`` of a state dict whose values are
+DTensors on a 1-D ``("fsdp",)`` mesh, placement ``Shard(0)``, chunked with ``torch.chunk``
+semantics. Each process creates only its own local shards (random bf16 values from a seed
+derived from the tensor name and rank), so no process ever holds the full model. The folder
+also gets ``fsdp_config.json`` and ``huggingface/`` (config.json, generation_config.json and a
+tiny tokenizer, since verl's merger always saves a tokenizer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+HIDDEN = 3584
+INTERMEDIATE = 18944
+HEADS = 28
+KV_HEADS = 4
+VOCAB = 152064
+HEAD_DIM = HIDDEN // HEADS
+
+
+def hf_config(layers: int) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": INTERMEDIATE,
+        "max_position_embeddings": 131072,
+        "max_window_layers": 28,
+        "model_type": "qwen2",
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": KV_HEADS,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": VOCAB,
+    }
+
+
+def param_shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and global shapes, in Qwen2ForCausalLM's state_dict order."""
+    kv = KV_HEADS * HEAD_DIM
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            p + "self_attn.q_proj.bias": (HIDDEN,),
+            p + "self_attn.k_proj.weight": (kv, HIDDEN),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, HIDDEN),
+            p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+            p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+        })
+    shapes["model.norm.weight"] = (HIDDEN,)
+    shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    return shapes
+
+
+def expected_bytes(layers: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for shape in param_shapes(layers).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * item
+    return total
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+def local_shard(name: str, shape: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
+    """This rank's Shard(0) piece, torch.chunk semantics (ceil-sized chunks, last short/empty)."""
+    n = shape[0]
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    stop = min(start + chunk, n)
+    local_shape = (stop - start, *shape[1:])
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}#{rank}".encode()))
+    if name.endswith("norm.weight"):
+        # RMSNorm weights sit around 1.0
+        t = torch.randn(local_shape, generator=gen, dtype=torch.float32).mul_(0.05).add_(1.0)
+        return t.to(torch.bfloat16)
+    return torch.randn(local_shape, generator=gen, dtype=torch.bfloat16).mul_(0.02)
+
+
+def _worker(rank: int, world: int, port: int, out: str, layers: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        sd = {}
+        for name, shape in param_shapes(layers).items():
+            local = local_shard(name, shape, rank, world)
+            sd[name] = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
+            )
+        path = Path(out) / f"model_world_size_{world}_rank_{rank}.pt"
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(sd, tmp)
+        os.replace(tmp, path)
+        del sd
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_tokenizer(hf_dir: Path) -> None:
+    """A tiny word-level tokenizer: real verl checkpoints always carry one, and verl's merger
+    calls AutoTokenizer.from_pretrained on huggingface/ unconditionally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "<unk>": 1}
+    for w in "the a of to and in is it that for on with as was at by hello world".split():
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<unk>",
+        "model_max_length": 131072,
+    }, indent=2) + "\n")
+
+
+def make_checkpoint(out: Path, layers: int, world: int = 4) -> dict:
+    """Write the checkpoint into ``out`` (replaced atomically). Returns a summary dict."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "huggingface").mkdir(parents=True)
+    t0 = time.perf_counter()
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp), layers), nprocs=world, join=True)
+    (tmp / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
+    hf = tmp / "huggingface"
+    (hf / "config.json").write_text(json.dumps(hf_config(layers), indent=2) + "\n")
+    (hf / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 151643, "eos_token_id": 151643, "max_new_tokens": 2048}, indent=2) + "\n")
+    write_tokenizer(hf)
+    elapsed = time.perf_counter() - t0
+    rank_bytes = sum((tmp / f"model_world_size_{world}_rank_{r}.pt").stat().st_size for r in range(world))
+    summary = {
+        "layers": layers,
+        "world_size": world,
+        "param_bytes": expected_bytes(layers),
+        "rank_file_bytes": rank_bytes,
+        "create_seconds": round(elapsed, 2),
+    }
+    (tmp / "synthetic.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="checkpoint folder to write (replaced if it exists)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (2 ~3.1 GB, 8 ~5.9 GB)")
+    ap.add_argument("--world-size", type=int, default=4, help="number of FSDP ranks / gloo processes")
+    args = ap.parse_args(argv)
+    print(f"writing {args.layers}-layer Qwen2-7B-shaped checkpoint "
+          f"({expected_bytes(args.layers) / 1e9:.2f} GB bf16) with {args.world_size} ranks to {args.out}",
+          file=sys.stderr)
+    summary = make_checkpoint(args.out, args.layers, args.world_size)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
