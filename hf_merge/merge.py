@@ -152,6 +152,7 @@ def merge(
     base_model_name: str | None = None,
     verify: bool = False,
     checksums: bool = True,
+    quantize: "str | dict[str, Any] | Any | None" = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -171,9 +172,19 @@ def merge(
         verify: re-read the written model and compare it with the source, tensor by tensor, before
             the output is moved into place (a mismatch raises VerificationError; no target is left).
         checksums: record each output file's sha256 in hf_merge.json (``hf-merge verify`` checks them).
+        quantize: ``"nf4"``, ``"fp4"``, ``"int8"`` or a :class:`~hf_merge.transforms.quantize.QuantizeOptions`:
+            bitsandbytes weights, as transformers saves them (``pip install 'hf-merge[quantize]'``).
     """
     target = Path(target)
     check_target(target, overwrite=overwrite)
+    if quantize is not None:  # quantize: options and bitsandbytes are checked before anything is read
+        from .errors import QuantizationError
+        from .transforms.quantize import QuantizeOptions, Quantized, require_bitsandbytes
+
+        quantize = QuantizeOptions.coerce(quantize)
+        require_bitsandbytes()
+        if verify:
+            raise QuantizationError("--verify cannot check quantized output yet; verify a plain merge, or drop --verify")
     ckpt = open_checkpoint(source, backend=backend, config=config)
     try:
         config_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
@@ -182,15 +193,25 @@ def merge(
             ckpt, cfg, dtype=dtype, lora=lora, lora_alpha=lora_alpha, use_rslora=use_rslora,
             base_model=base_model, base_model_name=base_model_name,
         )
+        qview = None
+        if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
+            views.model = qview = Quantized(views.model, cfg, quantize)
+            views.notes.extend(qview.notes)
         for note in ckpt.info.notes + views.notes:
             logger.info(note)
         for warning in ckpt.info.warnings:
             logger.warning(warning)
         provenance = _provenance(ckpt, cfg, views)
+        if qview is not None:  # quantize
+            provenance["quantization"] = qview.provenance()
+            cfg = qview.output_config(cfg)
         metadata = {"hf_merge_version": __version__, "source_format": ckpt.info.format}
         model_plan = adapter_plan = None
         if views.model is not None:
-            model_plan = plan_shards(views.model.specs(), max_shard_size=max_shard_size, metadata=metadata)
+            model_plan = plan_shards(
+                views.model.specs(), max_shard_size=max_shard_size, metadata=metadata,
+                group=qview.group if qview is not None else None,  # quantize: a module's parts stay together
+            )
         if views.adapter is not None:
             adapter_plan = plan_shards(
                 # PEFT loads one adapter file: never shard it.

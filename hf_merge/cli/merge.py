@@ -11,6 +11,7 @@ logger = logging.getLogger("hf_merge.cli")
 EXAMPLES = """examples:
   hf-merge merge checkpoints/global_step_100/actor ./merged
   hf-merge merge checkpoints/ ./merged --dtype bfloat16 --max-shard-size 2GB
+  hf-merge merge checkpoints/ ./merged-nf4 --quantize nf4 --double-quant   # bitsandbytes 4-bit
   hf-merge merge --backend fsdp --local_dir checkpoints/global_step_100/actor --target_dir ./merged   # verl's spelling
 """
 
@@ -57,6 +58,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source before finishing")
     p.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip recording sha256 of output files")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    q = p.add_argument_group("quantized output (needs: pip install 'hf-merge[quantize]')")
+    q.add_argument("--quantize", choices=["nf4", "fp4", "int8"], default=None, help="write bitsandbytes 4-bit (nf4, fp4) or 8-bit (int8) weights, as transformers saves them")
+    q.add_argument("--double-quant", action="store_true", help="4-bit: quantize the scales too (bnb_4bit_use_double_quant)")
+    q.add_argument("--quant-compute-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="4-bit: bnb_4bit_compute_dtype (default: the output dtype)")
+    q.add_argument("--quant-skip-modules", default=None, metavar="M1,M2", help="comma-separated modules to keep unquantized, besides lm_head and tied embeddings (llm_int8_skip_modules matching)")
     p.set_defaults(run=run)
 
 
@@ -91,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         base_model_name=args.base_model_name,
         verify=args.verify,
         checksums=args.checksums,
+        quantize=_quantize_options(args),
     )
     if args.json:
         print(json.dumps({
@@ -101,3 +108,19 @@ def run(args: argparse.Namespace) -> int:
         size = result.total_bytes / 1e9
         print(f"wrote {result.target} ({result.num_tensors} tensors, {size:.2f} GB, {len(result.files)} file(s), dtype {result.dtype or 'as trained'})", file=sys.stderr)
     return 0
+
+
+def _quantize_options(args: argparse.Namespace):
+    """--quantize and its companion flags -> QuantizeOptions (None without --quantize)."""
+    from ..errors import QuantizationError
+
+    given = {"--double-quant": args.double_quant, "--quant-compute-dtype": args.quant_compute_dtype, "--quant-skip-modules": args.quant_skip_modules}
+    if args.quantize is None:
+        extra = [flag for flag, value in given.items() if value]
+        if extra:
+            raise QuantizationError(f"{extra[0]} needs --quantize nf4|fp4|int8")
+        return None
+    from ..transforms.quantize import QuantizeOptions
+
+    skip = tuple(m.strip() for m in (args.quant_skip_modules or "").split(",") if m.strip())
+    return QuantizeOptions(args.quantize, double_quant=args.double_quant, compute_dtype=args.quant_compute_dtype, skip_modules=skip)
