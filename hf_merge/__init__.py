@@ -17,8 +17,8 @@ _EXPORTS = {
     "LazyCheckpoint": "checkpoint",
     "open_checkpoint": "checkpoint",
     "HfMergeError": "errors",
-    "MergeResult": "merge",
-    "merge": "merge",
+    "MergeResult": "merging",
+    "merge": "merging",
     "TensorSpec": "spec",
     "verify": "verification",
     "VerifyReport": "verification",
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import CheckpointInfo, LazyCheckpoint, open_checkpoint
     from .errors import HfMergeError
     from .hub import push
-    from .merge import MergeResult, merge
+    from .merging import MergeResult, merge
     from .spec import TensorSpec
     from .verification import VerifyReport, verify
 

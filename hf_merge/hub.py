@@ -198,7 +198,7 @@ def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | 
         _write_atomic(readme, text)
     except OSError as e:
         raise HubError(f"cannot write {readme} ({_one_line(e)}): make the folder writable, or add a README.md") from e
-    logger.info("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
+    logger.debug("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
     return True
 
 

@@ -148,7 +148,7 @@ def verify(
         _compare_values(report, got, want, names, exact=False, atol=atol, rtol=rtol)
     else:
         from .hf_files import find_config_dir, load_config
-        from .merge import build_views
+        from .merging import build_views
 
         if provenance.get("quantization"):
             raise HfMergeError("verifying a quantized output against its source is not supported; verify the plain merge")

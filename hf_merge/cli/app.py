@@ -17,7 +17,16 @@ class _NoteFormatter(logging.Formatter):
         return f"{prefix}: {record.getMessage()}"
 
 
+class _DropOptionalKernelNotice(logging.Filter):
+    """bitsandbytes (imported by peft) warns on every start that an optional download-only CPU
+    kernel is missing; it changes nothing for merging, so the CLI drops that one message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
 def _setup_logging(quiet: bool) -> None:
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_NoteFormatter())
     log = logging.getLogger("hf_merge")

@@ -55,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lora.add_argument("--use-rslora", action="store_true", default=None, help="the adapter was trained with rsLoRA (scale alpha/sqrt(r))")
     lora.add_argument("--base-model", default=None, help="HF folder with the base weights, for save_lora_only checkpoints")
     lora.add_argument("--base-model-name", default=None, help="base_model_name_or_path for adapter_config.json and the model card")
+    hub = p.add_argument_group("Hugging Face Hub")
+    hub.add_argument("--push-to-hub", "--hf_upload_path", "--hf-upload-path", dest="push_to_hub", metavar="REPO_ID",
+                     help="upload the finished folder to this model repo (token from HF_TOKEN or `hf auth login`)")
+    hub.add_argument("--private", action=argparse.BooleanOptionalAction, default=None, help="create the repo private / public")
     p.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source before finishing")
     p.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip recording sha256 of output files")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from ..errors import HfMergeError
-    from ..merge import merge
+    from ..merging import merge
 
     source = args.source or args.local_dir
     target = args.target or args.target_dir
@@ -98,15 +102,19 @@ def run(args: argparse.Namespace) -> int:
         verify=args.verify,
         checksums=args.checksums,
         quantize=_quantize_options(args),
+        push_to_hub=args.push_to_hub,
+        private=args.private,
     )
     if args.json:
         print(json.dumps({
             "target": str(result.target), "files": result.files, "dtype": result.dtype,
-            "tensors": result.num_tensors, "bytes": result.total_bytes, "notes": result.notes,
+            "tensors": result.num_tensors, "bytes": result.total_bytes, "notes": result.notes, "url": result.url,
         }, indent=2))
     else:
         size = result.total_bytes / 1e9
         print(f"wrote {result.target} ({result.num_tensors} tensors, {size:.2f} GB, {len(result.files)} file(s), dtype {result.dtype or 'as trained'})", file=sys.stderr)
+        if result.url:
+            print(f"pushed to {result.url}", file=sys.stderr)
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 from . import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .hf_files import copy_side_files, find_config_dir, load_config, resolve_dtype, tied_pairs, write_config
+from .hub import push, write_card
 from .output import atomic_folder, check_target
 from .plan import plan_shards
 from .spec import dtype_name
@@ -37,6 +38,7 @@ class MergeResult:
     total_bytes: int
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
+    url: str | None = None  # the Hub URL when pushed
 
 
 @dataclass
@@ -153,6 +155,8 @@ def merge(
     verify: bool = False,
     checksums: bool = True,
     quantize: "str | dict[str, Any] | Any | None" = None,
+    push_to_hub: str | None = None,
+    private: bool | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -174,6 +178,7 @@ def merge(
         checksums: record each output file's sha256 in hf_merge.json (``hf-merge verify`` checks them).
         quantize: ``"nf4"``, ``"fp4"``, ``"int8"`` or a :class:`~hf_merge.transforms.quantize.QuantizeOptions`:
             bitsandbytes weights, as transformers saves them (``pip install 'hf-merge[quantize]'``).
+        push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
     """
     target = Path(target)
     check_target(target, overwrite=overwrite)
@@ -201,7 +206,7 @@ def merge(
             logger.info(note)
         for warning in ckpt.info.warnings:
             logger.warning(warning)
-        provenance = _provenance(ckpt, cfg, views)
+        provenance = _provenance(ckpt, cfg, views, base_model_name)
         if qview is not None:  # quantize
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
@@ -224,21 +229,23 @@ def merge(
                 copy_side_files(config_dir, tmp)
                 if checksums:
                     provenance["files"] = file_checksums(tmp, [f.name for f in model_plan.files])
-                (tmp / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
                 if verify:
+                    _write_provenance(tmp, provenance)
                     report = verify_or_raise(
                         tmp, ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
                         use_rslora=use_rslora, base_model=base_model,
                     )
                     provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
-                    (tmp / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+                _write_provenance(tmp, provenance)
+                write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
             if adapter_plan is not None:
                 adapter_dir = tmp if model_plan is None else tmp / ADAPTER_SUBDIR
                 write_shards(views.adapter, adapter_plan, adapter_dir, workers=1, desc="Adapter")
                 (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
                 if model_plan is None:
                     copy_side_files(config_dir, adapter_dir, skip=("generation_config.json",))
-                    (adapter_dir / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+                    _write_provenance(adapter_dir, provenance)
+                write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if model_plan is None else None)
         main_plan = model_plan or adapter_plan
         return MergeResult(
             target=target,
@@ -248,12 +255,17 @@ def merge(
             total_bytes=main_plan.total_size,
             notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
             provenance=provenance,
+            url=push(target, push_to_hub, private=private) if push_to_hub else None,
         )
     finally:
         ckpt.close()
 
 
-def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views) -> dict[str, Any]:
+def _write_provenance(folder: Path, provenance: dict[str, Any]) -> None:
+    (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base_model_name: str | None) -> dict[str, Any]:
     info = ckpt.info
     out_dtype = views.out_dtype
     return {
@@ -262,14 +274,14 @@ def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views) -> d
         "source": {
             "format": info.format,
             "framework": "verl" if info.format.startswith(("verl", "megatron")) else None,
-            "path": str(info.path),
+            "path": "/".join(Path(info.path).parts[-3:]),  # no local home paths in uploaded files
             "world_size": info.world_size,
             "step": info.step,
             **{k: v for k, v in info.details.items() if k in ("mesh", "mesh_dim_names", "fsdp_version", "placements")},
         },
         "dtype": dtype_name(out_dtype) if out_dtype else "auto",
         "architecture": (config.get("architectures") or [None])[0],
-        "base_model": config.get("_name_or_path") or None,
+        "base_model": base_model_name or config.get("_name_or_path") or None,
         "lora": views.lora,
         "quantization": None,
         "verification": None,
