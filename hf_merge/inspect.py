@@ -32,6 +32,7 @@ def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path
         hf_dir = Path(config) if config else info.hf_dir
         if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
             cfg = load_config(Path(hf_dir))
+            cfg.update(info.details.get("config_overrides") or {})
             report["hf_config"] = str(hf_dir)
             report["architecture"] = (cfg.get("architectures") or [None])[0]
             report["config_dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")

@@ -157,6 +157,7 @@ def merge(
     quantize: "str | dict[str, Any] | Any | None" = None,
     push_to_hub: str | None = None,
     private: bool | None = None,
+    is_value_model: bool | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -179,6 +180,8 @@ def merge(
         quantize: ``"nf4"``, ``"fp4"``, ``"int8"`` or a :class:`~hf_merge.transforms.quantize.QuantizeOptions`:
             bitsandbytes weights, as transformers saves them (``pip install 'hf-merge[quantize]'``).
         push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
+        is_value_model: the checkpoint is a critic: write its value head as ``score.weight`` of a
+            ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
     """
     target = Path(target)
     check_target(target, overwrite=overwrite)
@@ -190,10 +193,12 @@ def merge(
         require_bitsandbytes()
         if verify:
             raise QuantizationError("--verify cannot check quantized output yet; verify a plain merge, or drop --verify")
-    ckpt = open_checkpoint(source, backend=backend, config=config)
+    ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model)
     try:
         config_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
         cfg = load_config(config_dir)
+        # What the checkpoint itself shows wins over config.json (a critic's value head, ties).
+        cfg.update(ckpt.info.details.get("config_overrides") or {})
         views = build_views(
             ckpt, cfg, dtype=dtype, lora=lora, lora_alpha=lora_alpha, use_rslora=use_rslora,
             base_model=base_model, base_model_name=base_model_name,

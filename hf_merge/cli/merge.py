@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         quantize=_quantize_options(args),
         push_to_hub=args.push_to_hub,
         private=args.private,
+        is_value_model=args.is_value_model,
     )
     if args.json:
         print(json.dumps({

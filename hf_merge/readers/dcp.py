@@ -85,6 +85,12 @@ _SAFE_GLOBALS = {
     ("builtins", "set"),
     ("builtins", "frozenset"),
     ("builtins", "slice"),
+    # StorageMeta.checkpoint_id is a path object when the writer was given one
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -293,6 +299,7 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
 # The lazy checkpoint
 # --------------------------------------------------------------------------------------------
 
+_HAVE_PREADV = hasattr(os, "preadv")
 _DISTCP_RANK = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 
@@ -427,6 +434,12 @@ class DcpCheckpoint(LazyCheckpoint):
                 )
         return chunk.layout
 
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        spec = self._spec(name)
+        out = torch.empty(spec.shape, dtype=dtype or spec.dtype)
+        self.read_into(name, out)
+        return out
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         spec = self._spec(name)
         check_out(spec, out)
@@ -461,6 +474,15 @@ class DcpCheckpoint(LazyCheckpoint):
         item = lay.dtype.itemsize
         first = lay.storage_offset + sum(s * st for s, st in zip(src_start, lay.stride))
         span = 1 + sum((n - 1) * st for n, st in zip(size, lay.stride))
+        fd = self._fd(chunk.file)
+        where = lay.data_start + first * item
+        if dst.dtype == lay.dtype and dst.is_contiguous() and _c_contiguous(size, lay.stride):
+            # The box is one contiguous byte range and dst can take it as is: read straight into
+            # dst (e.g. a view into the memory-mapped output file), no intermediate buffer.
+            target = _writable_bytes(dst)
+            if target is not None:
+                self._pread_exact(fd, target, where, name, chunk)
+                return
         if span * item > self.max_read_bytes:
             # Split along the first dimension that has more than one index, and recurse.
             for d, n in enumerate(size):
@@ -472,19 +494,25 @@ class DcpCheckpoint(LazyCheckpoint):
                         sub_size = size[:d] + (b - a,) + size[d + 1 :]
                         self._copy_box(name, chunk, sub_start, sub_size, dst.narrow(d, a, b - a))
                     return
-            # a single element larger than the limit cannot happen; fall through
-        nbytes = span * item
-        buf = bytearray(nbytes)
-        fd = self._fd(chunk.file)
-        got = os.preadv(fd, [buf], lay.data_start + first * item) if hasattr(os, "preadv") else None
-        if got is None:
-            data = os.pread(fd, nbytes, lay.data_start + first * item)
-            got = len(data)
-            buf[: len(data)] = data
-        if got != nbytes:
-            raise CorruptCheckpointError(f"{self.path / chunk.file}: short read of {name} ({got} of {nbytes} bytes)")
+        buf = bytearray(span * item)
+        self._pread_exact(fd, memoryview(buf), where, name, chunk)
         src = torch.frombuffer(buf, dtype=lay.dtype).as_strided(size, lay.stride)
         dst.copy_(src)
+
+    def _pread_exact(self, fd: int, target: memoryview, offset: int, name: str, chunk: _Chunk) -> None:
+        done, total = 0, target.nbytes
+        while done < total:
+            if _HAVE_PREADV:
+                n = os.preadv(fd, [target[done:]], offset + done)
+            else:  # pragma: no cover - platforms without preadv
+                data = os.pread(fd, min(total - done, 1 << 30), offset + done)
+                n = len(data)
+                target[done : done + n] = data
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"{self.path / chunk.file}: short read of {name} ({done} of {total} bytes at byte {offset})"
+                )
+            done += n
 
     def _spec(self, name: str) -> TensorSpec:
         try:
@@ -507,6 +535,24 @@ class DcpCheckpoint(LazyCheckpoint):
             self.close()
         except Exception:
             pass
+
+
+def _c_contiguous(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """True if a box of ``size`` with element ``stride`` is one C-ordered run of elements."""
+    expect = 1
+    for n, st in zip(reversed(size), reversed(stride)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _writable_bytes(t: torch.Tensor) -> memoryview | None:
+    """A writable byte view of a contiguous CPU tensor's memory (None if numpy is missing)."""
+    try:
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    except Exception:  # no numpy, or a tensor numpy cannot view
+        return None
 
 
 def iter_regions(shape: Sequence[int], axis: int = 0) -> Iterable[tuple[int, ...]]:

@@ -1,0 +1,242 @@
+"""The lazy DCP reader against folders written by torch.distributed.checkpoint itself.
+
+Multi-chunk tensors (what TP / FSDP ranks produce) are written in one process by a save planner
+that splits chosen tensors into chunks along a dim; the files are DCP's own (FileSystemWriter,
+default TORCH_SAVE serialization). Megatron-written folders are covered in test_megatron.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError
+from hf_merge.readers import dcp as dcp_mod
+from hf_merge.readers.dcp import DcpCheckpoint, is_dcp_dir
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class ChunkedPlanner(DefaultSavePlanner):
+    """Save planner that stores chosen tensors as several chunks: ``{name: (dim, parts)}``."""
+
+    def __init__(self, splits: dict[str, tuple[int, int]]):
+        super().__init__()
+        self.splits = splits
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for it in plan.items:
+            name = it.index.fqn
+            if name not in self.splits or it.type != WriteItemType.TENSOR:
+                items.append(it)
+                continue
+            t = self.state_dict[name]
+            dim, parts = self.splits[name]
+            step = -(-t.shape[dim] // parts)
+            for a in range(0, t.shape[dim], step):
+                off = [0] * t.dim()
+                off[dim] = a
+                size = list(t.shape)
+                size[dim] = min(step, t.shape[dim] - a)
+                chunk = ChunkStorageMetadata(torch.Size(off), torch.Size(size))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(name, torch.Size(off)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(t), size=t.size()),
+                    )
+                )
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        name = write_item.index.fqn
+        if name in self.splits and write_item.type == WriteItemType.SHARD:
+            t = self.state_dict[name]
+            c = write_item.tensor_data.chunk
+            for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+                t = t.narrow(d, o, s)
+            return t.contiguous().clone()
+        return super().resolve_data(write_item)
+
+
+def save_dcp(path: Path, state_dict: dict, splits: dict[str, tuple[int, int]] | None = None) -> Path:
+    dcp.save(state_dict, storage_writer=FileSystemWriter(str(path)), planner=ChunkedPlanner(splits or {}), no_dist=True)
+    return path
+
+
+def official_load(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    sd = {k: torch.empty_like(v) for k, v in like.items()}
+    dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "stacked.qkv": torch.randn(4, 24, 8, generator=g),  # [L, rows, H] sharded on rows (TP dim 0)
+        "stacked.proj": torch.randn(4, 8, 12, generator=g),  # sharded on the last dim (TP dim 1)
+        "emb": torch.randn(10, 8, generator=g).to(torch.bfloat16),  # uneven chunks (10 rows / 3)
+        "half": torch.randn(3, 5, generator=g).half(),
+        "ids": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "transposed": torch.randn(6, 4, generator=g).t(),  # non-contiguous at save time
+    }
+    state = dict(tensors)
+    state["extra_state"] = io.BytesIO(b"not a tensor")
+    path = save_dcp(
+        tmp_path_factory.mktemp("dcp") / "ckpt",
+        state,
+        {"stacked.qkv": (1, 2), "stacked.proj": (2, 3), "emb": (0, 3), "ids": (1, 2)},
+    )
+    return path, tensors
+
+
+def test_specs_and_full_reads_match_torch_dcp(sample):
+    path, tensors = sample
+    assert is_dcp_dir(path)
+    ck = DcpCheckpoint(path)
+    assert set(ck.specs()) == set(tensors)
+    assert ck.byte_keys() == ["extra_state"]
+    assert len(ck.chunk_boxes("stacked.qkv")) == 2 and len(ck.chunk_boxes("emb")) == 3
+    ref = official_load(path, tensors)
+    for name, t in tensors.items():
+        spec = ck.specs()[name]
+        assert spec.shape == tuple(t.shape) and spec.dtype == t.dtype, name
+        got = ck.read(name)
+        assert got.dtype == t.dtype and torch.equal(got, t) and torch.equal(got, ref[name]), name
+    assert ck.info.format == "dcp" and ck.info.world_size == 1
+    ck.close()
+    ck.close()  # twice is fine
+
+
+def test_region_reads_cross_chunk_boundaries(sample):
+    path, tensors = sample
+    ck = DcpCheckpoint(path)
+    qkv, proj = tensors["stacked.qkv"], tensors["stacked.proj"]
+    for i in range(4):  # one layer of a stacked tensor at a time
+        out = torch.empty(1, 24, 8)
+        ck.read_region_into("stacked.qkv", (i, 0, 0), out)
+        assert torch.equal(out[0], qkv[i])
+    out = torch.empty(2, 7, 8)  # rows 10..17 straddle the two row chunks
+    ck.read_region_into("stacked.qkv", (1, 10, 0), out)
+    assert torch.equal(out, qkv[1:3, 10:17])
+    out = torch.empty(1, 8, 9)  # columns 2..11 straddle three column chunks
+    ck.read_region_into("stacked.proj", (3, 0, 2), out)
+    assert torch.equal(out, proj[3:4, :, 2:11])
+    out = torch.empty(2, 3)  # a box of a chunk stored transposed (non-contiguous at save time)
+    ck.read_region_into("transposed", (1, 2), out)
+    assert torch.equal(out, tensors["transposed"][1:3, 2:5])
+    with pytest.raises(ValueError, match="outside"):
+        ck.read_region_into("stacked.qkv", (3, 20, 0), torch.empty(2, 8, 8))
+
+
+def test_read_into_casts_and_fills_strided_buffers(sample):
+    path, tensors = sample
+    ck = DcpCheckpoint(path)
+    buf = torch.zeros(8, 10, dtype=torch.float64)
+    out = buf.t()  # [10, 8] non-contiguous view, another dtype
+    ck.read_into("emb", out)
+    assert torch.equal(out, tensors["emb"].double())
+    with pytest.raises(ValueError, match="shape"):
+        ck.read_into("emb", torch.empty(8, 10))
+    with pytest.raises(KeyError, match="byte entry"):
+        ck.read("extra_state")
+
+
+def test_reads_are_bounded_byte_ranges(tmp_path, monkeypatch):
+    big = torch.randn(8, 256, 256)  # 2 MiB, one chunk: one layer is 256 KiB
+    path = save_dcp(tmp_path / "big", {"w": big})
+    limit = 64 << 10
+    ck = DcpCheckpoint(path, max_read_bytes=limit)
+    read_bytes = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd, buffers, offset, *a):
+        read_bytes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real_preadv(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    ck.read("w")  # parse the chunk once
+    read_bytes.clear()
+
+    # Same dtype, contiguous buffer: one layer is one read straight into the buffer.
+    out = torch.empty(1, 256, 256)
+    ck.read_region_into("w", (5, 0, 0), out)
+    assert torch.equal(out[0], big[5])
+    assert read_bytes == [256 * 256 * 4]  # exactly the layer, nothing else
+
+    # Cast on the way (float32 -> float64): read through buffers no larger than the limit,
+    # so Python-side memory stays near the limit whatever the tensor size.
+    read_bytes.clear()
+    full = torch.empty(8, 256, 256, dtype=torch.float64)
+    tracemalloc.start()
+    ck.read_into("w", full)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert torch.equal(full, big.double())
+    assert sum(read_bytes) == big.numel() * 4 and max(read_bytes) <= limit
+    assert peak < 2 * limit + (32 << 10), peak
+
+
+def test_missing_and_garbage_metadata(tmp_path):
+    with pytest.raises(SourceNotFoundError):
+        DcpCheckpoint(tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CorruptCheckpointError, match="cannot read DCP metadata"):
+        DcpCheckpoint(tmp_path)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_metadata_pickle_is_allowlisted(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(UnsafeCheckpointError, match="posix.system|os.system|allowlist"):
+        DcpCheckpoint(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_truncated_or_missing_data_files(sample, tmp_path):
+    import shutil
+
+    src, _ = sample
+    trunc = tmp_path / "trunc"
+    shutil.copytree(src, trunc)
+    data = trunc / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        DcpCheckpoint(trunc)
+    data.unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        DcpCheckpoint(trunc)
+
+
+def test_corrupt_chunk_bytes_are_reported(tmp_path):
+    path = save_dcp(tmp_path / "c", {"w": torch.randn(4, 4)})
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[:4] = b"XXXX"  # break the embedded archive's first local header
+    data.write_bytes(bytes(raw))
+    ck = DcpCheckpoint(path)
+    with pytest.raises((CorruptCheckpointError, dcp_mod.UnsupportedCheckpointError)):
+        ck.read("w")

@@ -1,0 +1,494 @@
+"""verl Megatron checkpoints: real megatron-core saves (TP=2, PP=2) against Megatron's own logits.
+
+The session fixture runs ``examples/make_megatron_checkpoint.py`` once (4 gloo ranks on CPU): it
+writes every variant with Megatron's ``dist_checkpointing`` (and legacy per-rank files), reloads
+each at TP=1 through Megatron and records the logits for fixed input ids. The HF model built from
+our reader must give the same logits. Tests that need no megatron-core (synthetic DCP folders with
+Megatron names) run without it.
+
+``HF_MERGE_FIXTURE_CACHE=/dir`` keeps the generated checkpoints between sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from hf_merge.errors import (
+    CorruptCheckpointError,
+    MappingError,
+    MissingConfigError,
+    UnsupportedCheckpointError,
+)
+from hf_merge.readers.dcp import DcpCheckpoint
+from hf_merge.readers.megatron import open_megatron, probe
+from hf_merge.transforms.fused import split_gate_up, split_qkv
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATOR = REPO / "examples" / "make_megatron_checkpoint.py"
+sys.path.insert(0, str(GENERATOR.parent))
+import make_megatron_checkpoint as mk  # noqa: E402  (imports torch only; megatron inside workers)
+
+VARIANTS = {v.name: v for v in mk.DEFAULT_VARIANTS}
+MERGED = [v.name for v in mk.DEFAULT_VARIANTS if not v.mbridge]
+MBRIDGE = [v.name for v in mk.DEFAULT_VARIANTS if v.mbridge]
+
+
+# --------------------------------------------------------------------------------------------
+# Real megatron-core fixtures
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def megatron_root(tmp_path_factory) -> Path:
+    """All default variants, written by real megatron-core (skips if it is not installed)."""
+    mcore = pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
+    key = hashlib.sha256(GENERATOR.read_bytes() + mcore.__version__.encode() + torch.__version__.encode()).hexdigest()[:12]
+    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
+    root = Path(cache) / f"megatron-{key}" if cache else tmp_path_factory.mktemp("megatron")
+    done = root / "fixture.done"
+    if done.is_file():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    log_path = root / "generator.log"
+    # Output goes to a file (no pipe any straggler could hold open) and the generator runs in its
+    # own process group, so that a failure or a timeout can end every process it started.
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(GENERATOR), str(root)], stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of this run only
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    if rc != 0:
+        pytest.fail(f"make_megatron_checkpoint.py failed (rc={rc}):\n{log_path.read_text()[-4000:]}")
+    done.write_text(f"{time.perf_counter() - t0:.1f}s\n")
+    return root
+
+
+def role_dir(root: Path, name: str) -> Path:
+    return root / name / VARIANTS[name].role
+
+
+def hf_model_from(ckpt):
+    """Build the HF model the writer would describe (config.json + config_overrides) and load it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cfg = json.loads((ckpt.info.hf_dir / "config.json").read_text())
+    cfg.update(ckpt.info.details["config_overrides"])
+    config = AutoConfig.for_model(**cfg)
+    cls = AutoModelForTokenClassification if ckpt.info.details["value_model"] else AutoModelForCausalLM
+    model = cls.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    state = {k: ckpt.read(k, dtype=torch.float32) for k in ckpt.keys()}
+    result = model.load_state_dict(state, strict=False)
+    allowed_missing = {"lm_head.weight"} if ckpt.info.details["tied"] else set()
+    assert set(result.missing_keys) <= allowed_missing, result.missing_keys
+    assert not result.unexpected_keys, result.unexpected_keys
+    return model.eval(), config
+
+
+@pytest.mark.parametrize("name", MERGED)
+def test_logits_equal_megatron(megatron_root, name):
+    var = VARIANTS[name]
+    ckpt = open_megatron(role_dir(megatron_root, name))
+    d = ckpt.info.details
+    assert ckpt.info.format == "megatron"
+    assert d["layout"] == var.layout and d["tp"] == 2 and d["pp"] == 2
+    assert d["num_layers"] == mk.FAMILIES[var.family].layers and d["family"] == var.family
+    assert d["value_model"] is var.value and d["tied"] is (var.tied and not var.value)
+    model, config = hf_model_from(ckpt)
+    if var.value:
+        assert config.num_labels == 1 and config.architectures[0].endswith("ForTokenClassification")
+        assert model.score.bias is None  # verl's value head has no bias
+    ref = torch.load(megatron_root / name / "reference.pt")
+    with torch.no_grad():
+        logits = model(input_ids=ref["input_ids"], attention_mask=torch.ones_like(ref["input_ids"])).logits
+    assert logits.shape == ref["logits"].shape
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-4)
+
+
+def test_tensors_are_exact_splits_of_the_dcp(megatron_root):
+    """Bit-exact: each HF tensor equals the pure split of the tensor torch's own DCP loader returns."""
+    root = role_dir(megatron_root, "qwen2_v1")
+    dist = root / "dist_ckpt"
+    ours = DcpCheckpoint(dist)
+    official = {k: torch.empty(s.shape, dtype=s.dtype) for k, s in ours.specs().items()}
+    dcp.load(official, storage_reader=FileSystemReader(str(dist)), no_dist=True)
+    for k, t in official.items():
+        assert torch.equal(ours.read(k), t), k
+    ckpt = open_megatron(root)
+    fam = mk.FAMILIES["qwen2"]
+    qkv = official["decoder.layers.self_attention.linear_qkv.weight"]
+    fc1 = official["decoder.layers.mlp.linear_fc1.weight"]
+    for i in range(fam.layers):
+        q, k, v = split_qkv(qkv[i], num_heads=fam.heads, num_kv_heads=fam.kv_heads, head_dim=fam.head_dim)
+        gate, up = split_gate_up(fc1[i])
+        p = f"model.layers.{i}."
+        for name, want in {"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
+                           "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up}.items():
+            assert torch.equal(ckpt.read(p + name), want), p + name
+    names = list(ckpt.specs())
+    assert names[0] == "model.embed_tokens.weight" and names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    assert not any("_extra_state" in n or n.startswith("optimizer") for n in names)
+
+
+@pytest.mark.parametrize("name", MBRIDGE)
+def test_mbridge_weights_are_served_as_they_are(megatron_root, name):
+    from safetensors.torch import load_file
+
+    root = role_dir(megatron_root, name)
+    assert probe(root)
+    ckpt = open_megatron(root)
+    assert ckpt.info.details["layout"] == "mbridge"
+    assert any("mbridge" in n and "nothing to merge" in n for n in ckpt.info.notes)
+    hf_dir = ckpt.info.hf_dir
+    want = load_file(str(hf_dir / "model.safetensors"))
+    assert sorted(ckpt.keys()) == sorted(want)
+    for k, t in want.items():
+        assert torch.equal(ckpt.read(k), t), k
+
+
+def test_value_model_flag_is_checked(megatron_root):
+    with pytest.raises(MappingError, match="is_value_model=True"):
+        open_megatron(role_dir(megatron_root, "mistral_critic_v2"), is_value_model=False)
+    with pytest.raises(MappingError, match="language-model head"):
+        open_megatron(role_dir(megatron_root, "qwen2_v1"), is_value_model=True)
+    ckpt = open_megatron(role_dir(megatron_root, "mistral_critic_v2"), is_value_model=True)
+    assert list(ckpt.specs())[-1] == "score.weight" and ckpt.specs()["score.weight"].shape == (1, 32)
+
+
+def test_step_and_role_folders_resolve(megatron_root, tmp_path):
+    run = tmp_path / "ckpts"
+    (run / "global_step_7").mkdir(parents=True)
+    (run / "global_step_3").mkdir()
+    (run / "global_step_7" / "actor").symlink_to(role_dir(megatron_root, "qwen2_v1"))
+    (run / "latest_checkpointed_iteration.txt").write_text("7\n")
+    assert probe(run)
+    ckpt = open_megatron(run)
+    assert ckpt.info.step == 7
+    assert any("global_step_7" in n for n in ckpt.info.notes)
+    import hf_merge
+
+    auto = hf_merge.open_checkpoint(run / "global_step_7")
+    assert auto.info.format == "megatron" and auto.keys() == ckpt.keys()
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic Megatron-named DCP folders (no megatron-core needed)
+# --------------------------------------------------------------------------------------------
+
+H, NQ, NKV, HD, F, L, V = 8, 2, 1, 4, 12, 2, 16
+
+
+def _config(**kw) -> dict:
+    cfg = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=F,
+        num_hidden_layers=L, num_attention_heads=NQ, num_key_value_heads=NKV, head_dim=HD,
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )
+    cfg.update(kw)
+    return cfg
+
+
+def _tensors(**extra) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    t = {
+        "embedding.word_embeddings.weight": torch.randn(V, H, generator=g),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": torch.randn(L, H, generator=g),
+        "decoder.layers.self_attention.linear_qkv.weight": torch.randn(L, (NQ + 2 * NKV) * HD, H, generator=g),
+        "decoder.layers.self_attention.linear_proj.weight": torch.randn(L, H, NQ * HD, generator=g),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": torch.randn(L, H, generator=g),
+        "decoder.layers.mlp.linear_fc1.weight": torch.randn(L, 2 * F, H, generator=g),
+        "decoder.layers.mlp.linear_fc2.weight": torch.randn(L, H, F, generator=g),
+        "decoder.final_layernorm.weight": torch.randn(H, generator=g),
+        "output_layer.weight": torch.randn(V, H, generator=g),
+    }
+    for k, v in extra.items():
+        if v is None:
+            t.pop(k)
+        else:
+            t[k] = v
+    return t
+
+
+def synthetic(tmp_path: Path, tensors: dict, config: dict | None, *, name: str = "actor") -> Path:
+    role = tmp_path / name
+    dist = role / "dist_ckpt"
+    dist.mkdir(parents=True)
+    if tensors:
+        dcp.save(dict(tensors), storage_writer=FileSystemWriter(str(dist)), no_dist=True)
+    (dist / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    if config is not None:
+        (role / "huggingface").mkdir()
+        (role / "huggingface" / "config.json").write_text(json.dumps(config))
+    return role
+
+
+def test_synthetic_llama_maps_and_splits(tmp_path):
+    tensors = _tensors(**{"optimizer.state.exp_avg.decoder.final_layernorm.weight": torch.zeros(H),
+                          "decoder.layers.mlp.linear_fc2._extra_state": torch.zeros(3)})
+    root = synthetic(tmp_path, tensors, _config())
+    assert probe(root) and probe(root / "dist_ckpt")
+    ckpt = open_megatron(root)
+    specs = ckpt.specs()
+    assert specs["model.layers.1.self_attn.q_proj.weight"].shape == (NQ * HD, H)
+    assert specs["model.layers.0.self_attn.k_proj.weight"].shape == (NKV * HD, H)
+    q, k, v = split_qkv(tensors["decoder.layers.self_attention.linear_qkv.weight"][1], num_heads=NQ, num_kv_heads=NKV, head_dim=HD)
+    assert torch.equal(ckpt.read("model.layers.1.self_attn.v_proj.weight"), v)
+    gate, up = split_gate_up(tensors["decoder.layers.mlp.linear_fc1.weight"][0])
+    assert torch.equal(ckpt.read("model.layers.0.mlp.up_proj.weight"), up)
+    assert torch.equal(ckpt.read("model.layers.1.post_attention_layernorm.weight"),
+                      tensors["decoder.layers.mlp.linear_fc1.layer_norm_weight"][1])
+    assert len(specs) == 3 + 9 * L
+    assert ckpt.info.details["layout"] == "v1" and ckpt.info.details["tp"] == 1
+
+
+def test_reading_one_tensor_reads_one_layer_slice(tmp_path, monkeypatch):
+    """Peak memory is one layer slice: q_proj of layer 1 reads only its rows of layer 1."""
+    root = synthetic(tmp_path, _tensors(), _config())
+    ckpt = open_megatron(root)
+    ckpt.read("model.embed_tokens.weight")  # parse files once
+    sizes = []
+    real = os.preadv
+
+    def counting(fd, bufs, off, *a):
+        sizes.append(sum(len(b) for b in bufs))
+        return real(fd, bufs, off, *a)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    ckpt.read("model.layers.1.self_attn.q_proj.weight")
+    assert sum(sizes) == NQ * HD * H * 4  # the q rows of layer 1, not the stacked [L, ...] tensor
+
+
+def test_unknown_tensor_is_an_error_naming_it(tmp_path):
+    root = synthetic(tmp_path, _tensors(**{"decoder.layers.mlp.router.weight": torch.zeros(L, 4, H)}), _config())
+    with pytest.raises(MappingError, match=r"decoder\.layers\.mlp\.router\.weight.*Nothing was dropped"):
+        open_megatron(root)
+
+
+def test_tied_embeddings_follow_the_checkpoint(tmp_path):
+    ckpt = open_megatron(synthetic(tmp_path / "a", _tensors(**{"output_layer.weight": None}), _config()))
+    assert ckpt.info.details["tied"] and "lm_head.weight" not in ckpt.specs()
+    assert ckpt.info.details["config_overrides"] == {"tie_word_embeddings": True}
+    assert ckpt.info.warnings
+    ckpt = open_megatron(synthetic(tmp_path / "b", _tensors(), _config(tie_word_embeddings=True)))
+    assert not ckpt.info.details["tied"] and "lm_head.weight" in ckpt.specs()
+    assert ckpt.info.details["config_overrides"] == {"tie_word_embeddings": False}
+
+
+def test_config_problems_are_named(tmp_path):
+    with pytest.raises(MissingConfigError, match="config_dir"):
+        open_megatron(synthetic(tmp_path / "a", _tensors(), None))
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(json.dumps(_config()))
+    assert open_megatron(tmp_path / "a" / "actor", config_dir=cfg_dir).info.hf_dir == cfg_dir
+    with pytest.raises(MappingError, match="num_hidden_layers=3"):
+        open_megatron(synthetic(tmp_path / "b", _tensors(), _config(num_hidden_layers=3)))
+    with pytest.raises(MappingError, match="head_dim"):
+        open_megatron(synthetic(tmp_path / "c", _tensors(), _config(head_dim=2)))
+    with pytest.raises(MappingError, match="supported: .*qwen2"):
+        open_megatron(synthetic(tmp_path / "d", _tensors(), _config(model_type="gpt_neox")))
+    bias = torch.zeros(L, (NQ + 2 * NKV) * HD)
+    with pytest.raises(MappingError, match="attention_bias: true"):
+        open_megatron(synthetic(tmp_path / "e", _tensors(**{"decoder.layers.self_attention.linear_qkv.bias": bias}), _config()))
+    ok = open_megatron(synthetic(tmp_path / "f", _tensors(**{"decoder.layers.self_attention.linear_qkv.bias": bias}),
+                                 _config(attention_bias=True)))
+    assert ok.specs()["model.layers.0.self_attn.q_proj.bias"].shape == (NQ * HD,)
+    with pytest.raises(MappingError, match=r"requires .*linear_qkv\.bias"):
+        open_megatron(synthetic(tmp_path / "g", _tensors(), _config(model_type="qwen2")))
+
+
+def test_two_spellings_of_one_tensor_are_rejected(tmp_path):
+    extra = {"decoder.layers.input_layernorm.weight": torch.zeros(L, H)}
+    with pytest.raises(MappingError, match="two spellings"):
+        open_megatron(synthetic(tmp_path, _tensors(**extra), _config()))
+
+
+def test_no_model_tensors_says_so_without_listing_optimizer_keys(tmp_path):
+    opt = {f"optimizer.state.exp_avg.{k}": v for k, v in _tensors().items()}
+    with pytest.raises(UnsupportedCheckpointError, match="no model tensors") as e:
+        open_megatron(synthetic(tmp_path, opt, _config()))
+    assert "exp_avg" not in str(e.value)
+
+
+def test_unfinished_dist_ckpt_and_foreign_folders(tmp_path):
+    root = synthetic(tmp_path / "a", {}, _config())  # metadata.json but no .metadata
+    with pytest.raises(CorruptCheckpointError, match="no .metadata"):
+        open_megatron(root)
+    (tmp_path / "b").mkdir()
+    assert not probe(tmp_path / "b")
+    with pytest.raises(UnsupportedCheckpointError):
+        open_megatron(tmp_path / "b")
+
+
+def test_v2_manifest_paths_must_stay_inside(tmp_path):
+    from hf_merge.errors import UnsafeCheckpointError
+
+    role = tmp_path / "actor"
+    role.mkdir()
+    (role / "ckpt_contents.json").write_text(json.dumps(
+        {"schema_version": 2, "framework": "megatron",
+         "contents": {"model": {"path": "../../elsewhere", "format": "megatron_dist_checkpoint"}}}))
+    with pytest.raises(UnsafeCheckpointError):
+        open_megatron(role)
+
+
+def test_mapping_tables_are_validated():
+    from hf_merge import mappings
+
+    text = mappings.describe("megatron")
+    for mt in ("llama", "mistral", "qwen2", "qwen3"):
+        assert mappings.get_table("megatron", mt)["model_types"] == (mt,)
+    assert "split qkv" in text
+    good = dict(mappings.get_table("megatron", "qwen2"))
+    bad = {**good, "head_split": True}  # a field no code reads is an error, not silently ignored
+    with pytest.raises(MappingError, match="unknown field"):
+        mappings.validate_table(bad)
+    with pytest.raises(MappingError, match="exactly the roles"):
+        mappings.validate_table({**good, "fused": {"x.weight": {"split": "qkv", "q": "a", "k": "b"}}})
+    with pytest.raises(MappingError, match="not mapped"):
+        mappings.validate_table({**good, "tensor_parallel": {"nope.weight": 0}})
+    with pytest.raises(MappingError, match="layer"):
+        mappings.validate_table({**good, "hf_layer_prefix": "model.layers."})
+
+
+def test_legacy_rank_files_tp_vpp_and_value_head(tmp_path):
+    """Legacy per-rank files (TP=2, PP=2, 2 virtual stages): TP shards joined along the table's
+    dims (gate/up interleaved per rank), layers placed by virtual-stage order, [1, H] head kept."""
+    nq, nkv, hd, f, layers, tp, pp, vpp = 4, 2, 2, 6, 4, 2, 2, 2
+    g = torch.Generator().manual_seed(1)
+    glob = {
+        "embedding.word_embeddings.weight": torch.randn(V, H, generator=g),
+        "decoder.final_layernorm.weight": torch.randn(H, generator=g),
+        "output_layer.weight": torch.randn(1, H, generator=g),
+    }
+    per = [
+        {
+            "input_layernorm.weight": torch.randn(H, generator=g),
+            "self_attention.linear_qkv.weight": torch.randn((nq + 2 * nkv) * hd, H, generator=g),
+            "self_attention.linear_proj.weight": torch.randn(H, nq * hd, generator=g),
+            "pre_mlp_layernorm.weight": torch.randn(H, generator=g),
+            "mlp.linear_fc1.weight": torch.randn(2 * f, H, generator=g),
+            "mlp.linear_fc2.weight": torch.randn(H, f, generator=g),
+        }
+        for _ in range(layers)
+    ]
+
+    def shard(suffix: str, t: torch.Tensor, r: int) -> torch.Tensor:
+        if suffix in ("self_attention.linear_qkv.weight",):
+            return t.chunk(tp, 0)[r]
+        if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+            return t.chunk(tp, 1)[r]
+        if suffix == "mlp.linear_fc1.weight":
+            gate, up = t.chunk(2, 0)
+            return torch.cat([gate.chunk(tp, 0)[r], up.chunk(tp, 0)[r]])
+        return t
+
+    role = tmp_path / "critic"
+    stage_order = [(v, p) for v in range(vpp) for p in range(pp)]  # global layer i = stage_order[i]
+    for r in range(tp):
+        for p in range(pp):
+            sds = []
+            for v in range(vpp):
+                i = stage_order.index((v, p))
+                sd = {f"decoder.layers.0.{k}": shard(k, t, r) for k, t in per[i].items()}
+                sd["decoder.layers.0.mlp.linear_fc1._extra_state"] = None
+                if (v, p) == stage_order[0]:
+                    sd["embedding.word_embeddings.weight"] = glob["embedding.word_embeddings.weight"].chunk(tp, 0)[r]
+                if (v, p) == stage_order[-1]:
+                    sd["decoder.final_layernorm.weight"] = glob["decoder.final_layernorm.weight"]
+                    sd["output_layer.weight"] = glob["output_layer.weight"]  # replicated value head
+                sds.append(sd)
+            d = role / "model" / f"mp_rank_{r:02d}_{p:03d}"
+            d.mkdir(parents=True)
+            torch.save(sds, d / "model.pt")
+    (role / "huggingface").mkdir()
+    cfg = _config(num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd, intermediate_size=f, num_hidden_layers=layers)
+    (role / "huggingface" / "config.json").write_text(json.dumps(cfg))
+
+    assert probe(role)
+    ckpt = open_megatron(role)
+    d = ckpt.info.details
+    assert (d["layout"], d["tp"], d["pp"], d["vpp"], d["value_model"]) == ("legacy", 2, 2, 2, True)
+    assert d["config_overrides"]["architectures"] == ["LlamaForTokenClassification"]
+    assert torch.equal(ckpt.read("model.embed_tokens.weight"), glob["embedding.word_embeddings.weight"])
+    assert torch.equal(ckpt.read("score.weight"), glob["output_layer.weight"])
+    for i in range(layers):
+        q, k, v = split_qkv(per[i]["self_attention.linear_qkv.weight"], num_heads=nq, num_kv_heads=nkv, head_dim=hd)
+        gate, up = split_gate_up(per[i]["mlp.linear_fc1.weight"])
+        p = f"model.layers.{i}."
+        want = {
+            "input_layernorm.weight": per[i]["input_layernorm.weight"],
+            "post_attention_layernorm.weight": per[i]["pre_mlp_layernorm.weight"],
+            "self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
+            "self_attn.o_proj.weight": per[i]["self_attention.linear_proj.weight"],
+            "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
+            "mlp.down_proj.weight": per[i]["mlp.linear_fc2.weight"],
+        }
+        for name, t in want.items():
+            assert torch.equal(ckpt.read(p + name), t), p + name
+    assert len(ckpt.specs()) == 3 + 9 * layers
+
+    # A missing rank file is named.
+    (role / "model" / "mp_rank_01_001" / "model.pt").unlink()
+    (role / "model" / "mp_rank_01_001").rmdir()
+    with pytest.raises(CorruptCheckpointError, match="mp_rank_01_001"):
+        open_megatron(role)
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: the CLI merge of real Megatron checkpoints, loaded by transformers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MERGED + MBRIDGE)
+def test_cli_merge_loads_in_transformers_with_megatron_logits(megatron_root, name, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    var = VARIANTS[name]
+    target = tmp_path / "merged"
+    env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_merge.cli.app", "merge", "--backend", "megatron", "--local_dir",
+         str(role_dir(megatron_root, name)), "--target_dir", str(target), "--dtype", "float32",
+         *(["--is-value-model"] if var.value else [])],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    cls = AutoModelForTokenClassification if var.value else AutoModelForCausalLM
+    model = cls.from_pretrained(target, dtype=torch.float32, attn_implementation="eager").eval()
+    if var.value:
+        cfg = json.loads((target / "config.json").read_text())
+        assert cfg["num_labels"] == 1 and cfg["architectures"][0].endswith("ForTokenClassification")
+    ref_path = megatron_root / name / "reference.pt"
+    if not ref_path.is_file():  # mbridge: the HF weights are the reference
+        assert "huggingface" in proc.stderr or "mbridge" in proc.stderr, proc.stderr
+        return
+    ref = torch.load(ref_path)
+    with torch.no_grad():
+        logits = model(input_ids=ref["input_ids"], attention_mask=torch.ones_like(ref["input_ids"])).logits
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-4)
