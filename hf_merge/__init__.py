@@ -23,6 +23,8 @@ _EXPORTS = {
     "verify": "verification",
     "VerifyReport": "verification",
     "push": "hub",
+    "from_sharded_pretrained": "model",
+    "load_tokenizer": "model",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -32,8 +34,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from .errors import HfMergeError
     from .hub import push
     from .merging import MergeResult, merge
+    from .model import from_sharded_pretrained, load_tokenizer
     from .spec import TensorSpec
     from .verification import VerifyReport, verify
+
+
+# Every transformers Auto model class gets ``from_sharded_pretrained`` (now, or when transformers'
+# Auto module is first imported: a one-shot import hook keeps ``import hf_merge`` light).
+from . import auto as _auto  # noqa: E402
+
+_auto.install()
 
 
 def __getattr__(name: str) -> Any:

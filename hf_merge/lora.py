@@ -56,6 +56,12 @@ class LoraLayout:
     base: dict[str, str]  # HF tensor name -> source key, for every base (non-LoRA) tensor present
     saved: dict[str, str]  # HF tensor name -> source key of the trained modules_to_save copy
     lora_only: bool  # save_lora_only: the base weights are not in the checkpoint
+    original: dict[str, str] = field(default_factory=dict)  # HF name -> untrained modules_to_save copy
+
+    @property
+    def unfused_base(self) -> dict[str, str]:
+        """HF name -> source key of the base model the adapter goes onto (untrained modules_to_save)."""
+        return {**self.base, **self.original}
 
     @property
     def target_modules(self) -> list[str]:
@@ -109,6 +115,7 @@ def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
     adapters: set[str] = set()
     base: dict[str, str] = {}
     saved: dict[str, str] = {}
+    original: dict[str, str] = {}
     for key in specs:
         name = _strip(key)
         if m := _LORA.match(name):
@@ -117,8 +124,8 @@ def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
         elif m := _SAVED.match(name):
             adapters.add(m["adapter"])
             saved[f"{m['module']}.{m['param']}"] = key
-        elif _ORIGINAL.match(name):
-            continue  # the untrained copy of a modules_to_save module; the trained one is kept
+        elif m := _ORIGINAL.match(name):
+            original[f"{m['module']}.{m['param']}"] = key  # untrained copy: the adapter's base, not the fused model
         else:
             base[name.replace(".base_layer.", ".")] = key
     if len(adapters) > 1:
@@ -139,7 +146,7 @@ def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
                 f"{module.name}: base weight {specs[base[weight]].shape} does not match lora_B@lora_A "
                 f"({module.out_features}, {module.in_features}); fan_in_fan_out (Conv1D) layers are not supported"
             )
-    return LoraLayout(next(iter(adapters)), modules, base, saved, lora_only)
+    return LoraLayout(next(iter(adapters)), modules, base, saved, lora_only, original)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

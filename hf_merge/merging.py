@@ -51,6 +51,7 @@ class Views:
     adapter: LazyCheckpoint | None = None
     adapter_config: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None
+    base: LazyCheckpoint | None = None  # the unfused base model the adapter goes onto (adapter/both)
 
 
 LORA_MODES = ("fuse", "adapter", "both")
@@ -99,23 +100,27 @@ def build_views(
             f"LoRA: r={settings.r}, lora_alpha={settings.lora_alpha} (from {settings.alpha_source}), "
             f"{'rsLoRA, ' if settings.use_rslora else ''}targets {', '.join(layout.target_modules)}"
         )
-        if lora in ("adapter", "both"):
-            adapter_dtype = None if dtype in (None, "config") else out_dtype
-            views.adapter = Cast(LoraAdapter(ckpt, layout), adapter_dtype)
-            views.adapter_config = adapter_config(layout, settings)
-        if lora in ("fuse", "both"):
-            if layout.lora_only:
-                if base_model is None:
+        if layout.lora_only:
+            if base_model is None:
+                if lora != "adapter":
                     raise LoraError(
                         "this checkpoint holds only LoRA weights (save_lora_only); pass --base-model DIR with the "
                         "base model's Hugging Face folder to fuse them, or --lora adapter to write the adapter alone"
                     )
+                base = None
+            else:
                 from .readers.hf_dir import open_hf_dir
 
                 base = open_hf_dir(Path(base_model))
                 notes.append(f"base weights from {base_model}")
-            else:
-                base = Renamed(ckpt, layout.base)
+        else:
+            base = Renamed(ckpt, layout.base)
+        if lora in ("adapter", "both"):
+            adapter_dtype = None if dtype in (None, "config") else out_dtype
+            views.adapter = Cast(LoraAdapter(ckpt, layout), adapter_dtype)
+            views.adapter_config = adapter_config(layout, settings)
+            views.base = base if layout.lora_only else Renamed(ckpt, layout.unfused_base)
+        if lora in ("fuse", "both"):
             model = FusedLora(base, ckpt, layout, settings)
         else:
             model = None

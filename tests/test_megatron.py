@@ -47,46 +47,7 @@ MERGED = [v.name for v in mk.DEFAULT_VARIANTS if not v.mbridge]
 MBRIDGE = [v.name for v in mk.DEFAULT_VARIANTS if v.mbridge]
 
 
-# --------------------------------------------------------------------------------------------
-# Real megatron-core fixtures
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def megatron_root(tmp_path_factory) -> Path:
-    """All default variants, written by real megatron-core (skips if it is not installed)."""
-    mcore = pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
-    key = hashlib.sha256(GENERATOR.read_bytes() + mcore.__version__.encode() + torch.__version__.encode()).hexdigest()[:12]
-    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
-    root = Path(cache) / f"megatron-{key}" if cache else tmp_path_factory.mktemp("megatron")
-    done = root / "fixture.done"
-    if done.is_file():
-        return root
-    root.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    log_path = root / "generator.log"
-    # Output goes to a file (no pipe any straggler could hold open) and the generator runs in its
-    # own process group, so that a failure or a timeout can end every process it started.
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(GENERATOR), str(root)], stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of this run only
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    if rc != 0:
-        pytest.fail(f"make_megatron_checkpoint.py failed (rc={rc}):\n{log_path.read_text()[-4000:]}")
-    done.write_text(f"{time.perf_counter() - t0:.1f}s\n")
-    return root
+# Real megatron-core fixtures: ``megatron_root`` in conftest.py.
 
 
 def role_dir(root: Path, name: str) -> Path:

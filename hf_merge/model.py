@@ -1,0 +1,776 @@
+"""The model loader: a lazy checkpoint straight into a transformers ``PreTrainedModel``.
+
+``from_sharded_pretrained(source)`` does what ``from_pretrained`` does for a merged folder, without
+the folder: it opens the source as a lazy checkpoint, takes the same transform stack ``merge``
+writes (:func:`hf_merge.merging.model_view`: tied alias dropped, LoRA folded, dtype cast), builds the
+model on the meta device and fills it tensor by tensor. Each parameter or buffer is allocated on
+its target device in its target dtype and ``read_into`` it, so peak memory is the model plus the
+tensors in flight; no state dict, no temporary files.
+
+What is transformers' job stays transformers' job, through its own helpers: choosing the concrete
+class from the config (the Auto classes' mapping, remote code), mapping checkpoint names to model
+names (``base_model_prefix`` and the conversion mapping, ``rename_source_key``), the meta-device init
+context, ``device_map="auto"`` (accelerate), and the finishing steps of ``from_pretrained``
+(``_finalize_model_loading``: non-persistent buffers such as rotary ``inv_freq`` recomputed by the
+model's ``_init_weights``, weights tied, the loading report). Loads that need transformers' weight
+loop itself — on-the-fly quantization (``quantization_config``), many-to-one weight converters,
+disk offload — are handed to ``from_pretrained(None, state_dict=...)`` with lazy values, so they
+still read one tensor at a time.
+
+Unlike ``from_pretrained``, a checkpoint that does not fit the model is an error (missing or
+unexpected weights are named), not a warning, unless ``strict=False``. Head weights a base model
+does not have (``AutoModel`` on a ``...ForCausalLM`` checkpoint) are skipped, as transformers does.
+
+Needs transformers >= 5 (the ``dtype`` argument, ``_finalize_model_loading``, conversion mapping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .checkpoint import LazyCheckpoint, open_checkpoint
+from .errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
+from .hf_files import find_config_dir, load_config
+from .merging import build_views, model_view
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+LORA_MODES = ("fuse", "adapter")
+
+# Threads that allocate + read tensors concurrently (copies release the GIL). The model is the
+# only thing they fill, so more threads cost no extra memory.
+LOAD_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+_LIST_LIMIT = 8  # names listed in an error message
+
+
+@dataclass
+class LoadPlan:
+    """Which checkpoint tensor fills which model tensor, decided from specs alone (nothing read yet)."""
+
+    assign: dict[str, str] = field(default_factory=dict)  # model key -> view (checkpoint) name
+    missing: set[str] = field(default_factory=set)  # model keys nothing fills (tied aliases included)
+    unexpected: dict[str, str] = field(default_factory=dict)  # model-side name -> view name, unused
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    skipped_heads: list[str] = field(default_factory=list)  # view names a base model has no place for
+    needs_converters: bool = False  # some names need transformers' many-to-one weight converters
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def from_sharded_pretrained(
+    source: "str | os.PathLike",
+    *,
+    auto_class: "type | str | None" = None,
+    backend: str = "auto",
+    config: "PretrainedConfig | str | os.PathLike | None" = None,
+    dtype: "str | torch.dtype | None" = None,
+    device_map: "str | dict | int | torch.device | None" = None,
+    max_memory: dict | None = None,
+    quantization_config: Any = None,
+    trust_remote_code: bool | None = None,
+    attn_implementation: str | None = None,
+    generation_config: Any = None,
+    lora: str = "fuse",
+    lora_alpha: float | None = None,
+    use_rslora: bool | None = None,
+    base_model: "str | os.PathLike | None" = None,
+    is_value_model: bool | None = None,
+    strict: bool = True,
+    offload_folder: "str | os.PathLike | None" = None,
+    offload_buffers: bool = False,
+    **kwargs: Any,
+) -> "PreTrainedModel":
+    """Load a sharded training checkpoint as a transformers model, without merging it to disk first.
+
+    Args:
+        source: a checkpoint :func:`hf_merge.open_checkpoint` reads (verl ``actor/`` or
+            ``global_step_N`` folder, checkpoints root, Megatron folder, HF folder).
+        auto_class: the transformers class to build: an Auto class (``AutoModel`` gives the base
+            model, ``AutoModelForCausalLM`` the LM...), its name, or a concrete model class. Default:
+            the class named by ``architectures`` in config.json (what the checkpoint was trained as).
+        backend: ``auto``, ``fsdp``, ``megatron`` or ``hf`` (see :func:`hf_merge.open_checkpoint`).
+        config: a ``PretrainedConfig`` to build the model from, or a folder with config.json (and
+            tokenizer / generation config) to use instead of the checkpoint's ``huggingface/``.
+        dtype: ``None`` or ``"auto"``: the config's dtype, as ``merge`` writes it and as
+            ``from_pretrained(dtype="auto")`` loads it (the checkpoint's own when the config names
+            none); ``"keep"``: the checkpoint's dtypes as trained (``merge --dtype auto``); or a
+            dtype such as ``torch.bfloat16`` / ``"bfloat16"``. ``torch_dtype`` is accepted too.
+        device_map: as in ``from_pretrained``: ``"cpu"``, ``"cuda:0"``, ``"auto"`` /
+            ``"balanced"`` / ``"sequential"`` (accelerate), or ``{module name: device}``. Each tensor
+            is allocated on its device and read into place there.
+        max_memory: per-device limits for ``device_map="auto"``.
+        quantization_config: e.g. ``BitsAndBytesConfig(load_in_4bit=True)``; quantized on load by
+            transformers' quantizer, one tensor at a time.
+        trust_remote_code: allow the checkpoint's own modeling code (``auto_map``).
+        attn_implementation: ``"eager"``, ``"sdpa"``, ``"flash_attention_2"``...
+        generation_config: a ``GenerationConfig`` to use instead of the checkpoint's
+            generation_config.json.
+        lora: ``"fuse"`` (LoRA folded into the base weights, a plain model) or ``"adapter"`` (a
+            ``peft.PeftModel`` with the trained adapter attached, unmerged).
+        lora_alpha, use_rslora: LoRA settings when the checkpoint does not record them (as
+            ``merge``'s ``--lora-alpha`` / ``--use-rslora``).
+        base_model: the base model's HF folder, for checkpoints that hold only LoRA weights.
+        is_value_model: the checkpoint is a critic (Megatron ``[1, H]`` value head): build the
+            token-classification model with ``num_labels=1``; by default the head's shape decides.
+        strict: raise :class:`~hf_merge.errors.MappingError` when the checkpoint has weights the
+            model lacks or lacks weights the model needs. ``False``: initialise what is missing
+            (like ``from_pretrained``, e.g. a new classification head) and skip what is unused.
+        offload_folder, offload_buffers: disk offload, as in ``from_pretrained``.
+        **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
+            config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
+
+    Returns:
+        The model in eval mode (a ``peft.PeftModel`` with ``lora="adapter"``).
+
+    Raises:
+        HfMergeError: a subclass naming what is wrong with the source and what to do, as the CLI does.
+    """
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise UnsupportedCheckpointError(
+            f"from_sharded_pretrained needs transformers >= 5 (found {transformers.__version__}); "
+            "upgrade it, or merge with `hf-merge merge` and use from_pretrained"
+        )
+    if lora not in LORA_MODES:
+        raise ValueError(f"lora must be one of {LORA_MODES}, not {lora!r}")
+    if "torch_dtype" in kwargs:
+        torch_dtype = kwargs.pop("torch_dtype")
+        dtype = dtype if dtype is not None else torch_dtype
+    config_obj = config if isinstance(config, transformers.PretrainedConfig) else None
+    config_dir_arg = None if config_obj is not None or config is None else Path(config)
+
+    ckpt = open_checkpoint(source, backend=backend, config=config_dir_arg, is_value_model=is_value_model)
+    opened: list[LazyCheckpoint] = [ckpt]
+    try:
+        if config_obj is not None:
+            hf_dir = ckpt.info.hf_dir if ckpt.info.hf_dir and (Path(ckpt.info.hf_dir) / "config.json").is_file() else None
+            config_dict = config_obj.to_dict()
+            config_obj = copy.deepcopy(config_obj)
+            model_kwargs = kwargs
+        else:
+            hf_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
+            config_dict = load_config(hf_dir)
+            config_obj, model_kwargs = _load_config(hf_dir, trust_remote_code, kwargs)
+        # What the checkpoint itself shows (a critic's value head, ties) wins over config.json, as
+        # in merge; what the caller passed wins over both.
+        for key, value in (ckpt.info.details.get("config_overrides") or {}).items():
+            config_dict[key] = value
+            if key not in kwargs:
+                setattr(config_obj, key, value)
+
+        lora_options = {
+            k: v for k, v in dict(lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model).items()
+            if v is not None
+        }
+        base, adapter = ckpt, None
+        if lora == "adapter":
+            base, adapter = _split_adapter(ckpt, config_dict, lora_options=lora_options)
+            opened.append(base)
+            lora_options = {}
+        view, out_dtype, notes = model_view(base, config_dict, dtype=_merge_dtype(dtype), **lora_options)
+        for note in list(ckpt.info.notes) + notes:
+            logger.info(note)
+        for warning in ckpt.info.warnings:
+            logger.warning(warning)
+
+        model_class, config_obj = _resolve_model_class(auto_class, config_obj, hf_dir, trust_remote_code)
+        load_dtype = out_dtype or _dominant_float_dtype(view) or torch.get_default_dtype()
+        _set_config_dtype(config_obj, load_dtype)
+        config_obj.name_or_path = str(source)
+        if attn_implementation is not None:
+            config_obj._attn_implementation = attn_implementation
+
+        model = _load_model(
+            model_class,
+            config_obj,
+            view,
+            model_kwargs=model_kwargs,
+            load_dtype=load_dtype,
+            keep_dtype=out_dtype is None,
+            device_map=device_map,
+            max_memory=max_memory,
+            quantization_config=quantization_config,
+            strict=strict,
+            offload_folder=offload_folder,
+            offload_buffers=offload_buffers,
+            name=str(source),
+        )
+        model.eval()
+        _set_generation_config(model, hf_dir, generation_config)
+        if adapter is not None:
+            model = _attach_adapter(model, adapter)
+        return model
+    finally:
+        for item in reversed(opened):
+            item.close()
+
+
+def load_tokenizer(
+    source: "str | os.PathLike",
+    *,
+    backend: str = "auto",
+    config: "str | os.PathLike | None" = None,
+    **kwargs: Any,
+):
+    """``AutoTokenizer.from_pretrained`` on the checkpoint's Hugging Face folder (or ``config``).
+
+    ``kwargs`` go to ``AutoTokenizer.from_pretrained`` (``trust_remote_code``, ``use_fast``...).
+    """
+    from transformers import AutoTokenizer
+
+    if config is not None:
+        hf_dir = Path(config)
+        if not hf_dir.is_dir():
+            raise MissingConfigError(f"{hf_dir} is not a folder; pass the folder holding the tokenizer files")
+    else:
+        with open_checkpoint(source, backend=backend) as ckpt:
+            hf_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
+    try:
+        return AutoTokenizer.from_pretrained(str(hf_dir), **kwargs)
+    except (OSError, ValueError, TypeError) as e:
+        raise MissingConfigError(
+            f"no usable tokenizer in {hf_dir} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "pass config=DIR with the base model's tokenizer files"
+        ) from e
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA adapter
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdapterParts:
+    """What ``lora="adapter"`` attaches: adapter_config.json content (``peft_type``, ``r``,
+    ``lora_alpha``, ``target_modules``, ``use_rslora``, ``modules_to_save``...) and the adapter
+    tensors under the names PEFT saves them (``base_model.model.<hf name>.lora_A.weight``)."""
+
+    config: dict[str, Any]
+    view: LazyCheckpoint
+
+
+def _split_adapter(
+    ckpt: LazyCheckpoint, config: dict[str, Any], *, lora_options: dict[str, Any]
+) -> tuple[LazyCheckpoint, AdapterParts]:
+    """The base model (LoRA not folded in, modules_to_save untrained) and the adapter, from a
+    PEFT-wrapped checkpoint; the same views ``merge --lora adapter`` writes."""
+    views = build_views(ckpt, config, lora="adapter", **lora_options)
+    if views.base is None:
+        raise LoraError(
+            "this checkpoint holds only LoRA weights (save_lora_only); pass base_model=DIR with the base "
+            "model's Hugging Face folder"
+        )
+    return views.base, AdapterParts(config=views.adapter_config, view=views.adapter)
+
+
+def _attach_adapter(model: "PreTrainedModel", adapter: AdapterParts):
+    """Wrap ``model`` in a ``PeftModel`` with the adapter's settings and fill the adapter tensors."""
+    from peft import PeftConfig, PeftModel
+    from peft.utils import set_peft_model_state_dict
+
+    settings = dict(adapter.config)
+    settings.setdefault("peft_type", "LORA")
+    settings.setdefault("base_model_name_or_path", model.config.name_or_path)
+    settings["inference_mode"] = True
+    try:
+        peft_config = PeftConfig.from_peft_type(**settings)
+    except (TypeError, ValueError) as e:
+        raise LoraError(f"the adapter settings {settings} are not a valid PEFT config ({e})") from None
+    # Real (not meta) adapter tensors, on their base layer's device and in PEFT's adapter dtype,
+    # as PeftModel.from_pretrained makes them; then the trained values are copied in. Adapters are
+    # small: reading them into one dict is fine.
+    peft_model = PeftModel(model, peft_config)
+    state = {name: adapter.view.read(name) for name in adapter.view.specs()}
+    result = set_peft_model_state_dict(peft_model, state)
+    unexpected = list(result.unexpected_keys or [])
+    missing = [k for k in (result.missing_keys or []) if "lora_" in k]
+    if unexpected or missing:
+        raise LoraError(
+            f"the adapter does not fit the model: unexpected {_names(unexpected)}, missing {_names(missing)}; "
+            "check target_modules in the adapter settings"
+        )
+    peft_model.eval()
+    return peft_model
+
+
+# --------------------------------------------------------------------------------------------
+# Config and class
+# --------------------------------------------------------------------------------------------
+
+
+def _load_config(hf_dir: Path, trust_remote_code: bool | None, kwargs: dict[str, Any]):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            str(hf_dir), trust_remote_code=trust_remote_code, return_unused_kwargs=True, **kwargs
+        )
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedCheckpointError(
+            f"transformers cannot read {hf_dir / 'config.json'}: {first} "
+            "(custom code needs trust_remote_code=True; an unknown model_type needs a newer transformers)"
+        ) from e
+
+
+def _resolve_model_class(auto_class, config, hf_dir: Path | None, trust_remote_code: bool | None):
+    """The concrete class to build, picked the way the Auto classes' ``from_pretrained`` does.
+
+    Returns ``(model class, config)``; the config may be the text sub-config (composite models
+    whose text part is what the class builds).
+    """
+    import transformers
+    from transformers import PreTrainedModel
+
+    if isinstance(auto_class, str):
+        resolved = getattr(transformers, auto_class, None)
+        if not isinstance(resolved, type):
+            raise ValueError(f"auto_class={auto_class!r} is not a transformers class")
+        auto_class = resolved
+    if auto_class is None:
+        auto_class = _class_from_architectures(config)
+    if isinstance(auto_class, type) and issubclass(auto_class, PreTrainedModel):
+        return auto_class, config
+    if not hasattr(auto_class, "_model_mapping"):
+        raise ValueError(f"auto_class must be a transformers Auto class or model class, not {auto_class!r}")
+
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
+    from transformers.models.auto.auto_factory import _get_model_class, add_generation_mixin_to_remote_model
+
+    name = auto_class.__name__
+    auto_map = getattr(config, "auto_map", None) or {}
+    has_remote_code = name in auto_map
+    has_local_code = type(config) in auto_class._model_mapping
+    explicit_local_code = has_local_code and not _get_model_class(
+        config, auto_class._model_mapping
+    ).__module__.startswith("transformers.")
+    try:
+        trust = resolve_trust_remote_code(trust_remote_code, str(hf_dir), has_local_code, has_remote_code)
+    except ValueError as e:
+        raise UnsupportedCheckpointError(
+            f"{hf_dir} has custom modeling code for {name}; pass trust_remote_code=True to run it ({e})"
+        ) from None
+    if has_remote_code and trust and not explicit_local_code:
+        if hf_dir is None:
+            raise MissingConfigError("the config asks for custom modeling code but there is no folder to load it from")
+        model_class = get_class_from_dynamic_module(auto_map[name], str(hf_dir))
+        if not has_local_code:
+            auto_class.register(config.__class__, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_class=auto_class)
+        return add_generation_mixin_to_remote_model(model_class), config
+    if has_local_code:
+        model_class = _get_model_class(config, auto_class._model_mapping)
+        text_config_class = config.sub_configs.get("text_config", None)
+        if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
+            parent = config
+            config = config.get_text_config()
+            if getattr(parent, "quantization_config", None) is not None:
+                config.quantization_config = parent.quantization_config
+        return model_class, config
+    raise UnsupportedCheckpointError(
+        f"{name} has no model for a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r}); "
+        f"use another Auto class, or leave auto_class unset to build {(getattr(config, 'architectures', None) or ['?'])[0]}"
+    )
+
+
+def _class_from_architectures(config):
+    """``architectures[0]`` as a transformers class, or the Auto class that maps to its custom code."""
+    import transformers
+    from transformers import PreTrainedModel
+
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    auto_map = getattr(config, "auto_map", None) or {}
+    for auto_name, ref in auto_map.items():
+        ref = ref[-1] if isinstance(ref, (list, tuple)) else ref
+        if auto_name.startswith("AutoModel") and isinstance(ref, str) and ref.rsplit(".", 1)[-1] in archs:
+            return getattr(transformers, auto_name)
+    if not archs:
+        raise UnsupportedCheckpointError(
+            "config.json has no 'architectures'; pass auto_class= (e.g. AutoModelForCausalLM) to say what to build"
+        )
+    raise UnsupportedCheckpointError(
+        f"config.json names {archs[0]}, which transformers {transformers.__version__} does not have; "
+        "pass trust_remote_code=True if the checkpoint ships its modeling code, or auto_class="
+    )
+
+
+def _merge_dtype(dtype):
+    """``from_pretrained``'s dtype spelling -> ``merge``'s (where ``"auto"`` means keep)."""
+    if dtype is None or dtype == "auto":
+        return None  # the config's
+    if dtype == "keep":
+        return "auto"
+    return dtype
+
+
+def _dominant_float_dtype(view: LazyCheckpoint) -> torch.dtype | None:
+    sizes: dict[torch.dtype, int] = {}
+    for spec in view.specs().values():
+        if spec.dtype.is_floating_point:
+            sizes[spec.dtype] = sizes.get(spec.dtype, 0) + spec.nbytes
+    return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
+def _set_config_dtype(config, dtype: torch.dtype) -> None:
+    """What ``from_pretrained`` records: the load dtype on the config and its sub-configs."""
+    config.dtype = dtype
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            sub.dtype = dtype
+
+
+def _set_generation_config(model, hf_dir: Path | None, generation_config) -> None:
+    """generation_config.json from the checkpoint's HF folder, as ``from_pretrained`` loads it."""
+    if not model.can_generate():
+        return
+    from transformers import GenerationConfig
+
+    if generation_config is not None:
+        model.generation_config = GenerationConfig.from_dict(generation_config.to_dict())
+    elif hf_dir is not None and (Path(hf_dir) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(hf_dir))
+    # else: the model already built its generation config from its config, as from_pretrained does
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _meta_model(model_class, config, load_dtype: torch.dtype, model_kwargs: dict[str, Any]):
+    """The model on the meta device, in the load dtype, weights not tied (``from_pretrained``'s init)."""
+    contexts = model_class.get_init_context(load_dtype, False, False, None)
+    with contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        model = model_class(config, **model_kwargs)
+    return model
+
+
+def plan_load(model, view: LazyCheckpoint) -> tuple[LoadPlan, list]:
+    """Match the view's names to the model's keys with transformers' own renaming rules.
+
+    Returns the plan and the weight conversion mapping used (kept on the model for saving).
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    weight_mapping = get_model_conversion_mapping(model, None, None)
+    renamings = [m for m in weight_mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in weight_mapping if isinstance(m, WeightConverter)]
+    prefix = model.base_model_prefix
+    meta = model.state_dict()
+    specs = view.specs()
+    plan = LoadPlan()
+    stripped_prefix = False
+    for name in sorted(specs, key=dot_natural_key):
+        key, pattern = rename_source_key(name, renamings, converters, prefix, meta)
+        if key not in meta and name in meta:
+            key, pattern = rename_source_key(name, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if pattern is not None:
+            plan.needs_converters = True
+            continue
+        if key not in meta:
+            plan.unexpected[key] = name
+            continue
+        if key in plan.assign:
+            raise MappingError(f"{plan.assign[key]} and {name} both map to the model's {key}; the checkpoint has duplicates")
+        if prefix and name == f"{prefix}.{key}":
+            stripped_prefix = True
+        plan.assign[key] = name
+        want, have = tuple(meta[key].shape), tuple(specs[name].shape)
+        if want != have:
+            plan.mismatched.append((name, have, want))
+    plan.missing = set(meta) - set(plan.assign)
+    if stripped_prefix:
+        # A base model loaded from a checkpoint with a head: the head's weights have no place in it.
+        for key, name in list(plan.unexpected.items()):
+            if not name.startswith(f"{prefix}."):
+                plan.skipped_heads.append(name)
+                del plan.unexpected[key]
+    return plan, weight_mapping
+
+
+def _check_plan(model, plan: LoadPlan, *, strict: bool) -> None:
+    """Raise MappingError naming what does not fit (before any tensor is read)."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    if plan.skipped_heads:
+        logger.info(
+            "%s has no place for %s; skipped (as from_pretrained does for a base model)",
+            type(model).__name__,
+            _names(plan.skipped_heads),
+        )
+    if plan.mismatched:
+        shown = ", ".join(f"{n} {list(h)} vs {list(w)}" for n, h, w in plan.mismatched[:_LIST_LIMIT])
+        raise MappingError(
+            f"{len(plan.mismatched)} tensor(s) have another shape in the checkpoint than in {type(model).__name__} "
+            f"(checkpoint vs model): {shown}; the config.json does not describe this checkpoint: pass config= with the "
+            "training model's config"
+        )
+    # Tied aliases are filled by tying, from whichever side the checkpoint has.
+    tied = getattr(model, "all_tied_weights_keys", {}) or {}
+    missing = set(plan.missing)
+    for target, source in tied.items():
+        if target in missing and source in plan.assign:
+            missing.discard(target)
+        elif source in missing and target in plan.assign:
+            missing.discard(source)
+    info = LoadStateDictInfo(
+        missing_keys=missing,
+        unexpected_keys=set(plan.unexpected),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+    model._adjust_missing_and_unexpected_keys(info)  # the model's own ignore patterns (old inv_freq buffers...)
+    unexpected = sorted(plan.unexpected[k] for k in info.unexpected_keys)
+    missing = sorted(info.missing_keys)
+    if not (missing or unexpected):
+        return
+    if strict:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} weight(s) of {type(model).__name__} are not in the checkpoint: {_names(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} checkpoint tensor(s) have no place in it: {_names(unexpected)}")
+        raise MappingError(
+            "; ".join(parts) + "; pick the class that matches the checkpoint (auto_class=), check config.json, "
+            "or pass strict=False to initialise missing weights and skip unused ones"
+        )
+    if missing:
+        logger.warning("not in the checkpoint, initialised: %s", _names(missing))
+    if unexpected:
+        logger.warning("not used by %s: %s", type(model).__name__, _names(unexpected))
+
+
+def _load_model(
+    model_class,
+    config,
+    view: LazyCheckpoint,
+    *,
+    model_kwargs: dict[str, Any],
+    load_dtype: torch.dtype,
+    keep_dtype: bool,
+    device_map,
+    max_memory,
+    quantization_config,
+    strict: bool,
+    offload_folder,
+    offload_buffers: bool,
+    name: str,
+):
+    from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
+
+    model = _meta_model(model_class, config, load_dtype, model_kwargs)
+    plan, weight_mapping = plan_load(model, view)
+    if not plan.needs_converters:
+        _check_plan(model, plan, strict=strict)
+
+    requested_map = device_map
+    device_map = check_and_set_device_map(device_map)
+    quantized = quantization_config is not None or getattr(config, "quantization_config", None) is not None
+    resolved_map = None
+    if not quantized:
+        resolved_map = _get_device_map(model, device_map, max_memory, None) if device_map is not None else None
+    offloads_to_disk = resolved_map is not None and "disk" in {str(d) for d in resolved_map.values()}
+    if quantized or plan.needs_converters or offloads_to_disk:
+        return _load_with_transformers(
+            model_class,
+            config,
+            view,
+            plan,
+            model_kwargs=model_kwargs,
+            load_dtype=load_dtype,
+            device_map=requested_map,
+            max_memory=max_memory,
+            quantization_config=quantization_config,
+            strict=strict,
+            offload_folder=offload_folder,
+            offload_buffers=offload_buffers,
+            name=name,
+        )
+    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype)
+    _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
+    if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
+        from transformers.integrations.accelerate import accelerate_dispatch
+
+        accelerate_dispatch(model, None, resolved_map, offload_folder, None, offload_buffers)
+    return model
+
+
+def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool) -> None:
+    """Allocate every planned tensor on its device, in its dtype, and read it into place."""
+    from transformers.core_model_loading import build_glob_alternation
+    from transformers.integrations.accelerate import expand_device_map
+    from transformers.utils.logging import tqdm
+
+    meta = model.state_dict()
+    specs = view.specs()
+    keys = list(plan.assign)
+    devices = expand_device_map(device_map, keys) if device_map is not None else dict.fromkeys(keys, "cpu")
+    dtype_plan = model._get_dtype_plan(load_dtype)
+    dtype_pattern, group_to_glob, _ = build_glob_alternation(list(dtype_plan)) if dtype_plan else (None, {}, {})
+
+    def target_dtype(key: str) -> torch.dtype:
+        if dtype_pattern is not None and (m := dtype_pattern.search(key)) is not None:
+            return dtype_plan[group_to_glob[m.lastgroup]]
+        have, want = specs[plan.assign[key]].dtype, meta[key].dtype
+        if keep_dtype and have.is_floating_point and want.is_floating_point:
+            return have
+        return want
+
+    def read(key: str) -> tuple[str, torch.Tensor]:
+        out = torch.empty(meta[key].shape, dtype=target_dtype(key), device=devices[key])
+        view.read_into(plan.assign[key], out)
+        return key, out
+
+    with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
+        for key, tensor in tqdm(pool.map(read, keys), total=len(keys), desc="Loading weights"):
+            _assign(model, key, tensor)
+
+
+def _assign(model, key: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` in the model as parameter or buffer ``key``, marked as loaded."""
+    module_path, _, attr = key.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    if attr in module._parameters:
+        old = module._parameters[attr]
+        requires_grad = tensor.is_floating_point() and (old is None or old.requires_grad)
+        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    tensor._is_hf_initialized = True  # from_pretrained's flag: _init_weights leaves it alone
+    setattr(module, attr, tensor)
+
+
+def _finalize(model, plan: LoadPlan, weight_mapping: list, device_map, load_dtype, *, name: str) -> None:
+    """from_pretrained's last steps: non-persistent buffers, missing-key init, tying, report."""
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    info = LoadStateDictInfo(
+        missing_keys=set(plan.missing),
+        unexpected_keys=set(plan.unexpected),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+    config = LoadStateDictConfig(
+        pretrained_model_name_or_path=name,
+        device_map=device_map,
+        dtype=load_dtype,
+        dtype_plan=model._get_dtype_plan(load_dtype),
+        weight_mapping=weight_mapping,
+    )
+    model._weight_conversions = [m for m in weight_mapping if m.was_used()]
+    type(model)._finalize_model_loading(model, config, info)
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if leftover:
+        raise MappingError(f"{_names(leftover)} were not filled by the checkpoint nor by the model's initialisation")
+
+
+class _LazyTensor:
+    """A view tensor that reads itself when indexed: the value type of a safetensors slice.
+
+    ``from_pretrained(None, state_dict=...)`` materializes values with ``value[...]`` one at a time
+    (then casts / quantizes / places them), so a dict of these loads without a full state dict.
+    """
+
+    __slots__ = ("_view", "_name", "shape", "dtype")
+
+    def __init__(self, view: LazyCheckpoint, name: str):
+        spec = view.specs()[name]
+        self._view, self._name, self.shape, self.dtype = view, name, torch.Size(spec.shape), spec.dtype
+
+    def __getitem__(self, index):
+        tensor = self._view.read(self._name)
+        return tensor if index is Ellipsis else tensor[index]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+def _load_with_transformers(
+    model_class,
+    config,
+    view: LazyCheckpoint,
+    plan: LoadPlan,
+    *,
+    model_kwargs,
+    load_dtype,
+    device_map,
+    max_memory,
+    quantization_config,
+    strict: bool,
+    offload_folder,
+    offload_buffers: bool,
+    name: str,
+):
+    """transformers' own weight loop over lazy values, for what only it implements (quantization...)."""
+    skipped = set(plan.skipped_heads)
+    state = {n: _LazyTensor(view, n) for n in view.specs() if n not in skipped}
+    kwargs: dict[str, Any] = dict(model_kwargs)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    if offload_folder is not None:
+        kwargs["offload_folder"] = str(offload_folder)
+    try:
+        model, info = model_class.from_pretrained(
+            None,
+            config=config,
+            state_dict=state,
+            dtype=load_dtype,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_buffers=offload_buffers,
+            output_loading_info=True,
+            **kwargs,
+        )
+    except ImportError as e:  # a quantization backend that is not installed
+        raise QuantizationError(f"{e}") from e
+    model.config.name_or_path = name
+    model.name_or_path = name
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    mismatched = sorted(info["mismatched_keys"])
+    if strict and (missing or unexpected or mismatched):
+        raise MappingError(
+            f"the checkpoint does not fit {model_class.__name__}: missing {_names(missing)}, unexpected "
+            f"{_names(unexpected)}, other shape {_names([m[0] for m in mismatched])}; check config.json and auto_class, "
+            "or pass strict=False"
+        )
+    return model
+
+
+def _names(names) -> str:
+    names = list(names)
+    shown = ", ".join(names[:_LIST_LIMIT])
+    return shown + (f" and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else "") if names else "none"
+
+
+__all__ = ["AdapterParts", "LoadPlan", "from_sharded_pretrained", "load_tokenizer", "plan_load"]

@@ -1,0 +1,446 @@
+"""``from_sharded_pretrained``: REAL FSDP2 checkpoints loaded straight into transformers models.
+
+Every expectation is checked against what transformers itself gives for the unsharded model
+(the fixture's ``reference/`` folder, saved before sharding, and its ``logits.pt``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_merge
+import hf_merge.auto
+from hf_merge.errors import HfMergeError, LoraError, MappingError, MissingConfigError, SourceNotFoundError
+from hf_merge.model import from_sharded_pretrained, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+from transformers import (  # noqa: E402  (`import hf_merge` patched the Auto classes when these load)
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def _no_meta(model):
+    return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+
+
+@pytest.fixture(scope="module")
+def ref(qwen2_fp32_ws2):
+    """The unsharded fp32 reference model, as from_pretrained loads it."""
+    return AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen2_fp32_ws2):
+    return AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# the Auto classes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_auto_model_class_gets_the_classmethod():
+    classes = hf_merge.auto.auto_model_classes()
+    names = {c.__name__ for c in classes}
+    assert {"AutoModel", "AutoModelForCausalLM", "AutoModelForTokenClassification", "AutoModelForImageTextToText"} <= names
+    assert len(classes) > 30  # enumerated from transformers, not a hand-made list
+    for cls in classes:
+        assert isinstance(cls.__dict__.get("from_sharded_pretrained"), classmethod), cls.__name__
+    assert hf_merge.auto.patch_auto_classes() == []  # idempotent: nothing left to patch
+    hf_merge.auto.install()
+    assert hf_merge.auto.patch_auto_classes() == []
+
+
+def test_patch_applies_when_transformers_auto_loads_later():
+    """install() before the Auto module is imported costs nothing and patches it on import."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import hf_merge.auto as auto
+        auto.install(); auto.install()
+        assert auto.AUTO_MODULE not in sys.modules, "install imported transformers' Auto module"
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+        assert auto.is_patched()
+        assert AutoModelForImageTextToText.from_sharded_pretrained.__self__ is AutoModelForImageTextToText
+        assert sum(m is auto._hook for m in sys.meta_path) == 0
+        print("ok")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+def test_import_hf_merge_patches_auto_classes():
+    code = "import hf_merge\nfrom transformers import AutoModel\nassert callable(AutoModel.from_sharded_pretrained)\n"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# values: equal to the unsharded model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fp32_logits_equal_the_unsharded_model_exactly(qwen2_fp32_ws2, loaded):
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert type(loaded) is Qwen2ForCausalLM
+    assert not loaded.training
+    assert loaded.dtype == torch.float32
+    assert _no_meta(loaded) == []
+    assert torch.equal(_logits(loaded, ref["input_ids"]), ref["logits"])
+
+
+def test_every_tensor_equals_from_pretrained(ref, loaded):
+    ours = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
+    theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype, name
+        assert torch.equal(ours[name], tensor), name
+    # non-persistent buffers (rotary inv_freq) come from the model's own init, as in from_pretrained
+    assert "model.rotary_emb.inv_freq" in ours and "model.rotary_emb.inv_freq" not in loaded.state_dict()
+    assert all(p.requires_grad for p in loaded.parameters())
+
+
+def test_each_tensor_is_read_once_straight_into_the_model(qwen2_fp32_ws2, monkeypatch):
+    """No state dict, no second copy: every parameter IS the buffer read_into filled, in its
+    final dtype; the from_pretrained fallback is not used for a plain load."""
+    import hf_merge.model as loader
+    from hf_merge.checkpoint import LazyCheckpoint
+
+    calls = []
+
+    class Recorder(LazyCheckpoint):
+        def __init__(self, base):
+            self.base, self.info = base, base.info
+
+        def specs(self):
+            return self.base.specs()
+
+        def read_into(self, name, out):
+            calls.append((name, out.dtype, out.data_ptr()))
+            self.base.read_into(name, out)
+
+    real_view = loader.model_view
+    monkeypatch.setattr(loader, "model_view", lambda *a, **k: (lambda v, d, n: (Recorder(v), d, n))(*real_view(*a, **k)))
+    monkeypatch.setattr(loader, "_load_with_transformers", lambda *a, **k: pytest.fail("took the fallback path"))
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor)  # bf16 from fp32 shards
+    names = [c[0] for c in calls]
+    assert len(names) == len(set(names)) == len(model.state_dict())
+    filled = {ptr: dtype for _, dtype, ptr in calls}
+    for name, tensor in model.state_dict().items():
+        assert filled.get(tensor.data_ptr()) == tensor.dtype == torch.bfloat16, name
+
+
+def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_fp32_ws2):
+    assert json.loads((qwen2_fp32_ws2.hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor)  # dtype: the config's
+    assert model.dtype == torch.bfloat16 and model.config.dtype == torch.bfloat16
+    ref = AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.bfloat16)
+    ids = torch.load(qwen2_fp32_ws2.logits)["input_ids"]
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    auto = from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="auto")  # from_pretrained's "auto": the config's
+    assert auto.dtype == torch.bfloat16
+    keep = from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="keep")  # the training dtype
+    assert keep.dtype == torch.float32 and keep.config.dtype == torch.float32
+
+
+def test_auto_model_builds_the_base_model(qwen2_fp32_ws2):
+    model = AutoModel.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype=torch.float32)
+    assert type(model) is Qwen2Model  # the `model.` prefix stripped, lm_head skipped
+    ref = AutoModel.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.float32)
+    ids = torch.load(qwen2_fp32_ws2.logits)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
+
+
+def test_default_class_is_the_configs_architecture(qwen2_fp32_ws2):
+    model = hf_merge.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
+    assert type(model) is Qwen2ForCausalLM
+    assert type(from_sharded_pretrained(qwen2_fp32_ws2.actor, auto_class="AutoModel")) is Qwen2Model
+
+
+@pytest.mark.parametrize("device_map", ["cpu", "auto", {"": "cpu"}, "dict"])
+def test_device_map(qwen2_fp32_ws2, device_map):
+    if device_map == "dict":
+        device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu",
+                      "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32", device_map=device_map)
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert _no_meta(model) == []
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
+def test_device_map_with_disk_offload(qwen2_fp32_ws2, tmp_path):
+    """'disk' in the map: transformers' own loop (offloading is its business), still lazily fed."""
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_sharded_pretrained(
+        qwen2_fp32_ws2.actor, dtype="float32", device_map=device_map, offload_folder=tmp_path
+    )
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert any(p.name.startswith("model.layers.1.") for p in tmp_path.iterdir())
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
+def test_concrete_model_class(qwen2_fp32_ws2):
+    model = hf_merge.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, auto_class=Qwen2ForCausalLM, dtype="float32")
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert type(model) is Qwen2ForCausalLM
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
+def test_a_plain_hf_folder_loads_too(qwen2_fp32_ws2):
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.reference, dtype="float32")
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
+def test_tied_embeddings_are_tied(llama_tied_bf16_ws4):
+    model = AutoModelForCausalLM.from_sharded_pretrained(llama_tied_bf16_ws4.actor)
+    assert type(model) is LlamaForCausalLM and model.dtype == torch.bfloat16
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref = torch.load(llama_tied_bf16_ws4.logits)
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
+def test_persistent_buffer_in_rank_files_is_skipped_like_transformers(mixed_buffers_ckpt):
+    """rank files holding a plain `rotary_emb.inv_freq` copy: transformers ignores it; so do we."""
+    model = AutoModelForCausalLM.from_sharded_pretrained(mixed_buffers_ckpt.actor, dtype="float32")
+    ref = torch.load(mixed_buffers_ckpt.logits)
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
+# ---------------------------------------------------------------------------------------------
+# behaves like from_pretrained's model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_name_and_generation_config(qwen2_fp32_ws2, loaded):
+    assert loaded.config.name_or_path == str(qwen2_fp32_ws2.actor)
+    assert loaded.name_or_path == str(qwen2_fp32_ws2.actor)
+    saved = json.loads((qwen2_fp32_ws2.hf_dir / "generation_config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(loaded.generation_config, key) == saved[key]
+
+
+def test_generate_equals_the_reference(qwen2_fp32_ws2, ref, loaded):
+    ids = torch.load(qwen2_fp32_ws2.logits)["input_ids"][:1]
+    kw = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(loaded.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_save_pretrained_reloads_with_from_pretrained(qwen2_fp32_ws2, loaded, tmp_path):
+    loaded.save_pretrained(tmp_path / "out")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert again.dtype == torch.float32
+    assert torch.equal(_logits(again, ref["input_ids"]), ref["logits"])
+
+
+def test_push_to_hub_uploads_the_model(qwen2_fp32_ws2, tmp_path):
+    """push_to_hub against the loopback Hub stand-in (tests/hub_server.py), in a fresh process."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hub_server import HubStandIn
+
+    code = textwrap.dedent(
+        f"""
+        import hf_merge
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_sharded_pretrained({str(qwen2_fp32_ws2.actor)!r}, dtype="float32")
+        m.push_to_hub("tester/tiny-merged")
+        """
+    )
+    with HubStandIn() as hub:
+        env = dict(os.environ, **hub.env(str(tmp_path / "hf_home")), PYTHONPATH=str(REPO))
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        files = set(hub.repos["tester/tiny-merged"].files)
+    assert {"config.json", "model.safetensors"} <= files
+
+
+def test_attn_implementation_and_config_object(qwen2_fp32_ws2):
+    from transformers import AutoConfig
+
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32", attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    config = AutoConfig.from_pretrained(qwen2_fp32_ws2.hf_dir)
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, config=config, dtype="float32")
+    assert model.config.use_cache is False and config.name_or_path != model.config.name_or_path
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
+def test_load_tokenizer(qwen2_fp32_ws2):
+    tok = hf_merge.model.load_tokenizer(qwen2_fp32_ws2.actor)
+    ref = load_tokenizer(qwen2_fp32_ws2.root, config=qwen2_fp32_ws2.reference)
+    assert tok("the water was good")["input_ids"] == ref("the water was good")["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: typed, naming the offender
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_path_raises_the_typed_error(tmp_path):
+    with pytest.raises(SourceNotFoundError):
+        AutoModelForCausalLM.from_sharded_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HfMergeError):
+        AutoModelForCausalLM.from_sharded_pretrained(tmp_path / "empty")
+    with pytest.raises(HfMergeError):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_missing_config_raises_the_typed_error(qwen2_fp32_ws2, tmp_path):
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    for f in qwen2_fp32_ws2.rank_files + [qwen2_fp32_ws2.actor / "fsdp_config.json"]:
+        os.symlink(f, actor / f.name)
+    with pytest.raises(MissingConfigError, match="config"):
+        AutoModelForCausalLM.from_sharded_pretrained(actor)
+    model = AutoModelForCausalLM.from_sharded_pretrained(actor, config=qwen2_fp32_ws2.hf_dir, dtype="float32")
+    assert torch.equal(_logits(model, torch.load(qwen2_fp32_ws2.logits)["input_ids"]), torch.load(qwen2_fp32_ws2.logits)["logits"])
+
+
+def test_missing_and_unexpected_weights_are_named(qwen2_fp32_ws2):
+    with pytest.raises(MappingError, match=r"score\.weight"):
+        AutoModelForTokenClassification.from_sharded_pretrained(qwen2_fp32_ws2.actor, num_labels=1)
+    # strict=False: initialised like from_pretrained would (a new head), everything else loaded
+    model = AutoModelForTokenClassification.from_sharded_pretrained(
+        qwen2_fp32_ws2.actor, num_labels=1, strict=False, dtype="float32"
+    )
+    assert model.score.weight.shape == (1, 64) and _no_meta(model) == []
+
+
+def test_wrong_shapes_are_named(qwen2_fp32_ws2, tmp_path):
+    cfg = json.loads((qwen2_fp32_ws2.hf_dir / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MappingError, match=r"mlp\.(gate|up|down)_proj\.weight"):
+        AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, config=tmp_path)
+
+
+def test_auto_class_without_a_model_for_the_config(qwen2_fp32_ws2):
+    from transformers import AutoModelForImageTextToText
+
+    with pytest.raises(HfMergeError, match="AutoModelForImageTextToText"):
+        AutoModelForImageTextToText.from_sharded_pretrained(qwen2_fp32_ws2.actor)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization and LoRA
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bitsandbytes_equals_from_pretrained_quantized(qwen2_fp32_ws2, bits):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    if bits == 4:
+        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_type="nf4")
+    else:
+        qc = BitsAndBytesConfig(load_in_8bit=True)
+    model = AutoModelForCausalLM.from_sharded_pretrained(
+        qwen2_fp32_ws2.actor, dtype="float32", quantization_config=qc, device_map="cpu"
+    )
+    ref = AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.float32, quantization_config=qc, device_map="cpu")
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == ref.model.layers[0].self_attn.q_proj.weight.dtype
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype in (torch.uint8, torch.int8)
+    assert _no_meta(model) == []
+    ids = torch.load(qwen2_fp32_ws2.logits)["input_ids"]
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+
+
+def test_lora_fuse_is_the_default(lora_ckpt):
+    model = AutoModelForCausalLM.from_sharded_pretrained(lora_ckpt.actor, dtype="float32")
+    ref = torch.load(lora_ckpt.logits)
+    torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["lora_ckpt", "lora_modules_to_save_ckpt"])
+def test_lora_adapter_gives_a_peft_model(checkpoint, name):
+    from peft import PeftModel
+
+    ck = checkpoint(name)
+    model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="float32", lora="adapter")
+    assert isinstance(model, PeftModel) and not model.training
+    base = AutoModelForCausalLM.from_pretrained(ck.reference_base, dtype=torch.float32)
+    ref = PeftModel.from_pretrained(base, ck.reference_adapter)
+    ids = torch.load(ck.logits)["input_ids"]
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+    assert model.peft_config["default"].r == ref.peft_config["default"].r
+    assert model.peft_config["default"].lora_alpha == ref.peft_config["default"].lora_alpha
+
+
+def test_lora_only_checkpoint_with_base_model(lora_only_ckpt):
+    from peft import PeftModel
+
+    ck = lora_only_ckpt
+    with pytest.raises(LoraError, match="base"):
+        AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="float32")
+    ids = torch.load(ck.logits)["input_ids"]
+    fused = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="float32", base_model=ck.base_model)
+    torch.testing.assert_close(_logits(fused, ids), torch.load(ck.logits)["logits"], rtol=1e-5, atol=1e-5)
+    model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="float32", lora="adapter", base_model=ck.base_model)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ck.base_model, dtype=torch.float32), ck.reference_adapter)
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))
+
+
+def test_lora_adapter_on_a_plain_checkpoint_is_an_error(qwen2_fp32_ws2):
+    with pytest.raises(LoraError):
+        AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, lora="adapter")
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron: real megatron-core checkpoints (TP=2, PP=2) against Megatron's own logits
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, role", [("qwen3_tied_v2", "actor"), ("mistral_critic_v2", "critic")])
+def test_megatron_checkpoint_gives_megatrons_logits(megatron_root, name, role):
+    model = hf_merge.from_sharded_pretrained(megatron_root / name / role, dtype="float32", attn_implementation="eager")
+    ref = torch.load(megatron_root / name / "reference.pt")
+    if role == "critic":  # the [1, H] value head becomes a token-classification model, num_labels=1
+        assert type(model).__name__.endswith("ForTokenClassification") and model.config.num_labels == 1
+    else:
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    assert not any(p.is_meta for p in model.parameters())
+    torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-4)
+
+
+def test_no_temporary_folder_and_source_untouched(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    before = sorted(p.name for p in qwen2_fp32_ws2.actor.iterdir())
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
+    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in qwen2_fp32_ws2.actor.iterdir()) == before
+    shutil.rmtree(tmp_path, ignore_errors=True)
