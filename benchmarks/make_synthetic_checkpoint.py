@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a synthetic verl FSDP checkpoint made of real DTensors.
 
-    python benchmarks/make_synthetic_checkpoint.py OUT_DIR --layers 2 [--world-size 4]
+    python benchmarks/make_synthetic_checkpoint.py OUT_DIR --layers 2 [--world-size 4] [--lora]
 
 The model is Qwen2-7B shaped (hidden 3584, intermediate 18944, 28 heads / 4 KV heads,
 vocab 152064, q/k/v biases, untied lm_head) with only ``--layers`` decoder layers, in bf16:
@@ -15,6 +15,16 @@ semantics. Each process creates only its own local shards (random bf16 values fr
 derived from the tensor name and rank), so no process ever holds the full model. The folder
 also gets ``fsdp_config.json`` and ``huggingface/`` (config.json, generation_config.json and a
 tiny tokenizer, since verl's merger always saves a tokenizer).
+
+``--lora``: the same model wrapped by PEFT (``get_peft_model``) with LoRA r=16 on every linear
+layer of the decoder (q, k, v, o, gate, up, down), as verl saves it (``save_lora_only`` off):
+names ``base_model.model.<hf name>``, each wrapped linear ``m`` as ``m.base_layer.weight`` (+
+``.bias`` for q/k/v), ``m.lora_A.default.weight`` ``[r, in]`` and ``m.lora_B.default.weight``
+``[out, r]`` (non-zero, as after training), every tensor a ``Shard(0)`` DTensor like the rest.
+The base weights get exactly the values of the plain checkpoint (same seeds, by HF name), so a
+merge that ignores LoRA reproduces the plain checkpoint's merge bit for bit. Beside the rank
+files, ``lora_train_meta.json`` records ``{"r": 16, "lora_alpha": 32, "task_type": "CAUSAL_LM"}``
+as verl does.
 """
 from __future__ import annotations
 
@@ -36,6 +46,10 @@ HEADS = 28
 KV_HEADS = 4
 VOCAB = 152064
 HEAD_DIM = HIDDEN // HEADS
+LORA_R = 16
+LORA_ALPHA = 32
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
 
 
 def hf_config(layers: int) -> dict:
@@ -65,8 +79,13 @@ def hf_config(layers: int) -> dict:
     }
 
 
-def param_shapes(layers: int) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and global shapes, in Qwen2ForCausalLM's state_dict order."""
+def param_shapes(layers: int, lora_r: int = 0) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and global shapes, in Qwen2ForCausalLM's state_dict order.
+
+    ``lora_r > 0``: the names and shapes of the PEFT-wrapped model (see the module docstring),
+    in PEFT's state_dict order."""
+    if lora_r:
+        return peft_shapes(param_shapes(layers), lora_r)
     kv = KV_HEADS * HEAD_DIM
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
     for i in range(layers):
@@ -90,10 +109,43 @@ def param_shapes(layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expected_bytes(layers: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def peft_shapes(hf_shapes: dict[str, tuple[int, ...]], r: int) -> dict[str, tuple[int, ...]]:
+    """PEFT names for ``hf_shapes`` with LoRA of rank ``r`` on every LORA_TARGETS linear."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in hf_shapes.items():
+        module, param = name.rsplit(".", 1)
+        if module.rsplit(".", 1)[-1] not in LORA_TARGETS:
+            out[PEFT_PREFIX + name] = shape
+            continue
+        out[f"{PEFT_PREFIX}{module}.base_layer.{param}"] = shape
+        if param == "weight":  # the bias (q/k/v) comes right after its weight in hf_shapes
+            out_features, in_features = shape
+            out[f"{PEFT_PREFIX}{module}.lora_A.default.weight"] = (r, in_features)
+            out[f"{PEFT_PREFIX}{module}.lora_B.default.weight"] = (out_features, r)
+    # PEFT's order: base_layer.weight, base_layer.bias, lora_A, lora_B
+    order = []
+    for name in out:
+        if ".lora_" not in name:
+            order.append(name)
+            if name.endswith(".base_layer.bias") or (
+                name.endswith(".base_layer.weight") and name[: -len(".weight")] + ".bias" not in out
+            ):
+                module = name.rsplit(".base_layer.", 1)[0]
+                order += [f"{module}.lora_A.default.weight", f"{module}.lora_B.default.weight"]
+    return {name: out[name] for name in order}
+
+
+def hf_name(name: str) -> str:
+    """The plain HF name of a (possibly PEFT-wrapped) base tensor name."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name.replace(".base_layer.", ".")
+
+
+def expected_bytes(layers: int, dtype: torch.dtype = torch.bfloat16, lora_r: int = 0) -> int:
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for shape in param_shapes(layers).values():
+    for shape in param_shapes(layers, lora_r).values():
         n = 1
         for d in shape:
             n *= d
@@ -110,13 +162,15 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def local_shard(name: str, shape: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
-    """This rank's Shard(0) piece, torch.chunk semantics (ceil-sized chunks, last short/empty)."""
+    """This rank's Shard(0) piece, torch.chunk semantics (ceil-sized chunks, last short/empty).
+
+    Seeded by the plain HF name, so a PEFT base weight equals the plain model's weight."""
     n = shape[0]
     chunk = -(-n // world)
     start = min(rank * chunk, n)
     stop = min(start + chunk, n)
     local_shape = (stop - start, *shape[1:])
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}#{rank}".encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{hf_name(name)}#{rank}".encode()))
     if name.endswith("norm.weight"):
         # RMSNorm weights sit around 1.0
         t = torch.randn(local_shape, generator=gen, dtype=torch.float32).mul_(0.05).add_(1.0)
@@ -124,7 +178,7 @@ def local_shard(name: str, shape: tuple[int, ...], rank: int, world: int) -> tor
     return torch.randn(local_shape, generator=gen, dtype=torch.bfloat16).mul_(0.02)
 
 
-def _worker(rank: int, world: int, port: int, out: str, layers: int) -> None:
+def _worker(rank: int, world: int, port: int, out: str, layers: int, lora_r: int = 0) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -136,7 +190,7 @@ def _worker(rank: int, world: int, port: int, out: str, layers: int) -> None:
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         sd = {}
-        for name, shape in param_shapes(layers).items():
+        for name, shape in param_shapes(layers, lora_r).items():
             local = local_shard(name, shape, rank, world)
             sd[name] = DTensor.from_local(
                 local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
@@ -177,8 +231,10 @@ def write_tokenizer(hf_dir: Path) -> None:
     }, indent=2) + "\n")
 
 
-def make_checkpoint(out: Path, layers: int, world: int = 4) -> dict:
-    """Write the checkpoint into ``out`` (replaced atomically). Returns a summary dict."""
+def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0) -> dict:
+    """Write the checkpoint into ``out`` (replaced atomically). Returns a summary dict.
+
+    ``lora_r > 0``: the PEFT-wrapped model with LoRA of that rank (see the module docstring)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
@@ -187,22 +243,28 @@ def make_checkpoint(out: Path, layers: int, world: int = 4) -> dict:
     t0 = time.perf_counter()
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp), layers), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp), layers, lora_r), nprocs=world, join=True)
     (tmp / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
     hf = tmp / "huggingface"
     (hf / "config.json").write_text(json.dumps(hf_config(layers), indent=2) + "\n")
     (hf / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 151643, "eos_token_id": 151643, "max_new_tokens": 2048}, indent=2) + "\n")
     write_tokenizer(hf)
+    if lora_r:
+        (tmp / "lora_train_meta.json").write_text(json.dumps(
+            {"r": lora_r, "lora_alpha": LORA_ALPHA, "task_type": "CAUSAL_LM"}, indent=2) + "\n")
     elapsed = time.perf_counter() - t0
     rank_bytes = sum((tmp / f"model_world_size_{world}_rank_{r}.pt").stat().st_size for r in range(world))
     summary = {
         "layers": layers,
         "world_size": world,
-        "param_bytes": expected_bytes(layers),
+        "param_bytes": expected_bytes(layers, lora_r=lora_r),
         "rank_file_bytes": rank_bytes,
         "create_seconds": round(elapsed, 2),
     }
+    if lora_r:
+        summary.update(lora_r=lora_r, lora_alpha=LORA_ALPHA, lora_targets=list(LORA_TARGETS),
+                       base_param_bytes=expected_bytes(layers))
     (tmp / "synthetic.json").write_text(json.dumps(summary, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
@@ -215,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="checkpoint folder to write (replaced if it exists)")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers (2 ~3.1 GB, 8 ~5.9 GB)")
     ap.add_argument("--world-size", type=int, default=4, help="number of FSDP ranks / gloo processes")
+    ap.add_argument("--lora", action="store_true",
+                    help=f"PEFT-wrapped model, LoRA r={LORA_R} alpha={LORA_ALPHA} on q,k,v,o,gate,up,down")
     args = ap.parse_args(argv)
-    print(f"writing {args.layers}-layer Qwen2-7B-shaped checkpoint "
-          f"({expected_bytes(args.layers) / 1e9:.2f} GB bf16) with {args.world_size} ranks to {args.out}",
-          file=sys.stderr)
-    summary = make_checkpoint(args.out, args.layers, args.world_size)
+    lora_r = LORA_R if args.lora else 0
+    print(f"writing {args.layers}-layer Qwen2-7B-shaped {'LoRA (PEFT) ' if lora_r else ''}checkpoint "
+          f"({expected_bytes(args.layers, lora_r=lora_r) / 1e9:.2f} GB bf16) with {args.world_size} ranks "
+          f"to {args.out}", file=sys.stderr)
+    summary = make_checkpoint(args.out, args.layers, args.world_size, lora_r)
     print(json.dumps(summary))
     return 0
 

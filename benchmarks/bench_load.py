@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Benchmark ``from_sharded_pretrained`` against ``from_pretrained`` of the merged folder.
+
+    .venv/bin/python benchmarks/bench_load.py [CKPT] [--repeat 3] [--dtype bfloat16]
+
+CKPT is a verl FSDP checkpoint folder (default: the synthetic Qwen2-7B-width one that
+``benchmarks/bench_merge.py`` caches under ``bench_out/bench/ckpt/``; if there is none, a 1-layer
+one (~2.6 GB) is written under ``--workdir`` with ``benchmarks/make_synthetic_checkpoint.py``).
+It is merged once with ``hf_merge.merge`` into ``WORKDIR/<ckpt name>/merged`` (reused while the
+source is unchanged), then each load runs in a fresh interpreter, alternating the two, ``--repeat`` times:
+
+  from_sharded_pretrained   ``AutoModelForCausalLM.from_sharded_pretrained(CKPT, dtype=...)``
+  from_pretrained           ``AutoModelForCausalLM.from_pretrained(WORKDIR/<ckpt name>/merged, dtype=...)``
+
+Before each load the input files are read once (warm page cache for both). Inside the child a
+thread samples ``/proc/self/status`` every 5 ms: ``RssAnon`` (anonymous memory: tensors, heap;
+memory-mapped file pages excluded) and ``VmRSS`` (includes them). Wall time is the load call
+alone (imports excluded, measured separately). Each child also fingerprints every tensor
+(float64 sum and a sample of bytes); both loads must agree. Prints a markdown table with the
+median time, the worst peaks, and the targets: time <= 1.1x from_pretrained, peak anon <=
+1.1x model + 512 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_CKPT = REPO / "bench_out" / "bench" / "ckpt" / "qwen2-7b-shaped-L2-ws4"
+DEFAULT_WORKDIR = REPO / "bench_out" / "load"
+MB = 1e6
+
+
+# --------------------------------------------------------------------------- the child
+
+
+class _Sampler(threading.Thread):
+    """Peak RssAnon / VmRSS of this process, from /proc/self/status every ``interval`` s."""
+
+    def __init__(self, interval: float = 0.005):
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.peak_anon = self.peak_rss = 0
+        self._done = threading.Event()
+
+    @staticmethod
+    def read() -> tuple[int, int]:
+        anon = rss = 0
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+                elif line.startswith(b"VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        return anon, rss
+
+    def sample(self) -> None:
+        anon, rss = self.read()
+        self.peak_anon, self.peak_rss = max(self.peak_anon, anon), max(self.peak_rss, rss)
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+        self.sample()
+
+
+def _fingerprint(model) -> dict[str, list]:
+    import torch
+
+    out = {}
+    for name, t in list(model.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        out[name] = [str(t.dtype), list(t.shape), float(t.double().sum()), flat[::step].float().tolist()[:64]]
+    return out
+
+
+def child(tool: str, source: str, dtype: str, fingerprint_path: str | None) -> dict:
+    t_import = time.perf_counter()
+    import torch
+    import transformers
+    import hf_merge.auto
+
+    hf_merge.auto.install()
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    import_s = time.perf_counter() - t_import
+    baseline_anon, baseline_rss = _Sampler.read()
+    sampler = _Sampler()
+    sampler.start()
+    t0 = time.perf_counter()
+    if tool == "from_sharded_pretrained":
+        model = AutoModelForCausalLM.from_sharded_pretrained(source, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    wall = time.perf_counter() - t0
+    load_peak_anon, load_peak_rss = sampler.peak_anon, sampler.peak_rss
+    # First use: a forward pass over 8 tokens touches every weight. from_pretrained's weights are
+    # memory-mapped file pages that are only read now; ours were read during the load.
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids)
+    forward = time.perf_counter() - t1
+    sampler.stop()
+    seen = set()
+    model_bytes = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            model_bytes += t.numel() * t.element_size()
+    result = {
+        "tool": tool,
+        "wall_s": wall,
+        "forward_s": forward,
+        "import_s": import_s,
+        "load_peak_anon": load_peak_anon,
+        "load_peak_rss": load_peak_rss,
+        "peak_anon": sampler.peak_anon,
+        "peak_rss": sampler.peak_rss,
+        "baseline_anon": baseline_anon,
+        "baseline_rss": baseline_rss,
+        "model_bytes": model_bytes,
+        "class": type(model).__name__,
+        "dtype": str(model.dtype),
+    }
+    if fingerprint_path:
+        Path(fingerprint_path).write_text(json.dumps(_fingerprint(model)))
+    return result
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def warm_cache(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.suffix in (".pt", ".safetensors"):
+            with open(path, "rb") as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def ensure_checkpoint(ckpt: Path | None, workdir: Path) -> Path:
+    if ckpt is not None:
+        if not ckpt.is_dir():
+            sys.exit(f"error: {ckpt} is not a folder")
+        return ckpt
+    if DEFAULT_CKPT.is_dir() and (DEFAULT_CKPT / "fsdp_config.json").is_file():
+        return DEFAULT_CKPT
+    own = workdir / "ckpt-L1"
+    if not (own / "synthetic.json").is_file():
+        print(f"writing a synthetic 1-layer checkpoint to {own} ...", file=sys.stderr, flush=True)
+        subprocess.run(
+            [sys.executable, str(BENCH_DIR / "make_synthetic_checkpoint.py"), str(own), "--layers", "1"], check=True
+        )
+    return own
+
+
+def ensure_merged(ckpt: Path, workdir: Path, dtype: str) -> Path:
+    import hf_merge
+
+    merged = workdir / ckpt.name / "merged"
+    stamp = {
+        "source": str(ckpt.resolve()),
+        "dtype": dtype,
+        "mtimes": {p.name: p.stat().st_mtime for p in sorted(ckpt.glob("*.pt"))},
+    }
+    stamp_file = workdir / ckpt.name / "merged.json"
+    if merged.is_dir() and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return merged
+    print(f"merging {ckpt} -> {merged} ...", file=sys.stderr, flush=True)
+    merged.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    hf_merge.merge(ckpt, merged, dtype=dtype, overwrite=True)
+    print(f"merged in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    stamp_file.write_text(json.dumps(stamp))
+    return merged
+
+
+def run_child(tool: str, source: Path, dtype: str, fingerprint: Path | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", tool, str(source), "--dtype", dtype]
+    if fingerprint:
+        cmd += ["--fingerprint", str(fingerprint)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"error: {tool} failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def compare(a: Path, b: Path) -> tuple[bool, str]:
+    fa, fb = json.loads(a.read_text()), json.loads(b.read_text())
+    if fa.keys() != fb.keys():
+        return False, f"different tensors: {sorted(fa.keys() ^ fb.keys())[:5]}"
+    bad = [k for k in fa if fa[k] != fb[k]]
+    return (not bad), (f"{len(bad)} tensors differ, e.g. {bad[:3]}" if bad else f"all {len(fa)} tensors equal")
+
+
+def table(rows: list[dict], model_bytes: int) -> str:
+    def med(tool: str, key) -> float:
+        return statistics.median(key(r) for r in rows if r["tool"] == tool)
+
+    ref_load = med("from_pretrained", lambda r: r["wall_s"])
+    ref_total = med("from_pretrained", lambda r: r["wall_s"] + r["forward_s"])
+    budget = 1.1 * model_bytes + 512 * 2**20
+    lines = [
+        "| load | load s (median) | load runs | x | load + 1st forward s | x | peak anon MB (load / +forward) "
+        "| anon - baseline MB | peak RSS MB (load / +forward) | anon <= 1.1x model + 512 MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tool in ("from_sharded_pretrained", "from_pretrained"):
+        rs = [r for r in rows if r["tool"] == tool]
+        load = med(tool, lambda r: r["wall_s"])
+        total = med(tool, lambda r: r["wall_s"] + r["forward_s"])
+        anon = max(r["peak_anon"] for r in rs)
+        delta = max(r["peak_anon"] - r["baseline_anon"] for r in rs)
+        ok = "ok" if anon <= budget else "OVER"
+        runs = ", ".join(f"{r['wall_s']:.2f}" for r in rs)
+        lines.append(
+            f"| {tool} | {load:.2f} | {runs} | {load / ref_load:.2f} | "
+            f"{total:.2f} | {total / ref_total:.2f} | {max(r['load_peak_anon'] for r in rs) / MB:,.0f} / {anon / MB:,.0f} | "
+            f"{delta / MB:,.0f} | {max(r['load_peak_rss'] for r in rs) / MB:,.0f} / {max(r['peak_rss'] for r in rs) / MB:,.0f} | "
+            f"{ok} ({budget / MB:,.0f}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("ckpt", nargs="?", type=Path, help=f"verl FSDP checkpoint folder (default {DEFAULT_CKPT})")
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    p.add_argument("--dtype", default="bfloat16", help="load dtype for both (default bfloat16)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--child", nargs=2, metavar=("TOOL", "SOURCE"), help=argparse.SUPPRESS)
+    p.add_argument("--fingerprint", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a.child[0], a.child[1], a.dtype, a.fingerprint)))
+        return 0
+
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    ckpt = ensure_checkpoint(a.ckpt, a.workdir)
+    merged = ensure_merged(ckpt, a.workdir, a.dtype)
+    load = os.getloadavg()[0]
+    if load > 1.5:
+        print(f"warning: load average {load:.1f}: timings are noisy on a busy machine", file=sys.stderr)
+    rows = []
+    prints = {}
+    for i in range(a.repeat):
+        order = ("from_sharded_pretrained", "from_pretrained") if i % 2 == 0 else ("from_pretrained", "from_sharded_pretrained")
+        for tool in order:
+            source = ckpt if tool == "from_sharded_pretrained" else merged
+            warm_cache(source)
+            fp = merged.parent / f"fingerprint-{tool}.json" if i == 0 else None
+            r = run_child(tool, source, a.dtype, fp)
+            prints[tool] = fp or prints.get(tool)
+            rows.append(r)
+            print(
+                f"  run {i + 1} {tool}: {r['wall_s']:.2f} s + forward {r['forward_s']:.2f} s, peak anon {r['peak_anon'] / MB:,.0f} MB, "
+                f"peak RSS {r['peak_rss'] / MB:,.0f} MB",
+                file=sys.stderr,
+                flush=True,
+            )
+    equal, detail = compare(prints["from_sharded_pretrained"], prints["from_pretrained"])
+    model_bytes = rows[0]["model_bytes"]
+    src_bytes = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
+    print(
+        f"\n{ckpt} ({src_bytes / 1e9:.2f} GB of rank files) -> {rows[0]['class']} in {rows[0]['dtype']}, "
+        f"model {model_bytes / MB:,.0f} MB; imports {statistics.median(r['import_s'] for r in rows):.1f} s (not counted); "
+        f"{os.cpu_count()} CPUs, load average {load:.1f}\n"
+    )
+    print(table(rows, model_bytes))
+    print(f"\nsame weights: {'yes' if equal else 'NO'} ({detail})")
+    (merged.parent / "results.json").write_text(json.dumps({"ckpt": str(ckpt), "rows": rows, "equal": equal}, indent=2))
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
