@@ -108,7 +108,7 @@ def write_shards(
     folder.mkdir(parents=True, exist_ok=True)
     n = workers or default_workers(len(plan.files))
     n = max(1, min(n, len(plan.files)))
-    with tqdm(total=plan.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc=desc) as bar:
+    with tqdm(total=plan.total_size, unit="B", unit_scale=True, desc=desc) as bar:
         if n == 1:
             for fp in plan.files:
                 write_file(ckpt, fp, folder, progress=bar.update)

@@ -50,7 +50,8 @@ def reference_logits(ckpt) -> tuple[torch.Tensor, torch.Tensor]:
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``hf-merge`` in a subprocess, as a user would."""
     full_env = {k: v for k, v in os.environ.items() if k != "HF_MERGE_DEBUG"}
-    full_env.update(HF_HUB_DISABLE_PROGRESS_BARS="1", **(env or {}))
+    full_env.update({"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})})
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
     return subprocess.run(
         [sys.executable, "-m", "hf_merge.cli.app", *map(str, args)],
         capture_output=True, text=True, env=full_env, timeout=timeout,

@@ -122,6 +122,17 @@ def test_source_resolution_root_step_and_actor(qwen2_fp32_ws2, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_progress_bar_shown_and_quiet_silences_it(qwen2_fp32_ws2, tmp_path):
+    bars_on = {"HF_HUB_DISABLE_PROGRESS_BARS": None}
+    loud = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "loud", env=bars_on)
+    assert loud.returncode == 0, loud.stderr
+    assert "Merging" in loud.stderr and "wrote" in loud.stderr
+    quiet = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "quiet", "-q", env=bars_on)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == "" and quiet.stdout == ""
+    assert (tmp_path / "quiet" / "model.safetensors").is_file()
+
+
 def test_verl_spelling_is_accepted(qwen2_fp32_ws2, tmp_path):
     target = tmp_path / "verl_style"
     proc = run_cli("merge", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--target_dir", target,

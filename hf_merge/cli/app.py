@@ -33,6 +33,10 @@ def _setup_logging(quiet: bool) -> None:
     log.handlers[:] = [handler]
     log.setLevel(logging.WARNING if quiet else logging.INFO)
     log.propagate = False
+    if quiet:  # progress bars too (HF_HUB_DISABLE_PROGRESS_BARS=1 does the same without -q)
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
@@ -48,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn distributed training checkpoints (verl FSDP / Megatron, DCP) into Hugging Face models.",
     )
     parser.add_argument("--version", action="version", version=f"hf-merge {__version__}")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors: no notes, no progress bars")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = [merge_cmd, inspect_cmd]
     for optional in ("verify", "push", "extension"):

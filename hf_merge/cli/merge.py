@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             "target": str(result.target), "files": result.files, "dtype": result.dtype,
             "tensors": result.num_tensors, "bytes": result.total_bytes, "notes": result.notes, "url": result.url,
         }, indent=2))
-    else:
+    elif not getattr(args, "quiet", False):
         size = result.total_bytes / 1e9
         print(f"wrote {result.target} ({result.num_tensors} tensors, {size:.2f} GB, {len(result.files)} file(s), dtype {result.dtype or 'as trained'})", file=sys.stderr)
         if result.url:
