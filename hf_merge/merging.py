@@ -19,7 +19,7 @@ from .output import atomic_folder, check_target
 from .plan import plan_shards
 from .spec import dtype_name
 from .transforms import Cast, drop_tied
-from .verification import file_checksums, verify_or_raise
+from .verification import verify_or_raise
 from .writer import write_shards
 
 logger = logging.getLogger(__name__)
@@ -234,11 +234,11 @@ def merge(
             )
         with atomic_folder(target, overwrite=overwrite) as tmp:
             if model_plan is not None:
-                write_shards(views.model, model_plan, tmp, workers=workers, desc="Merging")
+                digests = write_shards(views.model, model_plan, tmp, workers=workers, desc="Merging", sha256=checksums)
                 write_config(cfg, tmp, dtype=views.out_dtype)
                 copy_side_files(config_dir, tmp)
                 if checksums:
-                    provenance["files"] = file_checksums(tmp, [f.name for f in model_plan.files])
+                    provenance["files"] = digests
                 if verify:
                     _write_provenance(tmp, provenance)
                     report = verify_or_raise(

@@ -7,15 +7,19 @@ small tensors whole, and large tensors with no row runs through a memory-mapped 
 (``read_into``). Memory in use is the tensors in flight, never a shard or the model.
 
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
-(the plan is deterministic and partitions by file).
+(the plan is deterministic and partitions by file). Each file's sha256 is computed on a second
+thread that follows the writer through the file (tensors are written in offset order), so hashing
+overlaps with writing instead of re-reading the output afterwards.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import multiprocessing as mp
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -41,8 +45,80 @@ def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def write_file(ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: ProgressFn | None = None) -> Path:
-    """Write one planned safetensors file into ``folder``.
+HASH_CHUNK = 8 << 20
+
+
+class FollowingSha256:
+    """sha256 of a file written front to back, computed on a thread that trails the writer.
+
+    The writer calls :meth:`advance` with the offset below which the file is final; the thread
+    reads that part back (from the page cache) and hashes it. pread and hashlib release the GIL,
+    so this runs on another core while the writer writes on. :meth:`finish` returns the digest.
+    """
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_RDONLY)
+        self._hash = hashlib.sha256()
+        self._done = 0
+        self._limit = 0
+        self._closing = False
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"sha256 {path.name}", daemon=True)
+        self._thread.start()
+
+    def advance(self, final_up_to: int) -> None:
+        with self._cv:
+            self._limit = max(self._limit, final_up_to)
+            self._cv.notify()
+
+    def finish(self) -> str:
+        self._stop()
+        if self._error is not None:
+            raise self._error
+        return self._hash.hexdigest()
+
+    def cancel(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _run(self) -> None:
+        buf = memoryview(bytearray(HASH_CHUNK))
+        try:
+            while True:
+                with self._cv:
+                    while self._done >= self._limit and not self._closing:
+                        self._cv.wait()
+                    limit, closing = self._limit, self._closing
+                while self._done < limit:
+                    n = os.preadv(self._fd, [buf[: min(HASH_CHUNK, limit - self._done)]], self._done)
+                    if n <= 0:
+                        raise OSError(f"unexpected end of file at byte {self._done} while hashing")
+                    self._hash.update(buf[:n])
+                    self._done += n
+                if closing:
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to finish()
+            self._error = e
+
+
+def write_file(
+    ckpt: LazyCheckpoint,
+    plan: FilePlan,
+    folder: Path,
+    progress: ProgressFn | None = None,
+    *,
+    sha256: bool = False,
+) -> str | None:
+    """Write one planned safetensors file into ``folder``; return its sha256 when asked.
 
     Tensors stream into place with ``pwrite``: runs of rows from :meth:`LazyCheckpoint.read_rows`
     (zero-copy from the memory-mapped rank files when no cast is needed, else converted chunks),
@@ -52,13 +128,19 @@ def write_file(ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: Pro
     path = Path(folder) / plan.name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     mapped = None
+    hasher = None
     try:
         os.pwrite(fd, plan.header, 0)
         os.ftruncate(fd, plan.file_size)
+        hasher = FollowingSha256(path) if sha256 else None
+        final = plan.data_start  # everything before this offset is written
         for spec in plan.specs:
+            start = plan.data_start + plan.offsets[spec.name]
+            if start != final:  # the plan lays tensors out back to back, in this order
+                raise RuntimeError(f"{plan.name}: {spec.name} planned at byte {start}, expected {final}")
+            final = start + spec.nbytes
             if spec.nbytes == 0:
                 continue
-            start = plan.data_start + plan.offsets[spec.name]
             runs = ckpt.read_rows(spec.name, spec.dtype) if spec.shape else None
             if runs is not None:
                 row_bytes = spec.nbytes // spec.shape[0]
@@ -70,19 +152,28 @@ def write_file(ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: Pro
                 if mapped is None:
                     mapped = torch.from_file(str(path), shared=True, size=plan.file_size, dtype=torch.uint8)
                 ckpt.read_into(spec.name, mapped[start : start + spec.nbytes].view(spec.dtype).view(spec.shape))
+            if hasher is not None:
+                hasher.advance(final)
             if progress:
                 progress(spec.nbytes)
+        if hasher is not None:
+            hasher.advance(plan.file_size)
+            digest, hasher = hasher.finish(), None
+            return digest
+        return None
     finally:
+        if hasher is not None:
+            hasher.cancel()
         del mapped
         os.close(fd)
-    return path
 
 
-def _worker(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue) -> None:
+def _worker(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool) -> None:
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
     try:
         for plan in files:
-            write_file(ckpt, plan, folder, progress=lambda n: queue.put(("bytes", n)))
+            digest = write_file(ckpt, plan, folder, progress=lambda n: queue.put(("bytes", n)), sha256=sha256)
+            queue.put(("sha256", (plan.name, digest)))
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
         queue.put(("error", e))
         os._exit(1)
@@ -100,35 +191,42 @@ def write_shards(
     *,
     workers: int | None = None,
     desc: str = "Writing",
-) -> list[Path]:
-    """Write every file of ``plan`` (and the index when sharded) into ``folder``."""
+    sha256: bool = False,
+) -> dict[str, str | None]:
+    """Write every file of ``plan`` (and the index when sharded) into ``folder``.
+
+    Returns ``{file name: sha256 hex digest}`` (``None`` values unless ``sha256``)."""
     from huggingface_hub.utils import tqdm
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     n = workers or default_workers(len(plan.files))
     n = max(1, min(n, len(plan.files)))
+    digests: dict[str, str | None] = {}
     with tqdm(total=plan.total_size, unit="B", unit_scale=True, desc=desc) as bar:
         if n == 1:
             for fp in plan.files:
-                write_file(ckpt, fp, folder, progress=bar.update)
+                digests[fp.name] = write_file(ckpt, fp, folder, progress=bar.update, sha256=sha256)
         else:
-            _write_parallel(ckpt, plan.files, folder, n, bar.update)
+            digests.update(_write_parallel(ckpt, plan.files, folder, n, bar.update, sha256))
     if plan.index is not None:
         (folder / INDEX_NAME).write_text(json.dumps(plan.index, indent=2, sort_keys=False) + "\n")
-    return [folder / fp.name for fp in plan.files]
+    return {fp.name: digests[fp.name] for fp in plan.files}
 
 
-def _write_parallel(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn) -> None:
+def _write_parallel(
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, sha256: bool
+) -> dict[str, str | None]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     # Largest files first, round robin: shares of similar size.
     order = sorted(files, key=lambda f: -f.file_size)
     shares = [order[i::n] for i in range(n)]
-    procs = [ctx.Process(target=_worker, args=(ckpt, share, folder, queue), daemon=True) for share in shares]
+    procs = [ctx.Process(target=_worker, args=(ckpt, share, folder, queue, sha256), daemon=True) for share in shares]
     for p in procs:
         p.start()
     done = 0
+    digests: dict[str, str | None] = {}
     try:
         while done < len(procs):
             try:
@@ -142,6 +240,8 @@ def _write_parallel(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n
                 raise value
             if kind == "bytes":
                 update(value)
+            elif kind == "sha256":
+                digests[value[0]] = value[1]
             else:
                 done += 1
         for p in procs:
@@ -154,3 +254,4 @@ def _write_parallel(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n
             if p.is_alive():
                 p.kill()
                 p.join()
+    return digests

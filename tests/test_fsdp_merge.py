@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -110,6 +111,10 @@ def test_parallel_workers_write_identical_files(qwen2_fp32_ws2, tmp_path):
     assert files == sorted(p.name for p in two.glob("*.safetensors"))
     for name in files:
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    # the sha256 computed while writing (one process, and forked writers) is the file's
+    for folder in (one, two):
+        recorded = json.loads((folder / "hf_merge.json").read_text())["files"]
+        assert recorded == {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in files}
 
 
 def test_source_resolution_root_step_and_actor(qwen2_fp32_ws2, tmp_path):
