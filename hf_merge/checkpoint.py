@@ -8,6 +8,7 @@ verifier) pull from the top of the stack.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -71,8 +72,16 @@ class LazyCheckpoint:
         A run may be a zero-copy view of the source (same dtype) and must not be modified; a
         converted or computed run holds at most about ``max_bytes``. Values are identical to what
         :meth:`read_into` produces.
+
+        The default serves checkpoints that can read a box of a tensor (``read_region_into``:
+        DCP / Megatron readers and the views over them) as chunks of rows read by ``pread``;
+        others return None.
         """
-        return None
+        region = getattr(self, "read_region_into", None)
+        spec = self.specs()[name]
+        if region is None or not spec.shape or spec.shape[0] == 0:
+            return None
+        return _rows_by_region(region, name, spec.shape, dtype, max_bytes)
 
     def keys(self) -> list[str]:
         return list(self.specs())
@@ -89,6 +98,17 @@ class LazyCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rows_by_region(
+    region, name: str, shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    step = max(1, max_bytes // max(1, row_bytes))
+    for first in range(0, shape[0], step):
+        out = torch.empty((min(step, shape[0] - first),) + tuple(shape[1:]), dtype=dtype)
+        region(name, (first,) + (0,) * (len(shape) - 1), out)
+        yield first, out
 
 
 def check_out(spec: TensorSpec, out: torch.Tensor) -> None:

@@ -244,6 +244,18 @@ def test_reading_one_tensor_reads_one_layer_slice(tmp_path, monkeypatch):
     assert sum(sizes) == NQ * HD * H * 4  # the q rows of layer 1, not the stacked [L, ...] tensor
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_chunks_equal_whole_reads(tmp_path, dtype):
+    """The writer's streaming path: row chunks (region reads, small chunks here) equal read()."""
+    ckpt = open_megatron(synthetic(tmp_path, _tensors(), _config()))
+    for name, spec in ckpt.specs().items():
+        runs = list(ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize))
+        width = spec.shape[1] if len(spec.shape) == 2 else 1
+        step = max(1, 3 * H // width)  # chunks of at most max_bytes: [*, H] matrices 3 rows, vectors whole
+        assert [first for first, _ in runs] == list(range(0, spec.shape[0], step)), name
+        assert torch.equal(torch.cat([rows for _, rows in runs]), ckpt.read(name, dtype=dtype)), name
+
+
 def test_unknown_tensor_is_an_error_naming_it(tmp_path):
     root = synthetic(tmp_path, _tensors(**{"decoder.layers.mlp.router.weight": torch.zeros(L, 4, H)}), _config())
     with pytest.raises(MappingError, match=r"decoder\.layers\.mlp\.router\.weight.*Nothing was dropped"):
