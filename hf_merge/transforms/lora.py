@@ -75,8 +75,11 @@ class FusedLora(LazyCheckpoint):
         for first, weight in runs:
             for start in range(0, len(weight), step):
                 rows = slice(first + start, first + min(start + step, len(weight)))
-                fused = weight[start : start + step] + (b[rows] @ a) * scale
-                yield rows.start, fused.to(dtype)
+                # PEFT's W + (B @ A) * scale, the same three roundings, with one temporary:
+                # the delta is scaled and W added in place (IEEE addition commutes exactly).
+                fused = torch.mm(b[rows], a).mul_(scale).add_(weight[start : start + step])
+                yield rows.start, fused if dtype == torch.float32 else fused.to(dtype)
+                del fused
 
     def close(self) -> None:
         self.base.close()
