@@ -180,8 +180,20 @@ def _worker(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sh
     queue.put(("done", None))
 
 
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_workers(n_files: int) -> int:
-    return max(1, min(n_files, (os.cpu_count() or 1), 8))
+    """One writer per file, two cores each (the writer and its sha256 thread), at most 8.
+
+    Each forked writer also carries an interpreter's worth of memory (~200 MB), so on a small
+    machine one writer is both the fastest and the leanest choice.
+    """
+    return max(1, min(n_files, usable_cpus() // 2, 8))
 
 
 def write_shards(

@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="output dtype; default: the config's dtype; auto: keep the checkpoint's",
     )
     p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
-    p.add_argument("--workers", type=int, default=None, help="processes writing output files (default: one per file, up to the CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="processes writing output files (default: one per file, one per two CPUs, at most 8)")
     p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted for verl compatibility; hf-merge never runs checkpoint code to merge")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
