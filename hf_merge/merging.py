@@ -191,13 +191,10 @@ def merge(
     target = Path(target)
     check_target(target, overwrite=overwrite)
     if quantize is not None:  # quantize: options and bitsandbytes are checked before anything is read
-        from .errors import QuantizationError
         from .transforms.quantize import QuantizeOptions, Quantized, require_bitsandbytes
 
         quantize = QuantizeOptions.coerce(quantize)
         require_bitsandbytes()
-        if verify:
-            raise QuantizationError("--verify cannot check quantized output yet; verify a plain merge, or drop --verify")
     ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model)
     try:
         config_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)

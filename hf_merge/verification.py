@@ -150,25 +150,47 @@ def verify(
         from .hf_files import find_config_dir, load_config
         from .merging import build_views
 
-        if provenance.get("quantization"):
-            raise HfMergeError("verifying a quantized output against its source is not supported; verify the plain merge")
         source = open_checkpoint(against_path, backend=kind, config=config)
-        cfg = load_config(find_config_dir(source.info.hf_dir, source.info.path))
-        dtype = provenance.get("dtype") or "config"
-        lora_cfg = provenance.get("lora") or {}
-        views = build_views(
-            source, cfg, dtype=dtype, lora="fuse",
-            lora_alpha=lora_alpha if lora_alpha is not None else lora_cfg.get("lora_alpha"),
-            use_rslora=use_rslora if use_rslora is not None else lora_cfg.get("use_rslora"),
-            base_model=base_model,
-        )
-        names = _compare_specs(report, got, views.model, check_dtype=True)
-        _compare_values(report, got, views.model, names, exact=True, atol=0, rtol=0)
-        source.close()
+        try:
+            cfg = load_config(find_config_dir(source.info.hf_dir, source.info.path))
+            cfg.update(source.info.details.get("config_overrides") or {})  # as merge does (value heads, ties)
+            dtype = provenance.get("dtype") or "config"
+            lora_cfg = provenance.get("lora") or {}
+            views = build_views(
+                source, cfg, dtype=dtype, lora="fuse",
+                lora_alpha=lora_alpha if lora_alpha is not None else lora_cfg.get("lora_alpha"),
+                use_rslora=use_rslora if use_rslora is not None else lora_cfg.get("use_rslora"),
+                base_model=base_model,
+            )
+            expected = views.model
+            if provenance.get("quantization"):
+                expected = _requantized(expected, cfg, provenance["quantization"])
+                report.add("quantization", True, f"re-quantized: {provenance['quantization'].get('mode')}")
+            names = _compare_specs(report, got, expected, check_dtype=True)
+            _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0)
+        finally:
+            source.close()
     if logits:
         _check_logits(report, target, against_path if kind == "hf" else None, logits_atol)
     got.close()
     return report
+
+
+def _requantized(view: LazyCheckpoint, config: dict[str, Any], recorded: dict[str, Any]) -> LazyCheckpoint:
+    """``view`` quantized again with the options the merge recorded (bitsandbytes is deterministic on
+    the same weights, so a correct output is byte-identical to this)."""
+    from .transforms.quantize import QuantizeOptions, Quantized
+
+    if recorded.get("method") != "bitsandbytes":
+        raise HfMergeError(f"cannot verify {recorded.get('method')!r} quantization; hf_merge.json was not written by this version")
+    mode = recorded.get("mode")
+    options = QuantizeOptions(
+        mode,
+        double_quant=bool(recorded.get("double_quant")),
+        compute_dtype=recorded.get("compute_dtype") if mode != "int8" else None,
+        skip_modules=tuple(recorded.get("skip_modules") or ()),
+    )
+    return Quantized(view, config, options)
 
 
 def verify_or_raise(target, against, **kwargs) -> VerifyReport:

@@ -448,10 +448,11 @@ def test_cli_merge_loads_in_transformers_with_megatron_logits(megatron_root, nam
     proc = subprocess.run(
         [sys.executable, "-m", "hf_merge.cli.app", "merge", "--backend", "megatron", "--local_dir",
          str(role_dir(megatron_root, name)), "--target_dir", str(target), "--dtype", "float32",
-         *(["--is-value-model"] if var.value else [])],
+         "--verify", *(["--is-value-model"] if var.value else [])],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
+    assert json.loads((target / "hf_merge.json").read_text())["verification"]["passed"] is True
     cls = AutoModelForTokenClassification if var.value else AutoModelForCausalLM
     model = cls.from_pretrained(target, dtype=torch.float32, attn_implementation="eager").eval()
     if var.value:

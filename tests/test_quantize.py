@@ -460,6 +460,10 @@ def test_quantize_after_lora_fusion(lora_ckpt, tmp_path):
     w = folder_tensors(plain_dir)["model.layers.0.self_attn.q_proj.weight"]
     q, _ = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
     assert torch.equal(folder_tensors(out)["model.layers.0.self_attn.q_proj.weight"], q)
+    from hf_merge.verification import verify
+
+    report = verify(out, lora_ckpt.actor)  # LoRA fused again, then quantized again: byte-identical
+    assert report.ok, report.table()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -531,3 +535,28 @@ def test_odd_shapes_int8_works_and_4bit_refuses_in_one_line(uneven_ckpt, tmp_pat
     assert type(ours.model.layers[0].self_attn.k_proj).__name__ == "Linear8bitLt"
     tf = load(plain_dir, quantization_config=bnb_config(QuantizeOptions("int8")))
     assert max_err(logits(ours, ids), ref) <= max_err(logits(tf, ids), ref) * (1 + EPS)
+
+
+@needs_bnb
+@pytest.mark.parametrize("mode", ["nf4-dq", "int8"])
+def test_verify_requantizes_and_catches_a_flipped_packed_byte(mode, qwen2_fp32_ws2, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "q"
+    result = merge(qwen2_fp32_ws2.actor, target, quantize=MODES[mode], verify=True)
+    assert result.provenance["verification"]["passed"] is True
+    proc = run_cli("verify", target, "--against", qwen2_fp32_ws2.actor)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "re-quantized" in proc.stdout and "bit-exact" in proc.stdout
+
+    # One packed byte of one quantized weight changed (checksums dropped so only values can tell).
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors = load_file(target / "model.safetensors")
+    assert tensors[name].dtype == (torch.uint8 if MODES[mode].is_4bit else torch.int8)
+    tensors[name].view(torch.uint8).view(-1)[5] ^= 0x10
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    record = json.loads((target / "hf_merge.json").read_text())
+    (target / "hf_merge.json").write_text(json.dumps({**record, "files": {}}))
+    proc = run_cli("verify", target, "--against", qwen2_fp32_ws2.actor)
+    assert proc.returncode == 1
+    assert f"{name}: not bit-identical" in proc.stdout
