@@ -40,6 +40,15 @@ def load_config(config_dir: Path) -> dict[str, Any]:
         raise MissingConfigError(f"{path} is not readable JSON ({e}); fix it or pass --config DIR") from None
 
 
+def checkpoint_config(info) -> tuple[Path, dict[str, Any]]:
+    """``(config folder, config.json content)`` for a checkpoint, with what the checkpoint itself
+    shows (``info.details["config_overrides"]``: a critic's value head, ties) applied on top."""
+    config_dir = find_config_dir(info.hf_dir, info.path)
+    config = load_config(config_dir)
+    config.update(info.details.get("config_overrides") or {})
+    return config_dir, config
+
+
 def config_dtype(config: dict[str, Any]) -> torch.dtype | None:
     """The dtype the model is meant to be in (``dtype``, older ``torch_dtype``, or the text config's)."""
     for holder in (config, config.get("text_config") or {}):

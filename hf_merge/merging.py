@@ -13,7 +13,7 @@ import torch
 
 from . import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
-from .hf_files import copy_side_files, find_config_dir, load_config, resolve_dtype, tied_pairs, write_config
+from .hf_files import checkpoint_config, copy_side_files, resolve_dtype, tied_pairs, write_config
 from .hub import push, write_card
 from .output import atomic_folder, check_target
 from .plan import plan_shards
@@ -197,10 +197,7 @@ def merge(
         require_bitsandbytes()
     ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model)
     try:
-        config_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
-        cfg = load_config(config_dir)
-        # What the checkpoint itself shows wins over config.json (a critic's value head, ties).
-        cfg.update(ckpt.info.details.get("config_overrides") or {})
+        config_dir, cfg = checkpoint_config(ckpt.info)
         views = build_views(
             ckpt, cfg, dtype=dtype, lora=lora, lora_alpha=lora_alpha, use_rslora=use_rslora,
             base_model=base_model, base_model_name=base_model_name,

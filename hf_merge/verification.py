@@ -147,13 +147,12 @@ def verify(
         names = _compare_specs(report, got, want, check_dtype=False)
         _compare_values(report, got, want, names, exact=False, atol=atol, rtol=rtol)
     else:
-        from .hf_files import find_config_dir, load_config
+        from .hf_files import checkpoint_config
         from .merging import build_views
 
         source = open_checkpoint(against_path, backend=kind, config=config)
         try:
-            cfg = load_config(find_config_dir(source.info.hf_dir, source.info.path))
-            cfg.update(source.info.details.get("config_overrides") or {})  # as merge does (value heads, ties)
+            _, cfg = checkpoint_config(source.info)
             dtype = provenance.get("dtype") or "config"
             lora_cfg = provenance.get("lora") or {}
             views = build_views(
