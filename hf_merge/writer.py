@@ -1,8 +1,9 @@
 """Streaming safetensors writer: fills planned files tensor by tensor, in place.
 
 Each output file is created at its final size with its header already written, and every tensor
-is written at its planned offset: runs of rows straight from the memory-mapped rank files
-(``pwrite`` of a zero-copy view when no cast is needed; converted chunks of ~32 MB when it is),
+is written at its planned offset: runs of rows straight from the rank files (``copy_file_range``
+from the rank file when no cast is needed, see :mod:`hf_merge.filemap`, else ``pwrite`` of the
+memory-mapped view; converted chunks of ~32 MB when a cast is needed),
 small tensors whole, and large tensors with no row runs through a memory-mapped view of the output
 (``read_into``). Memory in use is the tensors in flight, never a shard or the model.
 
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from . import filemap
 from .checkpoint import LazyCheckpoint
 from .plan import INDEX_NAME, FilePlan, ShardPlan
 
@@ -39,6 +41,8 @@ WHOLE_TENSOR_LIMIT = 256 << 20
 
 
 def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    if filemap.copy_to_file(tensor, fd, offset):  # bytes of a rank file: copied file to file
+        return
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(data):

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
+from .. import filemap
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..spec import TensorSpec
 from .safe_pickle import load_rank_file
@@ -187,6 +189,7 @@ class FsdpCheckpoint(LazyCheckpoint):
                 "copy every rank's file of the checkpoint"
             )
         self._states: dict[int, dict[str, Any]] = {}
+        self._mapped: list = []
         first = self._state(0)
         self._layouts: dict[str, _Layout] = {}
         mesh_info: dict[str, Any] = {}
@@ -223,7 +226,14 @@ class FsdpCheckpoint(LazyCheckpoint):
 
     def _state(self, rank: int) -> dict[str, Any]:
         if rank not in self._states:
-            self._states[rank] = load_rank_file(self.folder / rank_file_name(self.world_size, rank))
+            path = self.folder / rank_file_name(self.world_size, rank)
+            self._states[rank] = load_rank_file(path)
+            # copy its tensors through the file, not its pages (the states keep the mapping alive)
+            tensors = [t for t in map(_local, self._states[rank].values()) if isinstance(t, torch.Tensor)]
+            token = filemap.register(path, tensors)
+            if token is not None:
+                self._mapped.append(token)
+                weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
         return self._states[rank]
 
     def _layout(self, name: str, value: Any, mesh_info: dict[str, Any]) -> _Layout:
@@ -285,7 +295,9 @@ class FsdpCheckpoint(LazyCheckpoint):
         for piece in lay.pieces:
             local = _local(self._state(piece.rank)[name])
             if local.numel():
-                out[piece.index].copy_(local)
+                dst = out[piece.index]
+                if not filemap.read_into(local, dst):
+                    dst.copy_(local)
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         """Rank pieces that split dim 0 only (FSDP's usual ``Shard(0)``) are runs of whole rows."""
@@ -305,6 +317,9 @@ class FsdpCheckpoint(LazyCheckpoint):
         return runs()
 
     def close(self) -> None:
+        for key in self._mapped:
+            filemap.unregister(key)
+        self._mapped.clear()
         self._states.clear()
 
 

@@ -1,0 +1,115 @@
+"""Rank-file bytes copied through the file (copy_file_range / preadv) instead of the mapped pages.
+
+The fast path must give byte-identical outputs to the page path, be taken on real FSDP2 rank
+files, fall back when the kernel refuses, and never answer for memory it did not register.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+
+import pytest
+import torch
+
+import hf_merge
+from hf_merge import filemap
+from hf_merge.checkpoint import open_checkpoint
+from hf_merge.readers.safe_pickle import load_rank_file
+
+pytestmark = pytest.mark.skipif(not os.path.exists(filemap.MAPS), reason="needs /proc/self/maps (Linux)")
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "rank.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save({"a": torch.randn(64, 32, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)}, path)
+    state = load_rank_file(path)
+    token = filemap.register(path, list(state.values()))
+    yield path, state, token
+    filemap.unregister(token)
+
+
+def test_locate_points_at_the_tensor_bytes_in_the_file(saved):
+    path, state, token = saved
+    assert token is not None
+    raw = path.read_bytes()
+    for t in (state["a"], state["b"], state["a"][5:9], state["a"][63]):
+        fd, offset = filemap.locate(t)
+        n = t.numel() * t.element_size()
+        assert raw[offset : offset + n] == _bytes(t)
+    assert filemap.locate(state["a"][:, :3]) is None  # not contiguous
+    assert filemap.locate(state["a"].clone()) is None  # not from the file
+    assert filemap.locate(torch.zeros(3)) is None
+
+
+def test_copy_and_read_through_the_file(saved, tmp_path):
+    _, state, _ = saved
+    rows = state["a"][10:20]
+    out = tmp_path / "out.bin"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, 100 + rows.numel() * 4)
+        assert filemap.copy_to_file(rows, fd, 100)
+        assert not filemap.copy_to_file(rows.clone(), fd, 100)  # not file-backed: caller writes it
+    finally:
+        os.close(fd)
+    assert out.read_bytes()[100:] == _bytes(rows)
+    dst = torch.empty(10, 32)
+    assert filemap.read_into(rows, dst) and torch.equal(dst, rows)
+    assert not filemap.read_into(rows, torch.empty(10, 32, dtype=torch.float64))  # a cast: caller copies
+
+
+def test_unregistered_memory_is_never_located(saved):
+    _, state, token = saved
+    t = state["a"]
+    assert filemap.locate(t) is not None
+    filemap.unregister(token)
+    assert filemap.locate(t) is None
+    filemap.unregister(token)  # twice is harmless
+
+
+def test_a_dropped_checkpoint_forgets_its_files(llama_tied_bf16_ws4):
+    before = len(filemap._storages)
+    ckpt = open_checkpoint(llama_tied_bf16_ws4.actor)
+    assert len(filemap._storages) > before
+    del ckpt
+    gc.collect()
+    assert len(filemap._storages) == before
+
+
+def _merge_bytes(source, target) -> dict[str, bytes]:
+    hf_merge.merge(source, target, workers=1, checksums=False)
+    return {p.name: p.read_bytes() for p in sorted(target.iterdir()) if p.suffix == ".safetensors"}
+
+
+def test_merge_copies_file_to_file_and_matches_the_page_path(llama_tied_bf16_ws4, tmp_path, monkeypatch):
+    calls = []
+    real = os.copy_file_range
+
+    def counting(*args):
+        calls.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", counting)
+    fast = _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "fast")  # bf16 rank files, bf16 output
+    assert calls and sum(calls) > 0.9 * sum(len(b) for b in fast.values())
+
+    monkeypatch.setattr(filemap, "copy_to_file", lambda *a: False)
+    assert _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "pages") == fast
+
+
+def test_kernel_refusal_falls_back_to_the_pages(llama_tied_bf16_ws4, tmp_path, monkeypatch):
+    reference = _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "ref")
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    assert _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "fallback") == reference
