@@ -70,8 +70,9 @@ class LazyCheckpoint:
         of ``(first_row, rows)`` where ``rows`` is a contiguous tensor in ``dtype`` holding the rows
         ``first_row .. first_row + len(rows)`` of the full tensor, in order, covering it exactly.
         A run may be a zero-copy view of the source (same dtype) and must not be modified; a
-        converted or computed run holds at most about ``max_bytes``. Values are identical to what
-        :meth:`read_into` produces.
+        converted or computed run holds at most about ``max_bytes``, and is only valid until the
+        next run is requested (a buffer may be reused): consume it, or clone it to keep it. Values
+        are identical to what :meth:`read_into` produces.
 
         The default serves checkpoints that can read a box of a tensor (``read_region_into``:
         DCP / Megatron readers and the views over them) as chunks of rows read by ``pread``;
@@ -105,8 +106,11 @@ def _rows_by_region(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     step = max(1, max_bytes // max(1, row_bytes))
+    # One buffer for every run (a fresh ~32 MB allocation per run costs the kernel a page fault and
+    # zeroing per page); the read_rows contract makes a run valid only until the next is requested.
+    buf = torch.empty((min(step, shape[0]),) + tuple(shape[1:]), dtype=dtype)
     for first in range(0, shape[0], step):
-        out = torch.empty((min(step, shape[0] - first),) + tuple(shape[1:]), dtype=dtype)
+        out = buf[: min(step, shape[0] - first)]
         region(name, (first,) + (0,) * (len(shape) - 1), out)
         yield first, out
 

@@ -249,7 +249,8 @@ def test_row_chunks_equal_whole_reads(tmp_path, dtype):
     """The writer's streaming path: row chunks (region reads, small chunks here) equal read()."""
     ckpt = open_megatron(synthetic(tmp_path, _tensors(), _config()))
     for name, spec in ckpt.specs().items():
-        runs = list(ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize))
+        # a run is valid until the next is requested (the reader reuses its buffer): keep copies
+        runs = [(first, rows.clone()) for first, rows in ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize)]
         width = spec.shape[1] if len(spec.shape) == 2 else 1
         step = max(1, 3 * H // width)  # chunks of at most max_bytes: [*, H] matrices 3 rows, vectors whole
         assert [first for first, _ in runs] == list(range(0, spec.shape[0], step)), name
