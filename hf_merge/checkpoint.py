@@ -187,12 +187,16 @@ def row_runs(tensor: torch.Tensor, first_row: int, dtype: torch.dtype, max_bytes
     """``tensor`` (rows ``first_row..``) as :meth:`LazyCheckpoint.read_rows` runs in ``dtype``.
 
     Same dtype and contiguous: one zero-copy run. Otherwise runs of about ``max_bytes`` each,
-    converted with ``Tensor.to`` (the same round-to-nearest-even as ``copy_``).
+    converted by ``copy_`` (round to nearest even, as ``Tensor.to``) into one reused buffer.
     """
     if tensor.dtype == dtype and tensor.is_contiguous():
         yield first_row, tensor
         return
     row_bytes = max(1, (tensor[0].numel() if tensor.dim() and len(tensor) else 1) * dtype.itemsize)
     step = max(1, max_bytes // row_bytes)
+    buf = torch.empty((min(step, tensor.shape[0]),) + tuple(tensor.shape[1:]), dtype=dtype)
     for start in range(0, tensor.shape[0], step):
-        yield first_row + start, tensor[start : start + step].to(dtype).contiguous()
+        rows = tensor[start : start + step]
+        out = buf[: len(rows)]
+        out.copy_(rows)
+        yield first_row + start, out

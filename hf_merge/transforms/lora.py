@@ -72,14 +72,21 @@ class FusedLora(LazyCheckpoint):
         runs = self.base.read_rows(name, torch.float32, max_bytes)
         if runs is None:
             runs = iter([(0, self.base.read(name, dtype=torch.float32))])
+        # Reused buffers (a run is valid until the next is requested): fresh ~32 MB allocations per
+        # run would cost a page fault and a zeroed page per 4 KB.
+        rows_out = min(step, module.out_features)
+        acc = torch.empty(rows_out, module.in_features, dtype=torch.float32)
+        low = acc if dtype == torch.float32 else torch.empty(rows_out, module.in_features, dtype=dtype)
         for first, weight in runs:
             for start in range(0, len(weight), step):
                 rows = slice(first + start, first + min(start + step, len(weight)))
-                # PEFT's W + (B @ A) * scale, the same three roundings, with one temporary:
-                # the delta is scaled and W added in place (IEEE addition commutes exactly).
-                fused = torch.mm(b[rows], a).mul_(scale).add_(weight[start : start + step])
-                yield rows.start, fused if dtype == torch.float32 else fused.to(dtype)
-                del fused
+                n = rows.stop - rows.start
+                # PEFT's W + (B @ A) * scale, the same three roundings: the delta is scaled and W
+                # added in place (IEEE addition commutes exactly), then rounded once to ``dtype``.
+                fused = torch.mm(b[rows], a, out=acc[:n]).mul_(scale).add_(weight[start : start + step])
+                if low is not acc:
+                    low[:n].copy_(fused)
+                yield rows.start, low[:n]
 
     def close(self) -> None:
         self.base.close()
