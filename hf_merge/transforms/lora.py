@@ -69,9 +69,14 @@ class FusedLora(LazyCheckpoint):
         b = self.source.read(module.b_key, dtype=torch.float32)
         scale = self.settings.scale(module)
         step = max(1, max_bytes // (module.in_features * 4))
-        runs = self.base.read_rows(name, torch.float32, max_bytes)
+        # W in its stored dtype (zero-copy runs when it can): add_ upcasts it to float32 exactly, so
+        # this equals converting W to float32 first, without that extra pass over W.
+        w_dtype = self.base.specs()[name].dtype
+        if not w_dtype.is_floating_point or w_dtype.itemsize > 4:
+            w_dtype = torch.float32
+        runs = self.base.read_rows(name, w_dtype, max_bytes)
         if runs is None:
-            runs = iter([(0, self.base.read(name, dtype=torch.float32))])
+            runs = iter([(0, self.base.read(name, dtype=w_dtype))])
         # Reused buffers (a run is valid until the next is requested): fresh ~32 MB allocations per
         # run would cost a page fault and a zeroed page per 4 KB.
         rows_out = min(step, module.out_features)
