@@ -2,8 +2,9 @@
 
 Both sides are lazy checkpoints and are compared one tensor at a time, so memory stays flat.
 Against a source, the expected tensors are recomputed through the same transform stack the merge
-used (names, tied alias, LoRA fusion, dtype cast), so the check is exact: bit-equal for the same
-dtype, exactly the one rounding of the cast otherwise. Against an HF folder, values are compared
+used (names, tied alias, LoRA fusion, dtype cast, and bitsandbytes quantization with the options
+recorded in hf_merge.json), so the check is exact: bit-equal for the same dtype, exactly the one
+rounding of the cast otherwise, byte-equal quantized parts. Against an HF folder, values are compared
 in float32 with ``atol``/``rtol`` and every difference is reported, not only the first.
 """
 
