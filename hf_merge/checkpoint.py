@@ -31,6 +31,7 @@ class CheckpointInfo:
 
     format: str
     path: Path
+    reader: str | None = None  # the registry name of the format that opened it (hf_merge.formats)
     hf_dir: Path | None = None
     world_size: int | None = None
     step: int | None = None
@@ -121,29 +122,11 @@ def check_out(spec: TensorSpec, out: torch.Tensor) -> None:
         raise ValueError(f"{spec.name}: buffer shape {tuple(out.shape)} != tensor shape {spec.shape}")
 
 
-BACKENDS = ("auto", "fsdp", "megatron", "hf")
-
-
 def detect_backend(path: Path) -> str:
-    """Which reader fits ``path`` (a best guess from file names only; nothing is loaded)."""
-    from .readers import fsdp
+    """The name of the format that reads ``path`` (see :func:`hf_merge.formats.detect`)."""
+    from .formats import detect
 
-    path = Path(path)
-    try:
-        fsdp.resolve_fsdp_dir(path)
-        return "fsdp"
-    except Exception:  # noqa: BLE001 - probing; the chosen reader reports the real error
-        pass
-    try:
-        from .readers import megatron
-
-        if megatron.probe(path):
-            return "megatron"
-    except ImportError:
-        pass
-    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        return "hf"
-    return "fsdp"  # its resolver gives the most helpful "nothing found" message
+    return detect(path).chosen.name
 
 
 def open_checkpoint(
@@ -152,35 +135,23 @@ def open_checkpoint(
     backend: str = "auto",
     config: "str | Path | None" = None,
     is_value_model: bool | None = None,
+    **options: Any,
 ) -> LazyCheckpoint:
     """Open any supported source as a lazy checkpoint with its training names and dtypes.
 
     Args:
-        source: a verl ``actor/`` / ``global_step_N`` / checkpoints-root folder, a Megatron
-            checkpoint folder, or a Hugging Face safetensors folder.
-        backend: ``auto`` (detect), ``fsdp``, ``megatron`` or ``hf``.
-        config: a folder with config.json (and tokenizer) to use instead of the checkpoint's own
-            ``huggingface/`` folder.
+        source: a checkpoint folder of any registered format (``hf-merge --help`` lists them:
+            verl FSDP ``actor/`` / ``global_step_N`` / checkpoints root, Megatron, a Hugging Face
+            safetensors folder, ...).
+        backend: ``auto`` (detect from file names) or a format name from
+            :func:`hf_merge.formats.format_names`.
+        config: a folder with config.json (and tokenizer) to use instead of the checkpoint's own.
+        is_value_model, options: format-specific options; each format receives the ones it declares.
     """
-    from .errors import UnsupportedCheckpointError
+    from .formats import open_source
 
-    source = Path(source)
     config_dir = Path(config) if config is not None else None
-    if backend not in BACKENDS:
-        raise UnsupportedCheckpointError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        backend = detect_backend(source)
-    if backend == "fsdp":
-        from .readers.fsdp import open_fsdp
-
-        return open_fsdp(source, config_dir=config_dir)
-    if backend == "megatron":
-        from .readers.megatron import open_megatron
-
-        return open_megatron(source, config_dir=config_dir, is_value_model=is_value_model)
-    from .readers.hf_dir import open_hf_dir
-
-    return open_hf_dir(source, config_dir=config_dir)
+    return open_source(Path(source), backend, config_dir, {"is_value_model": is_value_model, **options})
 
 
 def row_runs(tensor: torch.Tensor, first_row: int, dtype: torch.dtype, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:

@@ -269,6 +269,14 @@ def _write_provenance(folder: Path, provenance: dict[str, Any]) -> None:
     (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
+def _framework(info: Any) -> str | None:
+    """The training framework of the format that read the source (the registry says)."""
+    from .formats import registry
+
+    fmt = registry().get(info.reader or "")
+    return fmt.framework if fmt is not None else None
+
+
 def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base_model_name: str | None) -> dict[str, Any]:
     info = ckpt.info
     out_dtype = views.out_dtype
@@ -277,7 +285,7 @@ def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": {
             "format": info.format,
-            "framework": "verl" if info.format.startswith(("verl", "megatron")) else None,
+            "framework": _framework(info),
             "path": "/".join(Path(info.path).parts[-3:]),  # no local home paths in uploaded files
             "world_size": info.world_size,
             "step": info.step,

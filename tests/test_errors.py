@@ -43,7 +43,8 @@ def test_empty_folder(tmp_path):
 def test_no_rank_files(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "notes.txt").write_text("hi")
-    _fails(tmp_path, tmp_path / "src", match="no model_world_size_*_rank_*.pt files")
+    _fails(tmp_path, tmp_path / "src", match="is not a checkpoint hf-merge recognises (holds notes.txt); it reads: fsdp")
+    _fails(tmp_path, "--backend", "fsdp", tmp_path / "src", match="no model_world_size_*_rank_*.pt files")
 
 
 def test_missing_rank_file_is_named(actor_copy, tmp_path):

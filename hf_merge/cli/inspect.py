@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+
+from ._formats import add_backend_argument
 import json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe a checkpoint without reading tensor data")
     p.add_argument("source", help="checkpoint folder")
-    p.add_argument("--backend", default="auto", choices=["auto", "fsdp", "megatron", "hf"])
+    add_backend_argument(p)
     p.add_argument("--config", "--hf_model_path", dest="config", help="folder with config.json")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--tensors", action="store_true", help="also list every tensor")

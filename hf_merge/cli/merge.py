@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+
+from ._formats import add_backend_argument
 import logging
 import sys
 
@@ -33,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", nargs="?", help="output folder (written atomically)")
     p.add_argument("--local_dir", "--local-dir", dest="local_dir", help="verl spelling of SOURCE")
     p.add_argument("--target_dir", "--target-dir", dest="target_dir", help="verl spelling of TARGET")
-    p.add_argument("--backend", default="auto", choices=["auto", "fsdp", "megatron", "hf"], help="source format (default: detect)")
+    add_backend_argument(p)
     p.add_argument(
         "--dtype",
         default=None,

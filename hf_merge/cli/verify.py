@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+
+from ._formats import add_backend_argument
 import sys
 
 
@@ -14,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("target", help="merged Hugging Face folder")
     p.add_argument("--against", required=True, help="the sharded source checkpoint, or a reference HF folder")
-    p.add_argument("--backend", default="auto", choices=["auto", "fsdp", "megatron", "hf"], help="format of --against")
+    add_backend_argument(p, "format of --against")
     p.add_argument("--config", "--hf_model_path", dest="config", help="config folder for the source, as in merge")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance against an HF folder (default 0)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance against an HF folder (default 0)")

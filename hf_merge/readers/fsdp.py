@@ -27,6 +27,7 @@ import torch
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from .. import filemap
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from ..formats import SourceFormat
 from ..spec import TensorSpec
 from .safe_pickle import load_rank_file
 
@@ -330,3 +331,23 @@ def _local(value: Any) -> torch.Tensor:
 def open_fsdp(path: Path, *, config_dir: Path | None = None) -> FsdpCheckpoint:
     folder, step, notes = resolve_fsdp_dir(Path(path))
     return FsdpCheckpoint(folder, hf_dir=config_dir, step=step, notes=notes)
+
+
+def probe(path: Path) -> bool:
+    """True if ``path`` is (or holds, as ``global_step_N/actor`` or a checkpoints root) a folder of
+    verl FSDP rank files. Reads file names only."""
+    try:
+        resolve_fsdp_dir(Path(path))
+    except SourceNotFoundError:
+        return False
+    return True
+
+
+FORMAT = SourceFormat(
+    name="fsdp",
+    description="verl FSDP1/FSDP2 rank files (model_world_size_N_rank_r.pt of DTensors)",
+    probe=probe,
+    open=open_fsdp,
+    priority=10,
+    framework="verl",
+)

@@ -9,6 +9,7 @@ import torch
 
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError
+from ..formats import SourceFormat
 from ..plan import INDEX_NAME
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
 
@@ -71,3 +72,18 @@ class HfDirCheckpoint(LazyCheckpoint):
 
 def open_hf_dir(path: Path, *, config_dir: Path | None = None) -> HfDirCheckpoint:
     return HfDirCheckpoint(Path(path), config_dir=config_dir)
+
+
+def probe(path: Path) -> bool:
+    """A folder with safetensors weights (``model.safetensors`` or an index) and a config.json."""
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+FORMAT = SourceFormat(
+    name="hf",
+    description="a Hugging Face folder of safetensors weights (as --base-model or verify --against, or to re-shard/quantize)",
+    probe=probe,
+    open=open_hf_dir,
+    priority=90,  # other frameworks' folders may hold a safetensors copy beside their own files
+)

@@ -51,6 +51,7 @@ from ..errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
+from ..formats import SourceFormat
 from ..spec import TensorSpec
 from ..transforms.fused import FusedSplit, SplitFusedView
 from .dcp import DcpCheckpoint, is_dcp_dir
@@ -1025,3 +1026,14 @@ def _open_legacy(
     info.warnings = plan.warnings
     names = _MegatronNames(src, plan.entries, info)
     return SplitFusedView(names, plan.splits, info=info)
+
+
+FORMAT = SourceFormat(
+    name="megatron",
+    description="verl Megatron-LM / Megatron-Core checkpoints (torch_dist v1/v2, mbridge, legacy mp_rank_XX)",
+    probe=probe,
+    open=open_megatron,
+    options=frozenset({"is_value_model"}),
+    priority=20,
+    framework="verl",
+)

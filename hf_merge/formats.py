@@ -1,0 +1,153 @@
+"""The registry of source formats: one module per format, found in one place.
+
+A format is a module under :mod:`hf_merge.readers` that defines a module-level ``FORMAT``
+(:class:`SourceFormat`). Adding a format means adding that one file: ``open_checkpoint``,
+auto-detection, ``inspect``, the CLI's ``--backend`` choices and help, and the provenance label all
+read this registry.
+
+Contract of a format:
+
+- ``probe(path) -> bool`` is cheap and safe: it looks at file names and small JSON / text files
+  only, never unpickles or reads tensor data, and never raises for an ordinary folder (it answers
+  True for a folder that is clearly of its format but broken, so that ``open`` can say what is
+  wrong).
+- ``open(path, *, config_dir=None, **options) -> LazyCheckpoint`` opens it; ``options`` are the
+  names listed in ``SourceFormat.options`` (others are not passed).
+- ``priority`` breaks ties when several probes match (lower wins); the others are reported in a
+  note so the user can pick one with ``--backend``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .checkpoint import LazyCheckpoint
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """A checkpoint format hf_merge reads (see the module docstring for the contract)."""
+
+    name: str  # the --backend value and the provenance's source.format label
+    description: str  # one line, for --help and inspect
+    probe: Callable[[Path], bool]
+    open: Callable[..., "LazyCheckpoint"]
+    options: frozenset[str] = field(default_factory=frozenset)  # keyword options open() accepts
+    priority: int = 100
+    framework: str | None = None  # "verl", "deepspeed", ... for the model card's tags
+    merge_target: bool = True  # False: readable (e.g. --base-model, verify --against) but not a training checkpoint
+
+
+@functools.cache
+def registry() -> dict[str, SourceFormat]:
+    """Every format, by name, in priority order. Imports each reader module once."""
+    from . import readers
+
+    found: list[SourceFormat] = []
+    for mod in pkgutil.iter_modules(readers.__path__):
+        module = importlib.import_module(f"{readers.__name__}.{mod.name}")
+        fmt = getattr(module, "FORMAT", None)
+        if isinstance(fmt, SourceFormat):
+            found.append(fmt)
+    found.sort(key=lambda f: (f.priority, f.name))
+    names = [f.name for f in found]
+    if len(set(names)) != len(names):
+        raise RuntimeError(f"two source formats share a name: {names}")
+    return {f.name: f for f in found}
+
+
+def format_names() -> list[str]:
+    return list(registry())
+
+
+def get_format(name: str) -> SourceFormat:
+    from .errors import UnsupportedCheckpointError
+
+    formats = registry()
+    if name not in formats:
+        raise UnsupportedCheckpointError(f"unknown format {name!r}; use one of: auto, {', '.join(formats)}")
+    return formats[name]
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What auto-detection saw: the chosen format and every format whose probe matched."""
+
+    chosen: SourceFormat
+    matched: tuple[str, ...]
+
+    @property
+    def note(self) -> str | None:
+        others = [m for m in self.matched if m != self.chosen.name]
+        if not others:
+            return None
+        return (
+            f"this folder also looks like {', '.join(others)}; read as {self.chosen.name} "
+            f"(pass --backend {others[0]} to read it as {others[0]})"
+        )
+
+
+def detect(path: "str | Path") -> Detection:
+    """Which format reads ``path``: every probe is asked, the best match wins.
+
+    Raises:
+        SourceNotFoundError: ``path`` does not exist.
+        UnsupportedCheckpointError: no format matches; the message says what the folder holds.
+    """
+    from .errors import SourceNotFoundError, UnsupportedCheckpointError
+
+    path = Path(path)
+    if not path.exists():
+        raise SourceNotFoundError(f"{path} does not exist; pass the checkpoint folder")
+    matched = [fmt for fmt in registry().values() if _probe(fmt, path)]
+    if not matched and path.is_dir() and not any(path.iterdir()):
+        raise SourceNotFoundError(f"{path} is empty; pass the checkpoint folder (it reads: {', '.join(format_names())})")
+    if not matched:
+        raise UnsupportedCheckpointError(
+            f"{path} is not a checkpoint hf-merge recognises ({_what_is_there(path)}); "
+            f"it reads: {', '.join(format_names())} (see `hf-merge merge --help`)"
+        )
+    return Detection(chosen=matched[0], matched=tuple(f.name for f in matched))
+
+
+def _probe(fmt: SourceFormat, path: Path) -> bool:
+    try:
+        return bool(fmt.probe(path))
+    except OSError:  # unreadable entries: not this format (its open() would say why)
+        return False
+
+
+def _what_is_there(path: Path, limit: int = 6) -> str:
+    if not path.is_dir():
+        return "a file" if path.is_file() else "not a folder"
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    except OSError as e:
+        return f"unreadable: {e.strerror}"
+    if not names:
+        return "empty folder"
+    shown = ", ".join(names[:limit])
+    return f"holds {shown}{f' and {len(names) - limit} more' if len(names) > limit else ''}"
+
+
+def open_source(path: Path, name: str, config_dir: Path | None, options: dict[str, Any]) -> "LazyCheckpoint":
+    """Open ``path`` with format ``name`` (``auto``: detect), passing only the options it takes."""
+    notes: list[str] = []
+    if name == "auto":
+        detection = detect(path)
+        fmt = detection.chosen
+        if detection.note:
+            notes.append(detection.note)
+    else:
+        fmt = get_format(name)
+    given = {k: v for k, v in options.items() if v is not None}
+    ckpt = fmt.open(path, config_dir=config_dir, **{k: v for k, v in given.items() if k in fmt.options})
+    ckpt.info.reader = fmt.name
+    ckpt.info.notes[:0] = notes
+    return ckpt

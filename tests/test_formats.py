@@ -1,0 +1,87 @@
+"""The format registry: every reader registers itself once; detection says what it saw."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import hf_merge
+from hf_merge import formats
+from hf_merge.errors import SourceNotFoundError, UnsupportedCheckpointError
+
+
+def test_registry_lists_every_reader_module_with_a_format():
+    names = formats.format_names()
+    assert {"fsdp", "megatron", "hf"} <= set(names)
+    for fmt in formats.registry().values():
+        assert fmt.description and callable(fmt.probe) and callable(fmt.open)
+
+
+def test_cli_backend_choices_come_from_the_registry():
+    from hf_merge.cli.app import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for command in ("merge", "inspect", "verify"):
+        backend = next(a for a in sub.choices[command]._actions if a.dest == "backend")
+        assert list(backend.choices) == ["auto", *formats.format_names()]
+
+
+def test_detect_fsdp_and_provenance_label(qwen2_fp32_ws2, tmp_path):
+    det = formats.detect(qwen2_fp32_ws2.root)
+    assert det.chosen.name == "fsdp" and det.matched == ("fsdp",) and det.note is None
+    with hf_merge.open_checkpoint(qwen2_fp32_ws2.root) as ckpt:
+        assert ckpt.info.reader == "fsdp" and ckpt.info.format == "verl-fsdp"
+
+
+def test_two_matching_formats_are_reported(qwen2_fp32_ws2, tmp_path):
+    # an actor folder that also holds a safetensors copy of the model at its top level
+    import shutil
+
+    actor = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, actor)
+    for f in qwen2_fp32_ws2.reference.iterdir():
+        if f.name.endswith(".safetensors") or f.name == "config.json":
+            shutil.copy(f, actor / f.name)
+    det = formats.detect(actor)
+    assert det.chosen.name == "fsdp" and det.matched == ("fsdp", "hf")
+    assert "--backend hf" in det.note
+    with hf_merge.open_checkpoint(actor) as ckpt:
+        assert any("also looks like hf" in n for n in ckpt.info.notes)
+    with hf_merge.open_checkpoint(actor, backend="hf") as ckpt:
+        assert ckpt.info.reader == "hf"
+
+
+def test_nothing_matches_says_what_is_there(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(UnsupportedCheckpointError, match=r"holds notes/, weights.bin\); it reads: fsdp"):
+        formats.detect(tmp_path)
+    with pytest.raises(SourceNotFoundError):
+        formats.detect(tmp_path / "missing")
+    with pytest.raises(UnsupportedCheckpointError, match="unknown format 'zero'"):
+        hf_merge.open_checkpoint(tmp_path, backend="zero")
+
+
+def test_options_go_only_to_formats_that_declare_them(qwen2_fp32_ws2):
+    # is_value_model is a Megatron option: the FSDP reader never sees it
+    with hf_merge.open_checkpoint(qwen2_fp32_ws2.root, is_value_model=True) as ckpt:
+        assert ckpt.info.reader == "fsdp"
+
+
+def test_probes_read_no_pickles(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    import pickle
+
+    import torch
+
+    def refuse(*a, **k):
+        raise AssertionError("a probe unpickled something")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    for fmt in formats.registry().values():
+        fmt.probe(qwen2_fp32_ws2.root)
+        fmt.probe(tmp_path)
+    json.dumps(formats.format_names())
