@@ -230,3 +230,132 @@ def test_torch_names_are_reference_only():
         sp.scan_pickle(data, sp.TENSOR_FILE, "f")
     with pytest.raises(CorruptCheckpointError):
         sp.load_pickle(b"\x80\x04\x8c", sp.TENSOR_FILE, "f")
+
+
+# --------------------------------------------------------------------------------------------
+# 2. silent wrong weights
+# --------------------------------------------------------------------------------------------
+
+
+def _local_header(raw: bytes, suffix: bytes, nth: int = 0) -> int:
+    """Byte offset of the ``nth`` zip local header whose name ends with ``suffix``."""
+    pos, seen = 0, 0
+    while (pos := raw.find(b"PK\x03\x04", pos)) >= 0:
+        nlen = struct.unpack_from("<H", raw, pos + 26)[0]
+        if raw[pos + 30 : pos + 30 + nlen].endswith(suffix):
+            if seen == nth:
+                return pos
+            seen += 1
+        pos += 4
+    raise AssertionError(f"no local header for {suffix!r}")
+
+
+def _shift_local_data(path: Path, suffix: bytes) -> None:
+    """Grow a record's local extra field by 64 bytes: torch's reader would take its data from 64
+    bytes further on (alignment preserved), everything else unchanged."""
+    raw = bytearray(path.read_bytes())
+    at = _local_header(raw, suffix)
+    struct.pack_into("<H", raw, at + 28, struct.unpack_from("<H", raw, at + 28)[0] + 64)
+    path.write_bytes(bytes(raw))
+
+
+def _merge_fails(src: Path, tmp_path: Path, capsys, *needles: str) -> str:
+    target = tmp_path / "out"
+    assert cli(["merge", str(src), str(target)]) != 0
+    stderr = capsys.readouterr().err
+    err = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1 and "Traceback" not in stderr, stderr
+    assert all(n in err[0] for n in needles), err
+    assert not target.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    return err[0]
+
+
+@pytest.fixture
+def megatron_copy(megatron_v1, tmp_path):
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_v1, src)
+    return src
+
+
+def test_overlapping_dcp_chunks_that_add_up_are_refused_before_reading(megatron_copy, tmp_path, capsys):
+    from hf_merge.readers.dcp import load_dcp_metadata
+
+    dist = megatron_copy / "dist_ckpt"
+    md = load_dcp_metadata(dist)
+    key, entry = next((k, e) for k, e in md.state_dict_metadata.items() if len(getattr(e, "chunks", ())) >= 2)
+    moved = entry.chunks[1]
+    old_index = next(i for i in md.storage_data if i.fqn == key and tuple(i.offset) == tuple(moved.offsets))
+    new_offsets = torch.Size(entry.chunks[0].offsets)  # same size, same place as chunk 0: overlap + hole
+    assert tuple(moved.sizes) == tuple(entry.chunks[0].sizes)
+    md.storage_data[type(old_index)(key, new_offsets, old_index.index)] = md.storage_data.pop(old_index)
+    entry.chunks[1] = type(moved)(offsets=new_offsets, sizes=moved.sizes)
+    (dist / ".metadata").write_bytes(pickle.dumps(md))
+    _merge_fails(megatron_copy, tmp_path, capsys, ".metadata is damaged", "overlap", key)
+
+
+def test_distcp_local_header_that_disagrees_is_refused(megatron_copy, tmp_path, capsys):
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    ck = DcpCheckpoint(megatron_copy / "dist_ckpt")
+    chunk = ck._chunks["embedding.word_embeddings.weight"][0]
+    ck.close()
+    data_file = megatron_copy / "dist_ckpt" / chunk.file
+    raw = bytearray(data_file.read_bytes())
+    at = chunk.start + _local_header(raw[chunk.start : chunk.start + chunk.length], b"/data/0")
+    struct.pack_into("<H", raw, at + 28, struct.unpack_from("<H", raw, at + 28)[0] + 64)
+    data_file.write_bytes(bytes(raw))
+    _merge_fails(megatron_copy, tmp_path, capsys, chunk.file, "data descriptor")
+
+
+@pytest.fixture
+def fsdp_copy(qwen2_fp32_ws2, tmp_path):
+    src = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, src)
+    return src
+
+
+def test_rank_file_local_header_that_disagrees_is_refused(fsdp_copy, tmp_path, capsys):
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    _shift_local_data(rank1, b"/data/3")
+    _merge_fails(fsdp_copy, tmp_path, capsys, rank1.name, "data/3")
+
+
+def test_rank_file_local_name_that_disagrees_is_refused(fsdp_copy, tmp_path, capsys):
+    rank0 = fsdp_copy / "model_world_size_2_rank_0.pt"
+    raw = bytearray(rank0.read_bytes())
+    at = _local_header(raw, b"/data/1")
+    raw[at + 30 + struct.unpack_from("<H", raw, at + 26)[0] - 1] = ord("7")  # ".../data/1" -> ".../data/7"
+    rank0.write_bytes(bytes(raw))
+    _merge_fails(fsdp_copy, tmp_path, capsys, rank0.name, "disagrees with the central directory")
+
+
+def test_compressed_record_is_refused(fsdp_copy, tmp_path, capsys):
+    """A deflated record (torch never writes one) is refused, never inflated."""
+    import zipfile
+
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    with zipfile.ZipFile(rank1) as z:
+        items = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(rank1, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, data in items:
+            z.writestr(name, data)
+    _merge_fails(fsdp_copy, tmp_path, capsys, rank1.name, "compressed")
+
+
+def test_verify_against_source_checks_record_crcs(fsdp_copy, tmp_path, capsys):
+    """A flipped tensor byte keeps every structure valid: the merge copies it faithfully (exit 0),
+    and ``verify --against`` finds it through the zip directory's CRC-32."""
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    raw = bytearray(rank1.read_bytes())
+    at = _local_header(raw, b"/data/0")
+    data_start = at + 30 + struct.unpack_from("<H", raw, at + 26)[0] + struct.unpack_from("<H", raw, at + 28)[0]
+    raw[data_start + 1] ^= 0x40
+    rank1.write_bytes(bytes(raw))
+    target = tmp_path / "out"
+    assert cli(["merge", str(fsdp_copy), str(target), "--dtype", "auto"]) == 0
+    capsys.readouterr()
+    assert cli(["verify", str(target), "--against", str(fsdp_copy)]) == 1
+    out = capsys.readouterr()
+    assert "source CRC-32" in out.out and "FAIL" in out.out and f"{rank1.name}: record" in out.out, out.out
+    rank1.write_bytes(bytes(raw[:data_start + 1]) + bytes([raw[data_start + 1] ^ 0x40]) + bytes(raw[data_start + 2:]))
+    assert cli(["verify", str(target), "--against", str(fsdp_copy)]) == 1  # restored source: values now differ

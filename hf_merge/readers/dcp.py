@@ -34,6 +34,7 @@ a fused tensor, without reading the rest.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -287,27 +288,32 @@ class DcpCheckpoint(LazyCheckpoint):
     # ---- metadata ---------------------------------------------------------------------------
 
     def _check_cover(self, key: str, shape: tuple[int, ...], chunks: list[_Chunk]) -> None:
+        """The chunks must tile the tensor exactly (inside it, no overlap, no hole), from the
+        metadata alone: overlapping chunks whose sizes still add up would leave a hole unread."""
         total = 0
         for c in chunks:
             if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
-                o < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
             ):
                 raise CorruptCheckpointError(
-                    f"{self.path}: {key} chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}"
+                    f"{self.path}: {key} chunk {list(c.offsets)[:8]}+{list(c.sizes)[:8]} lies outside shape {list(shape)}"
                 )
-            n = 1
-            for s in c.sizes:
-                n *= s
-            total += n
-        numel = 1
-        for s in shape:
-            numel *= s
-        if total != numel:
+            total += math.prod(c.sizes)
+        numel = math.prod(shape)
+        if total == numel:
+            clash = _first_overlap(chunks)
+            if clash is None:
+                return
+            a, b = clash
             raise CorruptCheckpointError(
-                f"{self.path}: chunks of {key} cover {total} of {numel} elements; the checkpoint is incomplete"
-                if total < numel
-                else f"{self.path}: chunks of {key} overlap ({total} elements for {numel})"
+                f"{self.path}: chunks {list(a.offsets)[:8]} and {list(b.offsets)[:8]} of {key} overlap (their sizes add "
+                f"up, so part of the tensor would be left unread); the {METADATA_FILE} is damaged"
             )
+        raise CorruptCheckpointError(
+            f"{self.path}: chunks of {key} cover {total} of {numel} elements; the checkpoint is incomplete"
+            if total < numel
+            else f"{self.path}: chunks of {key} overlap ({total} elements for {numel}); the {METADATA_FILE} is damaged"
+        )
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
@@ -315,6 +321,10 @@ class DcpCheckpoint(LazyCheckpoint):
     def byte_keys(self) -> list[str]:
         """Keys of opaque byte entries (``_extra_state``, rng state...); never read."""
         return list(self._byte_keys)
+
+    def zip_archives(self) -> list[tuple[Path, int, int]]:
+        """``(file, start, length)`` of every embedded torch.save archive (for CRC checks)."""
+        return sorted({(self.path / c.file, c.start, c.length) for cs in self._chunks.values() for c in cs})
 
     def chunk_boxes(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """``[(offsets, sizes)]`` of the stored chunks of ``name`` (e.g. to infer TP sharding)."""
@@ -441,6 +451,20 @@ class DcpCheckpoint(LazyCheckpoint):
             self.close()
         except Exception:
             pass
+
+
+def _first_overlap(chunks: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
+    """Two non-empty chunks whose boxes intersect, or None (sweep along dim 0)."""
+    boxes = sorted((c for c in chunks if all(s > 0 for s in c.sizes)), key=lambda c: c.offsets)
+    active: list[_Chunk] = []
+    for c in boxes:
+        lo = c.offsets[0] if c.offsets else 0
+        active = [a for a in active if not a.offsets or a.offsets[0] + a.sizes[0] > lo]
+        for a in active:
+            if all(ao < co + cs and co < ao + as_ for ao, as_, co, cs in zip(a.offsets, a.sizes, c.offsets, c.sizes)):
+                return a, c
+        active.append(c)
+    return None
 
 
 def _c_contiguous(size: Sequence[int], stride: Sequence[int]) -> bool:

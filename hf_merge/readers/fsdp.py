@@ -286,6 +286,10 @@ class FsdpCheckpoint(LazyCheckpoint):
     def specs(self) -> dict[str, TensorSpec]:
         return {name: lay.spec for name, lay in self._layouts.items()}
 
+    def zip_archives(self) -> list[tuple[Path, int, int | None]]:
+        """``(file, 0, None)`` of every rank file (for CRC checks)."""
+        return [(self.folder / rank_file_name(self.world_size, r), 0, None) for r in range(self.world_size)]
+
     def placements(self) -> dict[str, str]:
         return {name: lay.placements for name, lay in self._layouts.items()}
 

@@ -182,6 +182,25 @@ def crc_mismatches(f: IO[bytes], records: dict[str, Record], chunk: int = 16 << 
     return bad
 
 
+def archive_crc_mismatches(archives: "list[tuple[Any, int, int | None]]") -> tuple[int, list[str]]:
+    """Check the CRC-32 of every record of ``(file, start, length)`` archives (``length`` None:
+    the whole file). Returns ``(records checked, ["file: record" that differ])``."""
+    checked, bad = 0, []
+    for path, start, length in archives:
+        with open(path, "rb") as f:
+            size = length if length is not None else os.fstat(f.fileno()).st_size - start
+            window = Window(f.fileno(), start, size) if (start or length is not None) else f
+            where = f"{os.path.basename(path)}" + (f" (archive at byte {start})" if start else "")
+            try:
+                records = read_records(window, where, base=start)
+            except CorruptCheckpointError as e:
+                bad.append(str(e))
+                continue
+            checked += len(records)
+            bad += [f"{where}: record {name} fails its CRC-32" for name in crc_mismatches(f, records)]
+    return checked, bad
+
+
 def _first(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0][:120] if text else type(e).__name__)
