@@ -359,3 +359,34 @@ def test_verify_against_source_checks_record_crcs(fsdp_copy, tmp_path, capsys):
     assert "source CRC-32" in out.out and "FAIL" in out.out and f"{rank1.name}: record" in out.out, out.out
     rank1.write_bytes(bytes(raw[:data_start + 1]) + bytes([raw[data_start + 1] ^ 0x40]) + bytes(raw[data_start + 2:]))
     assert cli(["verify", str(target), "--against", str(fsdp_copy)]) == 1  # restored source: values now differ
+
+
+# --------------------------------------------------------------------------------------------
+# 3. side files come only from inside the checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def test_symlinked_huggingface_folder_leaving_the_checkpoint_is_refused(fsdp_copy, tmp_path, capsys):
+    outside = tmp_path / "home" / ".docker"
+    shutil.copytree(fsdp_copy / "huggingface", outside)
+    (outside / "key.pem").write_text("-----BEGIN PRIVATE KEY-----")
+    shutil.rmtree(fsdp_copy / "huggingface")
+    (fsdp_copy / "huggingface").symlink_to(outside)
+    _merge_fails(fsdp_copy, tmp_path, capsys, "huggingface is a symlink", "outside the checkpoint", "--config")
+
+
+def test_symlinked_side_file_is_skipped_and_said(fsdp_copy, tmp_path, capsys):
+    secret = tmp_path / "key.pem"
+    secret.write_text("-----BEGIN PRIVATE KEY-----")
+    (fsdp_copy / "huggingface" / "key.pem").symlink_to(secret)
+    target = tmp_path / "out"
+    assert cli(["merge", str(fsdp_copy), str(target)]) == 0
+    assert "key.pem is a symlink" in capsys.readouterr().err
+    assert not (target / "key.pem").exists() and (target / "config.json").is_file()
+
+
+def test_symlinked_megatron_huggingface_folder_is_refused(megatron_copy, tmp_path, capsys):
+    outside = tmp_path / "elsewhere"
+    shutil.move(megatron_copy / "huggingface", outside)
+    (megatron_copy / "huggingface").symlink_to(outside)
+    _merge_fails(megatron_copy, tmp_path, capsys, "huggingface is a symlink", "outside the checkpoint")

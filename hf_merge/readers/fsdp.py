@@ -28,6 +28,7 @@ from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_
 from .. import filemap
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..spec import TensorSpec
+from ..hf_files import checkpoint_side_dir
 from .safe_pickle import load_rank_file
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class FsdpCheckpoint(LazyCheckpoint):
         if cfg.is_file():
             fsdp_version = json.loads(cfg.read_text()).get("FSDP_version")
         if hf_dir is None and (self.folder / "huggingface" / "config.json").is_file():
-            hf_dir = self.folder / "huggingface"
+            hf_dir = checkpoint_side_dir(self.folder / "huggingface", self.folder)
         dtypes = sorted({str(lay.spec.dtype).removeprefix("torch.") for lay in self._layouts.values()})
         self.info = CheckpointInfo(
             format="verl-fsdp",

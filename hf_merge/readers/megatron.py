@@ -54,6 +54,7 @@ from ..errors import (
 from ..spec import TensorSpec
 from ..transforms.fused import FusedSplit, SplitFusedView
 from .dcp import DcpCheckpoint, is_dcp_dir
+from ..hf_files import checkpoint_side_dir
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
 __all__ = ["probe", "open_megatron", "find_layout", "resolve_megatron_dir"]
@@ -256,6 +257,8 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -> tuple[Path, dict[str, Any]]:
     cdir = Path(config_dir) if config_dir is not None else hf_dir
+    if config_dir is None and hf_dir is not None:
+        checkpoint_side_dir(hf_dir, Path(where).parent if Path(hf_dir).parent == Path(where).parent else where)
     if cdir is None or not (cdir / "config.json").is_file():
         looked = f" (looked in {cdir})" if cdir is not None else ""
         raise MissingConfigError(
