@@ -390,3 +390,70 @@ def test_symlinked_megatron_huggingface_folder_is_refused(megatron_copy, tmp_pat
     shutil.move(megatron_copy / "huggingface", outside)
     (megatron_copy / "huggingface").symlink_to(outside)
     _merge_fails(megatron_copy, tmp_path, capsys, "huggingface is a symlink", "outside the checkpoint")
+
+
+# --------------------------------------------------------------------------------------------
+# 4. one run per target, nothing clobbered, symlinked targets, no leftovers
+# --------------------------------------------------------------------------------------------
+
+
+def _leftovers(target: Path) -> list[str]:
+    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.hf-merge-"))
+
+
+def test_second_run_on_a_locked_target_is_refused(fsdp_copy, tmp_path, capsys):
+    from hf_merge.output import target_lock
+
+    target = tmp_path / "out"
+    with target_lock(target):
+        assert cli(["merge", str(fsdp_copy), str(target)]) != 0
+        err = capsys.readouterr().err
+        assert f"error: another hf-merge run (pid {os.getpid()}) is writing {target}" in err, err
+        assert not target.exists() and _leftovers(target) == [".out.hf-merge-lock"]  # the holder's
+    assert _leftovers(target) == []  # the holder removed its lock file on exit
+    assert cli(["merge", str(fsdp_copy), str(target)]) == 0 and _leftovers(target) == []
+
+
+def test_final_rename_never_replaces_a_target_that_appeared(tmp_path):
+    from hf_merge.errors import TargetExistsError
+    from hf_merge.output import atomic_folder
+
+    target = tmp_path / "out"
+    with pytest.raises(TargetExistsError, match="appeared while merging"):
+        with atomic_folder(target) as tmp:
+            (tmp / "model.safetensors").write_text("ours")
+            target.mkdir()
+            (target / "theirs.txt").write_text("theirs")  # another process, not hf-merge, wrote it
+    assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"] and _leftovers(target) == []
+    with atomic_folder(target, overwrite=True) as tmp:  # --overwrite replaces it
+        (tmp / "model.safetensors").write_text("ours")
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"] and _leftovers(target) == []
+
+
+def test_parent_folders_created_for_a_failed_target_are_removed(tmp_path):
+    from hf_merge.output import atomic_folder
+
+    target = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_folder(target) as tmp:
+            (tmp / "x").write_text("x")
+            raise RuntimeError("writer failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_symlinked_targets(fsdp_copy, tmp_path, capsys):
+    real = tmp_path / "disk" / "merged"
+    real.mkdir(parents=True)
+    link = tmp_path / "merged"
+    link.symlink_to(real)
+    assert cli(["merge", str(fsdp_copy), str(link)]) == 0  # a link to a folder means that folder
+    assert link.is_symlink() and (real / "model.safetensors").is_file()
+    assert cli(["merge", str(fsdp_copy), str(link), "--overwrite"]) == 0
+    assert link.is_symlink() and (real / "model.safetensors").is_file()
+    assert _leftovers(link) == [] and _leftovers(real) == []
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    capsys.readouterr()
+    assert cli(["merge", str(fsdp_copy), str(dangling)]) != 0
+    assert "dangling symlink" in capsys.readouterr().err
+    assert dangling.is_symlink() and not (tmp_path / "nowhere").exists() and _leftovers(dangling) == []
