@@ -8,18 +8,40 @@ and which weights are tied; the output copy gets the written dtype. Everything e
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import MissingConfigError
+from .errors import MissingConfigError, UnsafeCheckpointError
 from .spec import dtype_name, parse_dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+logger = logging.getLogger(__name__)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def checkpoint_side_dir(hf_dir: Path, root: Path) -> Path:
+    """``hf_dir`` (the checkpoint's own ``huggingface/`` folder), refused when it or its
+    ``config.json`` is a symlink that leaves the checkpoint ``root``: side files come only from
+    inside the checkpoint, or from a folder the user names with ``--config``."""
+    for p in (Path(hf_dir), Path(hf_dir) / "config.json"):
+        if os.path.lexists(p) and not _inside(p, root):
+            raise UnsafeCheckpointError(
+                f"{p} is a symlink to {os.path.realpath(p)}, outside the checkpoint {root}; side files are only taken "
+                "from inside it. Pass --config DIR to use that folder on purpose"
+            )
+    return Path(hf_dir)
 
 
 def find_config_dir(hf_dir: Path | None, source: Path) -> Path:
@@ -113,14 +135,17 @@ def copy_side_files(config_dir: Path, folder: Path, *, skip: tuple[str, ...] = (
     """Copy the top-level tokenizer / processor / generation config / remote-code files.
 
     Weights, weight indexes, config.json (written separately), hidden files, folders and symlinks
-    are not copied.
+    are not copied (a skipped symlink is reported: it may point anywhere, e.g. at a key file).
     """
     copied = []
     for item in sorted(Path(config_dir).iterdir()):
         name = item.name
         if name == "config.json" or name in skip or name in WEIGHT_INDEXES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."):
             continue
-        if item.is_file() and not item.is_symlink():
+        if item.is_symlink():
+            logger.warning("not copied: %s is a symlink (to %s); side files are copied only as regular files", item, os.path.realpath(item))
+            continue
+        if item.is_file():
             shutil.copyfile(item, Path(folder) / name)
             copied.append(name)
     return copied

@@ -1,14 +1,23 @@
 """Atomic output folders: write beside the target, rename into place at the end.
 
 A merge writes into ``.<target>.hf-merge-tmp-<pid>`` next to the target and renames it to the
-target only when everything is written. An error or Ctrl-C removes the temporary folder; a killed
-process (SIGKILL) leaves only a temporary folder that no tool mistakes for a model, and the next
-run removes it.
+target only when everything is written. An error or Ctrl-C removes the temporary folder (and the
+parent folders created for the target); a killed process (SIGKILL) leaves only a temporary folder
+that no tool mistakes for a model, and the next run removes it.
+
+Concurrency: a run holds ``.<target>.hf-merge-lock`` (an ``flock``, so a killed run never leaves
+a held lock) from before it writes until the target is in place; a second run on the same target
+is refused at once. The final rename never replaces a target that appeared meanwhile unless
+``overwrite`` is set (a directory is renamed only onto a missing or empty one).
+
+Symlinked targets: a symlink to a folder means that folder (the output is written beside the
+real folder, so the final rename stays atomic); a dangling symlink is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -18,11 +27,27 @@ from .errors import TargetExistsError
 
 _TMP_TAG = ".hf-merge-tmp-"
 _OLD_TAG = ".hf-merge-old-"
+_LOCK_TAG = ".hf-merge-lock"
+
+
+def resolve_target(target: Path) -> Path:
+    """The absolute target, with a symlink to a folder followed; a dangling symlink is refused."""
+    target = Path(target).absolute()
+    if target.is_symlink():
+        if not target.exists():
+            raise TargetExistsError(
+                f"{target} is a dangling symlink (to {os.readlink(target)}); remove it or choose another target"
+            )
+        real = Path(os.path.realpath(target))
+        if not real.is_dir():
+            raise TargetExistsError(f"{target} is a symlink to the file {real}; choose a target folder")
+        return real
+    return target
 
 
 def check_target(target: Path, *, overwrite: bool) -> None:
     """Refuse early (before reading anything) a target that exists and would be clobbered."""
-    target = Path(target)
+    target = resolve_target(target)
     if target.exists() and not target.is_dir():
         raise TargetExistsError(f"{target} exists and is a file; choose another target folder")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
@@ -39,8 +64,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(target: Path) -> list[Path]:
-    """Delete temporary folders of earlier runs on this target whose process is gone."""
+def _remove(path: Path) -> None:
+    """Remove a file, a symlink (never its target) or a folder tree; missing is fine."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_temporaries(target: Path, *, locked: bool = False) -> list[Path]:
+    """Delete temporary folders of earlier runs on this target whose process is gone (with
+    ``locked``: every one but ours, since no other run can be writing this target)."""
     removed = []
     parent = target.parent
     if not parent.is_dir():
@@ -50,31 +85,110 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
         for p in parent.iterdir():
             if p.name.startswith(prefix):
                 pid = p.name[len(prefix):]
-                if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                    shutil.rmtree(p, ignore_errors=True)
+                if pid.isdigit() and int(pid) != os.getpid() and (locked or not _pid_alive(int(pid))):
+                    _remove(p)
                     removed.append(p)
     return removed
 
 
 @contextlib.contextmanager
+def target_lock(target: Path) -> Iterator[Path]:
+    """Hold ``.<target>.hf-merge-lock`` beside ``target``; refuse if another run holds it."""
+    import fcntl
+
+    path = target.parent / f".{target.name}{_LOCK_TAG}"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                holder = f" (pid {int(path.read_text().strip())})"
+            raise TargetExistsError(
+                f"another hf-merge run{holder} is writing {target}; wait for it to finish or choose another target"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not unlinked by a run that just finished
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        os.close(fd)
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """``mkdir -p folder``; return the folders it created, deepest first."""
+    created = []
+    p = folder
+    while not p.exists() and p != p.parent:
+        created.append(p)
+        p = p.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _place(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``target``; replace an existing target only with ``overwrite``."""
+    if target.is_symlink() or target.exists():
+        if not overwrite and not (target.is_dir() and not target.is_symlink() and not any(target.iterdir())):
+            raise TargetExistsError(
+                f"{target} appeared while merging (another process wrote it); pass --overwrite to replace it, "
+                "or choose another folder"
+            )
+        if overwrite:
+            old = target.parent / f".{target.name}{_OLD_TAG}{os.getpid()}"
+            _remove(old)
+            os.rename(target, old)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            _remove(old)
+            return
+    try:
+        os.rename(tmp, target)  # onto a missing or empty folder only: the kernel refuses anything else
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise TargetExistsError(
+                f"{target} appeared while merging (another process wrote it); pass --overwrite to replace it, "
+                "or choose another folder"
+            ) from None
+        raise
+
+
+@contextlib.contextmanager
 def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder; on success it becomes ``target``, on any error it is removed."""
-    target = Path(target).absolute()
+    target = resolve_target(target)
     check_target(target, overwrite=overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(target)
+    created = _make_parents(target.parent)
     tmp = target.parent / f".{target.name}{_TMP_TAG}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        yield tmp
+        with target_lock(target):
+            check_target(target, overwrite=overwrite)  # again, now that no other run can write it
+            remove_stale_temporaries(target, locked=True)
+            _remove(tmp)
+            tmp.mkdir()
+            try:
+                yield tmp
+                _place(tmp, target, overwrite)
+            finally:
+                _remove(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in created:  # deepest first; only if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
-    if target.exists():
-        old = target.parent / f".{target.name}{_OLD_TAG}{os.getpid()}"
-        os.rename(target, old)
-        os.rename(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, target)

@@ -168,12 +168,38 @@ def verify(
                 report.add("quantization", True, f"re-quantized: {provenance['quantization'].get('mode')}")
             names = _compare_specs(report, got, expected, check_dtype=True)
             _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0)
+            _check_source_crcs(report, source)
         finally:
             source.close()
     if logits:
         _check_logits(report, target, against_path if kind == "hf" else None, logits_atol)
     got.close()
     return report
+
+
+def _zip_archives(view: Any, depth: int = 0) -> list:
+    """The torch.save archives under a stack of lazy views (readers expose ``zip_archives()``)."""
+    if depth > 12:
+        return []
+    found = list(view.zip_archives()) if callable(getattr(view, "zip_archives", None)) else []
+    for value in vars(view).values() if hasattr(view, "__dict__") else ():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, LazyCheckpoint):
+                found += _zip_archives(item, depth + 1)
+    return sorted(set(found), key=str)
+
+
+def _check_source_crcs(report: VerifyReport, source: LazyCheckpoint) -> None:
+    """Every record of every source torch.save archive against the CRC-32 in its zip directory:
+    corruption in a source (which the merge copied faithfully) is found here."""
+    from .readers.torch_zip import archive_crc_mismatches
+
+    archives = _zip_archives(source)
+    if not archives:
+        return
+    checked, bad = archive_crc_mismatches(archives)
+    report.mismatches += bad
+    report.add("source CRC-32", not bad, f"{checked} records in {len(archives)} archives" + (f", {len(bad)} bad" if bad else ""))
 
 
 def _requantized(view: LazyCheckpoint, config: dict[str, Any], recorded: dict[str, Any]) -> LazyCheckpoint:

@@ -199,7 +199,7 @@ def test_missing_and_garbage_metadata(tmp_path):
     with pytest.raises(SourceNotFoundError):
         DcpCheckpoint(tmp_path)
     (tmp_path / ".metadata").write_bytes(b"\x80\x04garbage")
-    with pytest.raises(CorruptCheckpointError, match="cannot read DCP metadata"):
+    with pytest.raises(CorruptCheckpointError, match="not a readable pickle"):
         DcpCheckpoint(tmp_path)
 
 

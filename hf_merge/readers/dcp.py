@@ -34,14 +34,10 @@ a fused tensor, without reading the rest.
 
 from __future__ import annotations
 
-import io
+import math
 import os
-import pickle
 import re
-import struct
 import threading
-import zipfile
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -56,6 +52,8 @@ from ..errors import (
     UnsupportedCheckpointError,
 )
 from ..spec import TensorSpec
+from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, torch_names
+from .torch_zip import Window, read_records
 
 METADATA_FILE = ".metadata"
 DEFAULT_MAX_READ_BYTES = 64 << 20
@@ -72,61 +70,15 @@ def is_dcp_dir(path: Path) -> bool:
 # .metadata: allowlisted unpickling
 # --------------------------------------------------------------------------------------------
 
-_DCP_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-    "torch.distributed.checkpoint._extension",
-)
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    # StorageMeta.checkpoint_id is a path object when the writer was given one
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _DCP_MODULES and not name.startswith("__"):
-            import importlib
-
-            importlib.import_module("torch.distributed.checkpoint")  # registers the modules
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or module == "torch.distributed.checkpoint.metadata":
-                return obj
-        elif (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        elif module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise UnsafeCheckpointError(
-            f"DCP .metadata references {module}.{name}, which is not on hf_merge's allowlist of "
-            "checkpoint metadata classes; refusing to unpickle it"
-        )
-
-
 def load_dcp_metadata(path: Path) -> Any:
-    """Unpickle ``<path>/.metadata`` with an allowlist; return torch's ``Metadata`` object."""
+    """Unpickle ``<path>/.metadata`` under :data:`~hf_merge.readers.safe_pickle.DCP_METADATA`."""
     meta_path = Path(path) / METADATA_FILE
     if not meta_path.is_file():
         raise SourceNotFoundError(f"{path}: no {METADATA_FILE} file; not a torch.distributed.checkpoint folder")
-    try:
-        with open(meta_path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
-    except UnsafeCheckpointError:
-        raise
-    except Exception as e:  # truncated / garbage pickle
-        raise CorruptCheckpointError(f"{meta_path}: cannot read DCP metadata ({type(e).__name__}: {e})") from e
+    import torch.distributed.checkpoint  # noqa: F401  (the metadata classes live there)
+
+    with open(meta_path, "rb") as f:
+        md = load_pickle(f, DCP_METADATA, str(meta_path))
     if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
         raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__})")
     return md
@@ -182,106 +134,61 @@ def _storage_dtype(name: str) -> torch.dtype | None:
         return None
 
 
-class _ChunkPickle(pickle.Unpickler):
-    """Unpickles the ``data.pkl`` of a one-tensor torch.save archive into a :class:`_RebuildRecord`."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _RebuildRecord
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module == "torch" and _storage_dtype(name) is not None:
-            return ("storage_type", _storage_dtype(name))
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsupportedCheckpointError(
-            f"DCP chunk pickle references {module}.{name}; hf_merge reads plain dense tensors only"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        # ('storage', storage_type, key, location, numel)
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise UnsupportedCheckpointError(f"DCP chunk pickle has an unexpected persistent id {pid!r}")
-        _, stype, key, _location, numel = pid
-        dtype = stype[1] if isinstance(stype, tuple) else stype
-        if not isinstance(dtype, torch.dtype):
-            raise UnsupportedCheckpointError(f"DCP chunk storage type {stype!r} is not understood")
-        return (str(key), dtype, int(numel))
+#: A chunk's ``data.pkl`` is read under this allowlist, with the rebuild function replaced by a
+#: recorder (no tensor is built) and storage classes by their dtype.
+_CHUNK_PICKLE = Allowlist.of(calls=[("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")])
 
 
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``[start, start + length)`` of an open file."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        self._fd, self._start, self._length, self._pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._length - self._pos))
-        if n == 0:
-            return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+def _chunk_substitutes() -> dict[tuple[str, str], Any]:
+    subs: dict[tuple[str, str], Any] = {("torch._utils", "_rebuild_tensor_v2"): _RebuildRecord}
+    for module, name in torch_names().names:
+        if _storage_dtype(name) is not None:
+            subs[(module, name)] = ("storage_type", _storage_dtype(name))
+    return subs
 
 
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader
+def _chunk_persistent_load(pid: Any) -> Any:
+    # ('storage', storage_type, key, location, numel)
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise UnsupportedCheckpointError(f"DCP chunk pickle has an unexpected persistent id {str(pid)[:60]}")
+    _, stype, key, _location, numel = pid
+    dtype = stype[1] if isinstance(stype, tuple) else stype
+    if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
+        raise UnsupportedCheckpointError(f"DCP chunk storage type {str(stype)[:60]} is not understood")
+    return (str(key), dtype, int(numel))
 
 
 def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
-    """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout."""
-    try:
-        zf = zipfile.ZipFile(_Window(fd, chunk.start, chunk.length))
-    except zipfile.BadZipFile as e:
-        raise UnsupportedCheckpointError(
-            f"{where}: chunk at byte {chunk.start} is not a torch.save archive ({e}); only DCP's "
-            "default TORCH_SAVE serialization is supported"
-        ) from e
-    names = {i.filename: i for i in zf.infolist()}
-    pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+    """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout.
+
+    The archive's records are checked first (:func:`~hf_merge.readers.torch_zip.read_records`:
+    stored, local headers agree with the central directory, records tile the archive).
+    """
+    window = Window(fd, chunk.start, chunk.length)
+    records = read_records(window, f"{where}, chunk at byte {chunk.start}", base=chunk.start)
+    pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pkl) != 1:
         raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} has no single data.pkl record")
     prefix = pkl[0][: -len("data.pkl")]
-    order = names.get(prefix + "byteorder")
-    if order is not None and zf.read(order).strip() not in (b"little", b""):
+    order = records.get(prefix + "byteorder")
+    if order is not None and os.pread(fd, min(order.size, 16), order.data_start).strip() not in (b"little", b""):
         raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
-    try:
-        rec = _ChunkPickle(io.BytesIO(zf.read(pkl[0]))).load()
-    except (UnsupportedCheckpointError, CorruptCheckpointError):
-        raise
-    except Exception as e:
-        raise CorruptCheckpointError(f"{where}: chunk pickle at byte {chunk.start} is unreadable ({e})") from e
-    if not isinstance(rec, _RebuildRecord):
+    rec_info = records[pkl[0]]
+    rec = load_pickle(
+        os.pread(fd, rec_info.size, rec_info.data_start), _CHUNK_PICKLE, f"{where}, chunk at byte {chunk.start}",
+        substitutes=_chunk_substitutes(), persistent_load=_chunk_persistent_load,
+    )
+    if not isinstance(rec, _RebuildRecord) or not isinstance(rec.storage, tuple):
         raise UnsupportedCheckpointError(f"{where}: chunk at byte {chunk.start} does not hold a single tensor")
     key, dtype, numel = rec.storage
-    info = names.get(f"{prefix}data/{key}")
+    info = records.get(f"{prefix}data/{key}")
     if info is None:
-        raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} lacks storage record data/{key}")
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise UnsupportedCheckpointError(f"{where}: compressed tensor records are not supported")
-    hdr = os.pread(fd, _LOCAL_HEADER.size, chunk.start + info.header_offset)
-    if len(hdr) != _LOCAL_HEADER.size or hdr[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(f"{where}: bad zip local header in chunk at byte {chunk.start}")
-    fields = _LOCAL_HEADER.unpack(hdr)
-    data_start = chunk.start + info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
+        raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} lacks storage record data/{key[:40]}")
+    data_start = info.data_start
     nbytes = numel * dtype.itemsize
-    if info.file_size != nbytes or data_start + nbytes > chunk.start + chunk.length:
+    if info.size != nbytes:
         raise CorruptCheckpointError(
-            f"{where}: storage record of chunk at byte {chunk.start} has {info.file_size} bytes, expected {nbytes}"
+            f"{where}: storage record of chunk at byte {chunk.start} has {info.size} bytes, expected {nbytes}"
         )
     layout = _Layout(data_start, nbytes, dtype, rec.storage_offset, rec.size, rec.stride)
     if layout.size != chunk.sizes:
@@ -381,27 +288,32 @@ class DcpCheckpoint(LazyCheckpoint):
     # ---- metadata ---------------------------------------------------------------------------
 
     def _check_cover(self, key: str, shape: tuple[int, ...], chunks: list[_Chunk]) -> None:
+        """The chunks must tile the tensor exactly (inside it, no overlap, no hole), from the
+        metadata alone: overlapping chunks whose sizes still add up would leave a hole unread."""
         total = 0
         for c in chunks:
             if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
-                o < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
             ):
                 raise CorruptCheckpointError(
-                    f"{self.path}: {key} chunk {list(c.offsets)}+{list(c.sizes)} lies outside shape {list(shape)}"
+                    f"{self.path}: {key} chunk {list(c.offsets)[:8]}+{list(c.sizes)[:8]} lies outside shape {list(shape)}"
                 )
-            n = 1
-            for s in c.sizes:
-                n *= s
-            total += n
-        numel = 1
-        for s in shape:
-            numel *= s
-        if total != numel:
+            total += math.prod(c.sizes)
+        numel = math.prod(shape)
+        if total == numel:
+            clash = _first_overlap(chunks)
+            if clash is None:
+                return
+            a, b = clash
             raise CorruptCheckpointError(
-                f"{self.path}: chunks of {key} cover {total} of {numel} elements; the checkpoint is incomplete"
-                if total < numel
-                else f"{self.path}: chunks of {key} overlap ({total} elements for {numel})"
+                f"{self.path}: chunks {list(a.offsets)[:8]} and {list(b.offsets)[:8]} of {key} overlap (their sizes add "
+                f"up, so part of the tensor would be left unread); the {METADATA_FILE} is damaged"
             )
+        raise CorruptCheckpointError(
+            f"{self.path}: chunks of {key} cover {total} of {numel} elements; the checkpoint is incomplete"
+            if total < numel
+            else f"{self.path}: chunks of {key} overlap ({total} elements for {numel}); the {METADATA_FILE} is damaged"
+        )
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
@@ -409,6 +321,10 @@ class DcpCheckpoint(LazyCheckpoint):
     def byte_keys(self) -> list[str]:
         """Keys of opaque byte entries (``_extra_state``, rng state...); never read."""
         return list(self._byte_keys)
+
+    def zip_archives(self) -> list[tuple[Path, int, int]]:
+        """``(file, start, length)`` of every embedded torch.save archive (for CRC checks)."""
+        return sorted({(self.path / c.file, c.start, c.length) for cs in self._chunks.values() for c in cs})
 
     def chunk_boxes(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """``[(offsets, sizes)]`` of the stored chunks of ``name`` (e.g. to infer TP sharding)."""
@@ -535,6 +451,20 @@ class DcpCheckpoint(LazyCheckpoint):
             self.close()
         except Exception:
             pass
+
+
+def _first_overlap(chunks: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
+    """Two non-empty chunks whose boxes intersect, or None (sweep along dim 0)."""
+    boxes = sorted((c for c in chunks if all(s > 0 for s in c.sizes)), key=lambda c: c.offsets)
+    active: list[_Chunk] = []
+    for c in boxes:
+        lo = c.offsets[0] if c.offsets else 0
+        active = [a for a in active if not a.offsets or a.offsets[0] + a.sizes[0] > lo]
+        for a in active:
+            if all(ao < co + cs and co < ao + as_ for ao, as_, co, cs in zip(a.offsets, a.sizes, c.offsets, c.sizes)):
+                return a, c
+        active.append(c)
+    return None
 
 
 def _c_contiguous(size: Sequence[int], stride: Sequence[int]) -> bool:

@@ -29,6 +29,7 @@ from .. import filemap
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
 from ..spec import TensorSpec
+from ..hf_files import checkpoint_side_dir
 from .safe_pickle import load_rank_file
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class FsdpCheckpoint(LazyCheckpoint):
         if cfg.is_file():
             fsdp_version = json.loads(cfg.read_text()).get("FSDP_version")
         if hf_dir is None and (self.folder / "huggingface" / "config.json").is_file():
-            hf_dir = self.folder / "huggingface"
+            hf_dir = checkpoint_side_dir(self.folder / "huggingface", self.folder)
         dtypes = sorted({str(lay.spec.dtype).removeprefix("torch.") for lay in self._layouts.values()})
         self.info = CheckpointInfo(
             format="verl-fsdp",
@@ -286,6 +287,10 @@ class FsdpCheckpoint(LazyCheckpoint):
 
     def specs(self) -> dict[str, TensorSpec]:
         return {name: lay.spec for name, lay in self._layouts.items()}
+
+    def zip_archives(self) -> list[tuple[Path, int, int | None]]:
+        """``(file, 0, None)`` of every rank file (for CRC checks)."""
+        return [(self.folder / rank_file_name(self.world_size, r), 0, None) for r in range(self.world_size)]
 
     def placements(self) -> dict[str, str]:
         return {name: lay.placements for name, lay in self._layouts.items()}

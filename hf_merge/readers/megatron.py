@@ -55,6 +55,8 @@ from ..formats import SourceFormat
 from ..spec import TensorSpec
 from ..transforms.fused import FusedSplit, SplitFusedView
 from .dcp import DcpCheckpoint, is_dcp_dir
+from ..hf_files import checkpoint_side_dir
+from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
 __all__ = ["probe", "open_megatron", "find_layout", "resolve_megatron_dir"]
 
@@ -256,6 +258,8 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -> tuple[Path, dict[str, Any]]:
     cdir = Path(config_dir) if config_dir is not None else hf_dir
+    if config_dir is None and hf_dir is not None:
+        checkpoint_side_dir(hf_dir, Path(where).parent if Path(hf_dir).parent == Path(where).parent else where)
     if cdir is None or not (cdir / "config.json").is_file():
         looked = f" (looked in {cdir})" if cdir is not None else ""
         raise MissingConfigError(
@@ -789,21 +793,14 @@ def _step_from(path: Path) -> int | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _load_rank_file(path: Path) -> list[dict[str, Any]]:
-    """``torch.load`` one legacy rank file (memory-mapped, weights only) -> list of state dicts
-    (one per virtual pipeline stage)."""
-    import io
+#: Legacy ``model.pt``: tensors plus ``_extra_state`` entries that are ``io.BytesIO`` values.
+LEGACY_RANK_FILE = TENSOR_FILE | Allowlist.of(calls=[("_io", "BytesIO")], classes=[("_io", "BytesIO")])
 
-    try:
-        with torch.serialization.safe_globals([io.BytesIO]):
-            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise UnsafeCheckpointError(
-                f"{path}: the pickle needs more than tensors to load ({str(e).splitlines()[0]}); hf_merge "
-                "does not execute pickled code"
-            ) from e
-        raise CorruptCheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from e
+
+def _load_rank_file(path: Path) -> list[dict[str, Any]]:
+    """``torch.load`` one legacy rank file under :data:`LEGACY_RANK_FILE` (records checked,
+    memory-mapped, weights only) -> list of state dicts (one per virtual pipeline stage)."""
+    obj = torch_load(path, LEGACY_RANK_FILE, str(path))
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         sds = [obj["model"]]
     elif isinstance(obj, dict) and any(re.fullmatch(r"model\d+", k) for k in obj):
@@ -952,6 +949,7 @@ def _open_legacy(
 
     info = CheckpointInfo(format="megatron", path=path, hf_dir=cdir, world_size=tp * pp, step=_step_from(path))
     src = _AssembledTensors(info)
+    src.zip_archives = lambda: [(grid[k], 0, None) for k in sorted(grid)]  # for CRC checks
     notes = list(notes)
     offset = 0
     where = str(lay.legacy_dir)

@@ -1,62 +1,421 @@
-"""Loading torch.save rank files without executing anything from them.
+"""The one pickle policy of hf_merge: every file it unpickles goes through this module.
 
-Rank files are pickles. They are loaded with ``weights_only=True`` (PyTorch's restricted
-unpickler) plus an explicit allowlist of the distributed-tensor classes that FSDP writes; anything
-else in the file is refused with :class:`UnsafeCheckpointError` before any of it runs. Files are
-memory-mapped (``mmap=True``): tensor bytes stay in the page cache and are read on first touch.
+A pickle is a small program; the only instructions that can run code are the ones that look up a
+global (``GLOBAL``/``STACK_GLOBAL``) and the ones that call or fill what was looked up
+(``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``BUILD``, ``INST``, ``OBJ``, ``EXT*``). The policy:
+
+- a global is looked up only if its exact ``(module, name)`` pair is on an :class:`Allowlist`;
+  a dotted name (``"Path.__init__.__globals__"``, which protocol 4 would walk attribute by
+  attribute) is refused, and the object is taken from the module's own namespace, never by
+  ``getattr`` walking;
+- ``REDUCE`` calls only pairs listed as ``calls``; ``NEWOBJ`` creates only pairs listed as
+  ``classes``, and ``BUILD`` fills only an *instance* of such a class (never a class, function or
+  module); ``INST``, ``OBJ`` and the ``EXT*`` registry are refused;
+- anything else raises :class:`~hf_merge.errors.UnsafeCheckpointError` before it runs.
+
+API (what readers call; allowlists are data, combined with ``|``):
+
+- :func:`load_pickle(file, allow, where)` unpickles a plain pickle (DCP ``.metadata``, a
+  DeepSpeed / ColossalAI / accelerate ``.pkl``) into real objects under ``allow``;
+  ``substitutes`` maps a pair to a stand-in (e.g. a recorder instead of a tensor rebuild).
+- :func:`scan_pickle(data, allow, where)` runs the pickle machine with stand-ins only — nothing
+  is constructed or called — and raises if the policy would refuse anything.
+- :func:`torch_load(path, allow, where)` is ``torch.load(weights_only=True, mmap=True)`` of a
+  ``torch.save`` zip whose records were first checked (:mod:`hf_merge.readers.torch_zip`) and
+  whose ``data.pkl`` passed :func:`scan_pickle` under ``allow``; torch's own restricted
+  unpickler then loads it with the same pairs registered.
+- :func:`load_rank_file` is ``torch_load`` with :data:`DTENSOR_FILE` (verl FSDP rank files).
+
+Allowlists: :data:`TORCH_NAMES` (dtypes, layouts, memory formats, legacy storage classes: names
+only), :data:`TENSOR_FILE` (plain tensors and state dicts), :data:`DTENSOR_FILE` (DTensor state
+dicts), :data:`DCP_METADATA` (``torch.distributed.checkpoint`` metadata, as torch and
+Megatron-Core write it).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import io
 import logging
 import pickle
-import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable, Iterable, Mapping
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
-# (module, attribute) of every class a DTensor state dict pickles, across torch 2.4 - 2.13.
-# Missing ones (older/newer torch) are skipped.
-_DTENSOR_GLOBALS = [
-    ("torch.distributed.tensor", "DTensor"),
-    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
-    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
-    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"),
-    ("torch.distributed.tensor.placement_types", "Shard"),
-    ("torch.distributed.tensor.placement_types", "Replicate"),
-    ("torch.distributed.tensor.placement_types", "Partial"),
-    ("torch.distributed.tensor.placement_types", "_StridedShard"),
-    ("torch.distributed.device_mesh", "DeviceMesh"),
-    ("torch.distributed._mesh_layout", "_MeshLayout"),
-    ("torch.distributed._mesh_layout", "_FlatLayout"),
+Pair = tuple[str, str]
+
+__all__ = [
+    "Allowlist", "TORCH_NAMES", "TENSOR_FILE", "DTENSOR_FILE", "DCP_METADATA",
+    "load_pickle", "scan_pickle", "torch_load", "load_rank_file",
 ]
 
 
-def _allowlist() -> list[Any]:
-    found = []
-    for module, name in _DTENSOR_GLOBALS:
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return found
+@dataclass(frozen=True)
+class Allowlist:
+    """Exact ``(module, name)`` pairs a pickle may use, by what it may do with them.
+
+    Attributes:
+        calls: may be called by ``REDUCE`` (functions, and classes whose call only builds a value).
+        classes: may be created by ``NEWOBJ`` without ``__init__``; their instances may be filled
+            by ``BUILD`` (plain data classes).
+        names: may only be referenced (dtypes, storage types, enum members).
+    """
+
+    calls: frozenset[Pair] = field(default_factory=frozenset)
+    classes: frozenset[Pair] = field(default_factory=frozenset)
+    names: frozenset[Pair] = field(default_factory=frozenset)
+
+    @staticmethod
+    def of(*, calls: Iterable[Pair] = (), classes: Iterable[Pair] = (), names: Iterable[Pair] = ()) -> "Allowlist":
+        return Allowlist(frozenset(calls), frozenset(classes), frozenset(names))
+
+    def __or__(self, other: "Allowlist") -> "Allowlist":
+        return Allowlist(self.calls | other.calls, self.classes | other.classes, self.names | other.names)
+
+    def pairs(self) -> frozenset[Pair]:
+        return self.calls | self.classes | self.names
+
+
+def _torch_names() -> frozenset[Pair]:
+    """dtypes, layouts, memory formats and legacy ``<X>Storage`` names of the installed torch."""
+    import torch
+
+    out = set()
+    for n, v in vars(torch).items():
+        if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+            out.add(("torch", n))
+        elif n.endswith("Storage") and isinstance(v, type):
+            out.add(("torch", n))
+    return frozenset(out)
 
 
 @functools.cache
-def _register_allowlist() -> None:
-    """Add the DTensor classes to torch's weights_only allowlist, once per process.
+def _names() -> Allowlist:
+    return Allowlist.of(names=_torch_names())
+
+
+_STD_CALLS = [("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")]
+_STD_CLASSES = [("collections", "OrderedDict")]  # a state dict's ``_metadata`` attribute is BUILD state
+
+#: What ``torch.save`` of plain tensors (and their containers) needs, besides :data:`TORCH_NAMES`.
+TENSOR_FILE = Allowlist.of(
+    calls=[
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("torch._utils", "_rebuild_parameter_with_state"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        *_STD_CALLS,
+    ],
+    classes=_STD_CLASSES,
+)
+
+#: DTensor state dicts (verl FSDP1/FSDP2 rank files), torch 2.4 - 2.13. ``_rebuild_from_type_v2``
+#: and ``_rebuild_wrapper_subclass`` are torch's own rebuild functions; the DTensor classes are
+#: filled by ``BUILD`` / ``__setstate__`` only, never called.
+DTENSOR_FILE = TENSOR_FILE | Allowlist.of(
+    calls=[
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch._utils", "_rebuild_wrapper_subclass"),
+    ],
+    classes=[
+        ("torch.distributed.tensor", "DTensor"),
+        ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+        ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+        ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"),
+        ("torch.distributed.tensor.placement_types", "Shard"),
+        ("torch.distributed.tensor.placement_types", "Replicate"),
+        ("torch.distributed.tensor.placement_types", "Partial"),
+        ("torch.distributed.tensor.placement_types", "_StridedShard"),
+        ("torch.distributed.device_mesh", "DeviceMesh"),
+        ("torch.distributed._mesh_layout", "_MeshLayout"),
+        ("torch.distributed._mesh_layout", "_FlatLayout"),
+    ],
+)
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
+#: ``torch.distributed.checkpoint`` ``.metadata`` (torch, and Megatron-Core's planner data).
+DCP_METADATA = Allowlist.of(
+    calls=[
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        (_DCP_MD, "_MEM_FORMAT_ENCODING"),  # enum lookup by value
+        (_DCP_PLANNER, "WriteItemType"),
+        (_DCP_PLANNER, "LoadItemType"),
+        *_STD_CALLS,
+        # StorageMeta.checkpoint_id is a path when the writer was given one
+        ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ],
+    classes=[
+        *_STD_CLASSES,
+        (_DCP_MD, "Metadata"), (_DCP_MD, "TensorStorageMetadata"), (_DCP_MD, "BytesStorageMetadata"),
+        (_DCP_MD, "ChunkStorageMetadata"), (_DCP_MD, "TensorProperties"), (_DCP_MD, "MetadataIndex"),
+        (_DCP_MD, "StorageMeta"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint._extension", "StreamTransformExtension"),
+        (_DCP_PLANNER, "SavePlan"), (_DCP_PLANNER, "WriteItem"), (_DCP_PLANNER, "TensorWriteData"),
+        (_DCP_PLANNER, "ReadItem"), (_DCP_PLANNER, "LoadPlan"), (_DCP_PLANNER, "BytesIOWriteData"),
+    ],
+)
+
+
+def torch_names() -> Allowlist:
+    """:data:`TORCH_NAMES`: the names-only pairs of torch's dtypes, layouts, memory formats, storages."""
+    return _names()
+
+
+def __getattr__(name: str) -> Any:  # TORCH_NAMES, lazily (module attribute)
+    if name == "TORCH_NAMES":
+        return _names()
+    raise AttributeError(name)
+
+
+# --------------------------------------------------------------------------------------------
+# The machine
+# --------------------------------------------------------------------------------------------
+
+
+def _short(s: Any, n: int = 80) -> str:
+    text = s if isinstance(s, str) else repr(s)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _refuse(where: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{where}: the pickle {what}, which is outside hf_merge's pickle allowlist; refused, nothing from it "
+        "was run. Re-save the checkpoint with plain tensors, or only if you fully trust the file convert it "
+        "yourself with torch.load(weights_only=False)"
+    )
+
+
+@dataclass(eq=False)
+class _Ref:
+    """Scan mode: a looked-up global, not resolved."""
+
+    pair: Pair
+
+
+@dataclass(eq=False)
+class _Made:
+    """Scan mode: what a call or ``NEWOBJ`` would have produced."""
+
+    pair: Pair
+    fillable: bool
+
+    # containers are filled by SETITEM(S) / APPEND(S) / ADDITEMS; in scan mode they accept anything
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def add(self, value: Any) -> None:
+        pass
+
+
+_D = pickle._Unpickler.dispatch  # the pure-Python machine: its dispatch table can be overridden
+
+
+class _PolicyUnpickler(pickle._Unpickler):
+    def __init__(
+        self,
+        file: IO[bytes],
+        allow: Allowlist,
+        where: str,
+        *,
+        resolve: bool,
+        substitutes: Mapping[Pair, Any] | None = None,
+        persistent_load: Callable[[Any], Any] | None = None,
+    ):
+        super().__init__(file)
+        self._allow, self._where, self._resolve = allow, where, resolve
+        self._subs = dict(substitutes or {})
+        self._pid = persistent_load
+        self._calls: dict[int, Any] = {}  # id -> object (kept alive so ids stay unique)
+        self._classes: dict[int, Any] = {}
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not isinstance(module, str) or not isinstance(name, str):
+            raise _refuse(self._where, "names a global by a non-string")
+        pair = (module, name)
+        if "." in name or pair not in self._allow.pairs():
+            what = "walks a dotted name" if "." in name else "asks for"
+            raise _refuse(self._where, f"{what} {_short(module + '.' + name)}")
+        if not self._resolve:
+            return _Ref(pair)
+        if pair in self._subs:
+            obj = self._subs[pair]
+        else:
+            try:
+                obj = vars(importlib.import_module(module))[name]
+            except (ImportError, KeyError):
+                raise _refuse(self._where, f"asks for {_short(module + '.' + name)} (absent from this torch)") from None
+        if pair in self._allow.calls:
+            self._calls[id(obj)] = obj
+        if pair in self._allow.classes:
+            if not isinstance(obj, type):
+                raise _refuse(self._where, f"uses {module}.{name} as a class")
+            self._classes[id(obj)] = obj
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._pid is None:
+            raise _refuse(self._where, "holds a persistent id")
+        return self._pid(pid)
+
+    def _pair_of(self, obj: Any) -> str:
+        if isinstance(obj, (_Ref, _Made)):
+            return ".".join(obj.pair)
+        return _short(getattr(obj, "__qualname__", type(obj).__name__))
+
+    # -- the opcodes that call or fill ------------------------------------------------------
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if self._resolve:
+            if id(func) not in self._calls or self._calls[id(func)] is not func:
+                raise _refuse(self._where, f"calls {self._pair_of(func)}")
+            self.stack[-1] = func(*args)
+        else:
+            if not isinstance(func, _Ref) or func.pair not in self._allow.calls:
+                raise _refuse(self._where, f"calls {self._pair_of(func)}")
+            self.stack[-1] = _Made(func.pair, func.pair in self._allow.classes)
+
+    def _new(self, cls: Any, args: tuple, kwargs: dict) -> Any:
+        if self._resolve:
+            if id(cls) not in self._classes or self._classes[id(cls)] is not cls:
+                raise _refuse(self._where, f"creates a {self._pair_of(cls)}")
+            return cls.__new__(cls, *args, **kwargs)
+        if not isinstance(cls, _Ref) or cls.pair not in self._allow.classes:
+            raise _refuse(self._where, f"creates a {self._pair_of(cls)}")
+        return _Made(cls.pair, True)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(self._new(cls, args, {}))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(self._new(cls, args, kwargs))
+
+    def load_build(self) -> None:
+        inst = self.stack[-2]
+        if self._resolve:
+            ok = not isinstance(inst, type) and id(type(inst)) in self._classes
+        else:
+            ok = isinstance(inst, _Made) and inst.fillable
+        if not ok:
+            raise _refuse(self._where, f"fills a {self._pair_of(inst if not self._resolve else type(inst))}")
+        if self._resolve:
+            super().load_build()
+        else:
+            self.stack.pop()
+
+    def _refused(self) -> None:
+        raise _refuse(self._where, "uses an instance-creating opcode (INST/OBJ/EXT)")
+
+    dispatch = dict(_D)
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.BUILD[0]] = load_build
+    for _op in (pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = _refused
+
+
+def _run(unpickler: _PolicyUnpickler, where: str) -> Any:
+    try:
+        return unpickler.load()
+    except UnsafeCheckpointError:
+        raise
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # truncated or garbage pickle: the machine stopped, nothing was called
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CorruptCheckpointError(
+            f"{where}: not a readable pickle ({type(e).__name__}{': ' + _short(detail, 100) if detail else ''}); "
+            "re-copy the file from the training run"
+        ) from None
+
+
+def load_pickle(
+    file: "IO[bytes] | bytes",
+    allow: Allowlist,
+    where: str,
+    *,
+    substitutes: Mapping[Pair, Any] | None = None,
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Unpickle ``file`` into real objects under ``allow`` (plus :data:`TORCH_NAMES`).
+
+    Args:
+        file: a binary file object or the pickle's bytes.
+        allow: what the pickle may use; see :class:`Allowlist`.
+        where: the file's name, for error messages.
+        substitutes: pair -> object used instead of the module's (must still be on ``allow``).
+        persistent_load: handler of persistent ids (refused when None).
+
+    Raises:
+        UnsafeCheckpointError: the pickle asks for anything the policy refuses (nothing ran).
+        CorruptCheckpointError: the pickle is truncated or malformed.
+    """
+    f = io.BytesIO(file) if isinstance(file, (bytes, bytearray, memoryview)) else file
+    u = _PolicyUnpickler(f, allow | _names(), where, resolve=True, substitutes=substitutes, persistent_load=persistent_load)
+    return _run(u, where)
+
+
+def scan_pickle(data: bytes, allow: Allowlist, where: str, *, persistent_load: Callable[[Any], Any] | None = None) -> None:
+    """Check that ``data`` uses only what ``allow`` permits, constructing and calling nothing.
+
+    ``persistent_load`` receives persistent ids with looked-up globals as ``_Ref`` stand-ins.
+    """
+    u = _PolicyUnpickler(io.BytesIO(data), allow | _names(), where, resolve=False, persistent_load=persistent_load)
+    _run(u, where)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.save files
+# --------------------------------------------------------------------------------------------
+
+
+def _register(allow: Allowlist) -> None:
+    """Add the pairs of ``allow`` to torch's weights_only allowlist, once per pair and process.
 
     Registered globally rather than with the ``safe_globals`` context manager: on exit, that
     context removes the classes from the process-wide list, including the ones torch itself
-    registered when ``torch.distributed.tensor`` was imported, and later plain
-    ``torch.load(weights_only=True)`` calls of DTensor files would fail.
+    registered when ``torch.distributed.tensor`` was imported.
     """
+    todo = [p for p in sorted(allow.calls | allow.classes) if p not in _REGISTERED]
+    if not todo:
+        return
     import torch
 
-    torch.serialization.add_safe_globals(_allowlist())
+    found = []
+    for module, name in todo:
+        _REGISTERED.add((module, name))
+        try:
+            found.append(vars(importlib.import_module(module))[name])
+        except (ImportError, KeyError):
+            continue
+    torch.serialization.add_safe_globals(found)
+
+
+_REGISTERED: set[Pair] = set()
 
 
 class _DropMeshPickleWarning(logging.Filter):
@@ -72,43 +431,69 @@ def _quiet_device_mesh() -> None:
     logging.getLogger("torch.distributed.device_mesh").addFilter(_DropMeshPickleWarning())
 
 
+def _storage_pid(records: Mapping[str, Any], prefix: str, where: str) -> Callable[[Any], Any]:
+    """Persistent ids of torch.save: ``('storage', <XStorage>, key, location, numel)`` naming a record."""
+
+    def check(pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CorruptCheckpointError(f"{where}: unexpected persistent id {_short(pid, 60)}; not a torch.save file")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, _Ref) or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise CorruptCheckpointError(f"{where}: malformed storage reference {_short(pid, 60)}")
+        if f"{prefix}data/{key}" not in records:
+            raise CorruptCheckpointError(f"{where}: storage record data/{_short(key, 40)} is missing")
+        return _Made(stype.pair, False)
+
+    return check
+
+
+def torch_load(path: Path, allow: Allowlist, where: str | None = None) -> Any:
+    """``torch.load`` a ``torch.save`` zip, memory-mapped, after checking its records and its pickle.
+
+    Raises:
+        UnsafeCheckpointError: the pickle uses anything the policy refuses; nothing from it ran.
+        CorruptCheckpointError: truncated, not a torch.save zip, records inconsistent.
+    """
+    import torch
+
+    from .torch_zip import read_records
+
+    path = Path(path)
+    where = where or path.name
+    with open(path, "rb") as f:
+        records = read_records(f, where)
+        pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise CorruptCheckpointError(f"{where}: not a torch.save file (no single data.pkl record); re-copy it")
+        rec = records[pkl[0]]
+        f.seek(rec.data_start)
+        data = f.read(rec.size)
+    prefix = pkl[0][: -len("data.pkl")]
+    scan_pickle(data, allow, where, persistent_load=_storage_pid(records, prefix, where))
+    _register(allow)
+    _quiet_device_mesh()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _refuse(where, f"was refused by torch's restricted unpickler ({_short(first, 120)})") from None
+    except (RuntimeError, EOFError, ValueError, OSError, TypeError, AttributeError, KeyError, IndexError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CorruptCheckpointError(
+            f"{where} is truncated or not a torch.save file ({_short(first, 150)}); "
+            "re-copy it from the training run or re-save that rank"
+        ) from None
+
+
 def load_rank_file(path: Path) -> dict[str, Any]:
-    """Load one rank's state dict, memory-mapped, with the restricted unpickler.
+    """Load one verl FSDP rank's state dict (:data:`DTENSOR_FILE`), memory-mapped.
 
     Raises:
         UnsafeCheckpointError: the pickle references something outside the allowlist.
         CorruptCheckpointError: the file is truncated, not a torch.save zip, or not a dict.
     """
-    import torch
-
-    _register_allowlist()
-    _quiet_device_mesh()
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        text = str(e)
-        if "Weights only load failed" in text or "Unsupported" in text:
-            detail = _first_line_with(text, ("Unsupported global", "Unsupported operand", "Unsupported class"))
-            raise UnsafeCheckpointError(
-                f"{path.name} asks the unpickler for code outside the tensor allowlist"
-                f"{': ' + detail if detail else ''}; refused, nothing from it was run. "
-                "Re-save the checkpoint with plain tensors/DTensors, or only if you fully trust the file "
-                "convert it yourself with torch.load(weights_only=False)"
-            ) from None
-        raise CorruptCheckpointError(f"{path.name} is not a readable torch.save file ({text.splitlines()[0]})") from None
-    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CorruptCheckpointError(
-            f"{path.name} is truncated or not a torch.save file ({first[:200]}); "
-            "re-copy it from the training run or re-save that rank"
-        ) from None
+    path = Path(path)
+    state = torch_load(path, DTENSOR_FILE)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{path.name} holds a {type(state).__name__}, not a state dict")
     return state
-
-
-def _first_line_with(text: str, needles: tuple[str, ...]) -> str:
-    for line in text.splitlines():
-        if any(n in line for n in needles):
-            return line.strip().rstrip(".")[:200]
-    return ""

@@ -1,0 +1,459 @@
+"""Issue 13: crafted checkpoints (made from the real fixtures) never run code, never give silently
+wrong weights, never clobber a target.
+
+Every code-execution payload would create a file (``pwned``) if any part of it ran; each test
+checks the file is absent. Entry points are called in-process (``hf_merge.cli.app.main``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_merge
+from hf_merge.cli.app import main as cli
+from hf_merge.errors import CorruptCheckpointError, UnsafeCheckpointError
+from hf_merge.readers import safe_pickle as sp
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+DCP_MD = "torch.distributed.checkpoint.metadata"
+DCP_FS = "torch.distributed.checkpoint.filesystem"
+
+
+# --------------------------------------------------------------------------------------------
+# pickle payloads, written opcode by opcode (protocol 4)
+# --------------------------------------------------------------------------------------------
+
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return b"\x8c" + bytes([len(b)]) + b if len(b) < 256 else b"X" + struct.pack("<I", len(b)) + b
+
+
+def _glob(module: str, name: str) -> bytes:
+    return _str(module) + _str(name) + b"\x93"  # STACK_GLOBAL: the dotted-name resolver of protocol 4
+
+
+def _call(func: bytes, *args: bytes) -> bytes:
+    return func + b"(" + b"".join(args) + b"tR"  # MARK args TUPLE REDUCE
+
+
+def _payloads(pwned: Path) -> dict[str, bytes]:
+    cmd = _str(f"touch {pwned}")
+    getattr_ = _glob("builtins", "getattr")
+    return {
+        # protocol 4 walks "os.system" from a module that imports os
+        "dotted_global": b"\x80\x04" + _call(_glob("torch.distributed.checkpoint.filesystem", "os.system"), cmd) + b".",
+        # an allowed class's attributes lead to its module's globals:
+        # getattr(_StorageInfo.__init__.__globals__["os"], "system")(cmd)
+        "class_gadget_chain": b"\x80\x04" + _call(_call(getattr_, _call(
+            _glob("_operator", "getitem"),
+            _call(getattr_, _call(getattr_, _glob(DCP_FS, "_StorageInfo"), _str("__init__")), _str("__globals__")),
+            _str("os"),
+        ), _str("system")), cmd) + b".",
+        "class_gadget_dotted": b"\x80\x04" + _call(_glob(DCP_MD, "Metadata.__init__.__globals__"), _str("os")) + b".",
+        # calling a class that is allowed only to be created empty and filled (its __init__ would run)
+        "reduce_on_allowed_class": b"\x80\x04" + _call(_glob(DCP_MD, "Metadata"), _str("x")) + b".",
+        # BUILD on a class object would set class attributes for the whole process
+        "build_on_class": b"\x80\x04" + _glob(DCP_MD, "Metadata") + b"N}" + _str("__repr__") + _str("x") + b"s\x86b.",
+        "inst_opcode": b"\x80\x02(" + b"c" + b"os\nsystem\n" + cmd + b"o.",
+    }
+
+
+class _Evil:
+    def __init__(self, pwned: Path):
+        self.pwned = pwned
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.pwned}",))
+
+
+def _prepend(payload: bytes, valid: bytes) -> bytes:
+    """``payload`` (a whole pickle) then POP, then the valid pickle: one stream that loads as ``valid``."""
+    assert payload.endswith(b".")
+    return payload[:-1] + b"0" + valid
+
+
+@pytest.fixture
+def sentinel_init(monkeypatch, tmp_path):
+    """Make Metadata.__init__ and DeviceMesh.__init__ create ``pwned`` if they are ever called."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pwned = tmp_path / "pwned"
+
+    def init(self, *a, **k):
+        pwned.write_text("ran")
+
+    monkeypatch.setattr(Metadata, "__init__", init)
+    monkeypatch.setattr(DeviceMesh, "__init__", init)
+    return pwned
+
+
+@pytest.mark.parametrize("kind", list(_payloads(Path("x"))))
+def test_policy_refuses_every_payload_kind(kind, sentinel_init):
+    data = _payloads(sentinel_init)[kind]
+    with pytest.raises(UnsafeCheckpointError) as e:
+        sp.load_pickle(data, sp.DCP_METADATA, "crafted.metadata")
+    with pytest.raises(UnsafeCheckpointError):
+        sp.scan_pickle(data, sp.DCP_METADATA, "crafted.metadata")
+    assert "crafted.metadata" in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 400
+    assert not sentinel_init.exists()
+
+
+def test_plain_pickle_would_have_run_the_payloads(tmp_path):
+    """The payloads are live: the standard unpickler runs the dotted one and the gadget chain."""
+    import torch.distributed.checkpoint  # noqa: F401
+
+    for kind in ("dotted_global", "class_gadget_chain"):
+        pwned = tmp_path / kind
+        pickle.loads(_payloads(pwned)[kind])
+        assert pwned.exists(), kind
+
+
+# --------------------------------------------------------------------------------------------
+# the same through every entry point, on real checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_v1(megatron_root):
+    return megatron_root / "qwen2_v1" / "actor"
+
+
+@pytest.fixture(scope="module")
+def megatron_merged(megatron_v1, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sec") / "merged"
+    assert cli(["merge", str(megatron_v1), str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def tampered_metadata(megatron_v1, tmp_path):
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_v1, src)
+    md = src / "dist_ckpt" / ".metadata"
+    pwned = tmp_path / "pwned"
+    payload = b"\x80\x02" + _call(b"cos\nsystem\n", _str(f"touch {pwned}")) + b"."  # no memo: the valid part's memo indices stay right
+    md.write_bytes(_prepend(payload, md.read_bytes()))
+    return src, pwned
+
+
+def test_prepended_payload_loads_as_valid_metadata_with_plain_pickle(tampered_metadata):
+    """Without the policy the tampered file would load (and run the payload) unnoticed."""
+    src, pwned = tampered_metadata
+    import torch.distributed.checkpoint  # noqa: F401
+
+    md = pickle.loads((src / "dist_ckpt" / ".metadata").read_bytes())
+    assert pwned.exists() and hasattr(md, "state_dict_metadata")
+
+
+@pytest.mark.parametrize("entry", ["inspect", "merge", "verify", "from_sharded_pretrained"])
+def test_prepended_metadata_payload_refused_everywhere(entry, tampered_metadata, megatron_merged, tmp_path, capsys):
+    src, pwned = tampered_metadata
+    target = tmp_path / "out"
+    if entry == "from_sharded_pretrained":
+        with pytest.raises(UnsafeCheckpointError, match=r"\.metadata"):
+            hf_merge.from_sharded_pretrained(src)
+    else:
+        args = {
+            "inspect": ["inspect", str(src)],
+            "merge": ["merge", str(src), str(target)],
+            "verify": ["verify", str(megatron_merged), "--against", str(src)],
+        }[entry]
+        assert cli(args) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and ".metadata" in err[0], err
+        assert "posix.system" in err[0] or "os.system" in err[0] or "calls" in err[0] or "asks for" in err[0], err
+    assert not pwned.exists()
+    assert not target.exists()
+
+
+def test_rank_file_reduce_on_allowed_class_refused(qwen2_fp32_ws2, sentinel_init, tmp_path, capsys):
+    """torch's own weights_only unpickler would call an allowlisted class (DeviceMesh(...));
+    the package policy refuses it before torch.load sees the file."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class Gadget:
+        def __reduce__(self):
+            return (DeviceMesh, ("cpu", [0]))
+
+    src = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, src)
+    rank1 = src / "model_world_size_2_rank_1.pt"
+    state = torch.load(rank1, weights_only=False)
+    state["model.norm.weight"] = Gadget()
+    torch.save(state, rank1)
+    for args in (["inspect", str(src)], ["merge", str(src), str(tmp_path / "out")]):
+        assert cli(args) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model_world_size_2_rank_1.pt" in err[0] and "DeviceMesh" in err[0], err
+    assert not sentinel_init.exists() and not (tmp_path / "out").exists()
+
+
+def test_legacy_model_pt_payload_refused(tmp_path):
+    from hf_merge.readers.megatron import _load_rank_file
+
+    path = tmp_path / "model.pt"
+    pwned = tmp_path / "pwned"
+    torch.save({"model": {"w": torch.ones(2)}, "x": _Evil(pwned)}, path)
+    with pytest.raises(UnsafeCheckpointError, match="model.pt.*system"):
+        _load_rank_file(path)
+    assert not pwned.exists()
+
+
+def test_real_files_load_under_the_policy(qwen2_fp32_ws2, megatron_root):
+    """The allowlists are not too narrow: real FSDP2 rank files, legacy model.pt and .metadata load."""
+    from torch.distributed.tensor import DTensor
+
+    state = sp.load_rank_file(qwen2_fp32_ws2.rank_files[1])
+    assert state and all(isinstance(v, (DTensor, torch.Tensor)) for v in state.values())
+    legacy = next((megatron_root / "qwen2_legacy_tied" / "actor" / "model").glob("mp_rank_*/model.pt"))
+    from hf_merge.readers.megatron import LEGACY_RANK_FILE
+
+    assert isinstance(sp.torch_load(legacy, LEGACY_RANK_FILE), (list, dict))
+    md = sp.load_pickle((megatron_root / "qwen2_v1" / "actor" / "dist_ckpt" / ".metadata").read_bytes(), sp.DCP_METADATA, "m")
+    assert type(md).__name__ == "Metadata" and md.state_dict_metadata
+
+
+def test_torch_names_are_reference_only():
+    """A dtype may be referenced but not called; a storage class may not be called either."""
+    data = b"\x80\x04" + _call(_glob("torch", "FloatStorage"), _str("x")) + b"."
+    with pytest.raises(UnsafeCheckpointError, match="calls torch.FloatStorage"):
+        sp.scan_pickle(data, sp.TENSOR_FILE, "f")
+    with pytest.raises(CorruptCheckpointError):
+        sp.load_pickle(b"\x80\x04\x8c", sp.TENSOR_FILE, "f")
+
+
+# --------------------------------------------------------------------------------------------
+# 2. silent wrong weights
+# --------------------------------------------------------------------------------------------
+
+
+def _local_header(raw: bytes, suffix: bytes, nth: int = 0) -> int:
+    """Byte offset of the ``nth`` zip local header whose name ends with ``suffix``."""
+    pos, seen = 0, 0
+    while (pos := raw.find(b"PK\x03\x04", pos)) >= 0:
+        nlen = struct.unpack_from("<H", raw, pos + 26)[0]
+        if raw[pos + 30 : pos + 30 + nlen].endswith(suffix):
+            if seen == nth:
+                return pos
+            seen += 1
+        pos += 4
+    raise AssertionError(f"no local header for {suffix!r}")
+
+
+def _shift_local_data(path: Path, suffix: bytes) -> None:
+    """Grow a record's local extra field by 64 bytes: torch's reader would take its data from 64
+    bytes further on (alignment preserved), everything else unchanged."""
+    raw = bytearray(path.read_bytes())
+    at = _local_header(raw, suffix)
+    struct.pack_into("<H", raw, at + 28, struct.unpack_from("<H", raw, at + 28)[0] + 64)
+    path.write_bytes(bytes(raw))
+
+
+def _merge_fails(src: Path, tmp_path: Path, capsys, *needles: str) -> str:
+    target = tmp_path / "out"
+    assert cli(["merge", str(src), str(target)]) != 0
+    stderr = capsys.readouterr().err
+    err = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1 and "Traceback" not in stderr, stderr
+    assert all(n in err[0] for n in needles), err
+    assert not target.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    return err[0]
+
+
+@pytest.fixture
+def megatron_copy(megatron_v1, tmp_path):
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_v1, src)
+    return src
+
+
+def test_overlapping_dcp_chunks_that_add_up_are_refused_before_reading(megatron_copy, tmp_path, capsys):
+    from hf_merge.readers.dcp import load_dcp_metadata
+
+    dist = megatron_copy / "dist_ckpt"
+    md = load_dcp_metadata(dist)
+    key, entry = next((k, e) for k, e in md.state_dict_metadata.items() if len(getattr(e, "chunks", ())) >= 2)
+    moved = entry.chunks[1]
+    old_index = next(i for i in md.storage_data if i.fqn == key and tuple(i.offset) == tuple(moved.offsets))
+    new_offsets = torch.Size(entry.chunks[0].offsets)  # same size, same place as chunk 0: overlap + hole
+    assert tuple(moved.sizes) == tuple(entry.chunks[0].sizes)
+    md.storage_data[type(old_index)(key, new_offsets, old_index.index)] = md.storage_data.pop(old_index)
+    entry.chunks[1] = type(moved)(offsets=new_offsets, sizes=moved.sizes)
+    (dist / ".metadata").write_bytes(pickle.dumps(md))
+    _merge_fails(megatron_copy, tmp_path, capsys, ".metadata is damaged", "overlap", key)
+
+
+def test_distcp_local_header_that_disagrees_is_refused(megatron_copy, tmp_path, capsys):
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    ck = DcpCheckpoint(megatron_copy / "dist_ckpt")
+    chunk = ck._chunks["embedding.word_embeddings.weight"][0]
+    ck.close()
+    data_file = megatron_copy / "dist_ckpt" / chunk.file
+    raw = bytearray(data_file.read_bytes())
+    at = chunk.start + _local_header(raw[chunk.start : chunk.start + chunk.length], b"/data/0")
+    struct.pack_into("<H", raw, at + 28, struct.unpack_from("<H", raw, at + 28)[0] + 64)
+    data_file.write_bytes(bytes(raw))
+    _merge_fails(megatron_copy, tmp_path, capsys, chunk.file, "data descriptor")
+
+
+@pytest.fixture
+def fsdp_copy(qwen2_fp32_ws2, tmp_path):
+    src = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, src)
+    return src
+
+
+def test_rank_file_local_header_that_disagrees_is_refused(fsdp_copy, tmp_path, capsys):
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    _shift_local_data(rank1, b"/data/3")
+    _merge_fails(fsdp_copy, tmp_path, capsys, rank1.name, "data/3")
+
+
+def test_rank_file_local_name_that_disagrees_is_refused(fsdp_copy, tmp_path, capsys):
+    rank0 = fsdp_copy / "model_world_size_2_rank_0.pt"
+    raw = bytearray(rank0.read_bytes())
+    at = _local_header(raw, b"/data/1")
+    raw[at + 30 + struct.unpack_from("<H", raw, at + 26)[0] - 1] = ord("7")  # ".../data/1" -> ".../data/7"
+    rank0.write_bytes(bytes(raw))
+    _merge_fails(fsdp_copy, tmp_path, capsys, rank0.name, "disagrees with the central directory")
+
+
+def test_compressed_record_is_refused(fsdp_copy, tmp_path, capsys):
+    """A deflated record (torch never writes one) is refused, never inflated."""
+    import zipfile
+
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    with zipfile.ZipFile(rank1) as z:
+        items = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(rank1, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, data in items:
+            z.writestr(name, data)
+    _merge_fails(fsdp_copy, tmp_path, capsys, rank1.name, "compressed")
+
+
+def test_verify_against_source_checks_record_crcs(fsdp_copy, tmp_path, capsys):
+    """A flipped tensor byte keeps every structure valid: the merge copies it faithfully (exit 0),
+    and ``verify --against`` finds it through the zip directory's CRC-32."""
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    raw = bytearray(rank1.read_bytes())
+    at = _local_header(raw, b"/data/0")
+    data_start = at + 30 + struct.unpack_from("<H", raw, at + 26)[0] + struct.unpack_from("<H", raw, at + 28)[0]
+    raw[data_start + 1] ^= 0x40
+    rank1.write_bytes(bytes(raw))
+    target = tmp_path / "out"
+    assert cli(["merge", str(fsdp_copy), str(target), "--dtype", "auto"]) == 0
+    capsys.readouterr()
+    assert cli(["verify", str(target), "--against", str(fsdp_copy)]) == 1
+    out = capsys.readouterr()
+    assert "source CRC-32" in out.out and "FAIL" in out.out and f"{rank1.name}: record" in out.out, out.out
+    rank1.write_bytes(bytes(raw[:data_start + 1]) + bytes([raw[data_start + 1] ^ 0x40]) + bytes(raw[data_start + 2:]))
+    assert cli(["verify", str(target), "--against", str(fsdp_copy)]) == 1  # restored source: values now differ
+
+
+# --------------------------------------------------------------------------------------------
+# 3. side files come only from inside the checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def test_symlinked_huggingface_folder_leaving_the_checkpoint_is_refused(fsdp_copy, tmp_path, capsys):
+    outside = tmp_path / "home" / ".docker"
+    shutil.copytree(fsdp_copy / "huggingface", outside)
+    (outside / "key.pem").write_text("-----BEGIN PRIVATE KEY-----")
+    shutil.rmtree(fsdp_copy / "huggingface")
+    (fsdp_copy / "huggingface").symlink_to(outside)
+    _merge_fails(fsdp_copy, tmp_path, capsys, "huggingface is a symlink", "outside the checkpoint", "--config")
+
+
+def test_symlinked_side_file_is_skipped_and_said(fsdp_copy, tmp_path, capsys):
+    secret = tmp_path / "key.pem"
+    secret.write_text("-----BEGIN PRIVATE KEY-----")
+    (fsdp_copy / "huggingface" / "key.pem").symlink_to(secret)
+    target = tmp_path / "out"
+    assert cli(["merge", str(fsdp_copy), str(target)]) == 0
+    assert "key.pem is a symlink" in capsys.readouterr().err
+    assert not (target / "key.pem").exists() and (target / "config.json").is_file()
+
+
+def test_symlinked_megatron_huggingface_folder_is_refused(megatron_copy, tmp_path, capsys):
+    outside = tmp_path / "elsewhere"
+    shutil.move(megatron_copy / "huggingface", outside)
+    (megatron_copy / "huggingface").symlink_to(outside)
+    _merge_fails(megatron_copy, tmp_path, capsys, "huggingface is a symlink", "outside the checkpoint")
+
+
+# --------------------------------------------------------------------------------------------
+# 4. one run per target, nothing clobbered, symlinked targets, no leftovers
+# --------------------------------------------------------------------------------------------
+
+
+def _leftovers(target: Path) -> list[str]:
+    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.hf-merge-"))
+
+
+def test_second_run_on_a_locked_target_is_refused(fsdp_copy, tmp_path, capsys):
+    from hf_merge.output import target_lock
+
+    target = tmp_path / "out"
+    with target_lock(target):
+        assert cli(["merge", str(fsdp_copy), str(target)]) != 0
+        err = capsys.readouterr().err
+        assert f"error: another hf-merge run (pid {os.getpid()}) is writing {target}" in err, err
+        assert not target.exists() and _leftovers(target) == [".out.hf-merge-lock"]  # the holder's
+    assert _leftovers(target) == []  # the holder removed its lock file on exit
+    assert cli(["merge", str(fsdp_copy), str(target)]) == 0 and _leftovers(target) == []
+
+
+def test_final_rename_never_replaces_a_target_that_appeared(tmp_path):
+    from hf_merge.errors import TargetExistsError
+    from hf_merge.output import atomic_folder
+
+    target = tmp_path / "out"
+    with pytest.raises(TargetExistsError, match="appeared while merging"):
+        with atomic_folder(target) as tmp:
+            (tmp / "model.safetensors").write_text("ours")
+            target.mkdir()
+            (target / "theirs.txt").write_text("theirs")  # another process, not hf-merge, wrote it
+    assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"] and _leftovers(target) == []
+    with atomic_folder(target, overwrite=True) as tmp:  # --overwrite replaces it
+        (tmp / "model.safetensors").write_text("ours")
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"] and _leftovers(target) == []
+
+
+def test_parent_folders_created_for_a_failed_target_are_removed(tmp_path):
+    from hf_merge.output import atomic_folder
+
+    target = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_folder(target) as tmp:
+            (tmp / "x").write_text("x")
+            raise RuntimeError("writer failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_symlinked_targets(fsdp_copy, tmp_path, capsys):
+    real = tmp_path / "disk" / "merged"
+    real.mkdir(parents=True)
+    link = tmp_path / "merged"
+    link.symlink_to(real)
+    assert cli(["merge", str(fsdp_copy), str(link)]) == 0  # a link to a folder means that folder
+    assert link.is_symlink() and (real / "model.safetensors").is_file()
+    assert cli(["merge", str(fsdp_copy), str(link), "--overwrite"]) == 0
+    assert link.is_symlink() and (real / "model.safetensors").is_file()
+    assert _leftovers(link) == [] and _leftovers(real) == []
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    capsys.readouterr()
+    assert cli(["merge", str(fsdp_copy), str(dangling)]) != 0
+    assert "dangling symlink" in capsys.readouterr().err
+    assert dangling.is_symlink() and not (tmp_path / "nowhere").exists() and _leftovers(dangling) == []
