@@ -118,3 +118,6 @@ class LoraAdapter(LazyCheckpoint):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         self.source.read_into(self._table[name], out)
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        return self.source.read_rows(self._table[name], dtype, max_bytes)

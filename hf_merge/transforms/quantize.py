@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import LazyCheckpoint
+from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint
 from ..errors import QuantizationError
 from ..spec import TensorSpec, dtype_name, parse_dtype
 
@@ -486,6 +486,12 @@ class Quantized(LazyCheckpoint):
             unread.discard(key)
             if not unread:  # every part written once: release now (a later read recomputes)
                 del self._cache[module], self._unread[module]
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        """Tensors written as they are keep the base's fast row path; quantized parts have none."""
+        if name in self._part:
+            return None
+        return self.base.read_rows(name, dtype, max_bytes)
 
     def close(self) -> None:
         self._cache.clear()

@@ -20,6 +20,11 @@ class Renamed(LazyCheckpoint):
             raise KeyError(f"not in the checkpoint: {missing[:5]}")
         self._table = dict(table)
         self._specs = {new: base_specs[old].renamed(new) for new, old in table.items()}
+        if hasattr(base, "read_region_into"):  # box reads survive renaming (layer / head slices)
+            self.read_region_into = self._read_region_into
+
+    def _read_region_into(self, name: str, start, out: torch.Tensor) -> None:
+        self.base.read_region_into(self._table[name], start, out)
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs

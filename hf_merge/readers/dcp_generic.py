@@ -1,0 +1,58 @@
+"""Generic PyTorch DCP folders (``torch.distributed.checkpoint.save`` of an HF model's state dict).
+
+Keys are Hugging Face names, either at the top level (``dcp.save(model.state_dict())``) or under a
+``model`` key next to other training state (``dcp.save({"model": ..., "optimizer": ...})`` gives
+``model.model.embed_tokens.weight``, ``model.lm_head.weight``, ``optimizer.…``). Optimizer,
+scheduler, dataloader and train-state entries are skipped; byte entries are never read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint import CheckpointInfo, LazyCheckpoint
+from ..formats import SourceFormat
+from .dcp import is_dcp_dir
+from .dcp_sources import config_beside, is_training_state, open_dcp_model
+
+WRAPPER = "model."
+
+
+def wrapped_in_model_key(names: list[str]) -> bool:
+    """True if every model entry sits under a ``model`` key: all start with ``model.`` and, with
+    it removed, HF names appear (``model.…`` / ``lm_head.…``). A plain tied HF state dict (all keys
+    ``model.…``, no ``lm_head``) stays as it is: stripped, it would hold no ``model.`` name."""
+    names = [n for n in names if not is_training_state(n)] or names
+    if not names or not all(n.startswith(WRAPPER) for n in names):
+        return False
+    inner = [n[len(WRAPPER):] for n in names]
+    return any(n.startswith(("model.", "lm_head.")) for n in inner)
+
+
+def open_dcp(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
+    from .dcp import DcpCheckpoint
+
+    path = Path(path)
+    hf_dir = config_beside(path, config_dir)
+    with DcpCheckpoint(path) as probe_names:
+        strip = WRAPPER if wrapped_in_model_key(list(probe_names.specs())) else None
+    info = CheckpointInfo(format="dcp", path=path, hf_dir=hf_dir)
+    if strip:
+        info.notes.append(f"model weights read from the {strip.rstrip('.')!r} entry of the checkpoint")
+    return open_dcp_model(path, info, strip=strip)
+
+
+def probe(path: Path) -> bool:
+    """A folder with a DCP ``.metadata`` (and no Megatron ``metadata.json``)."""
+    path = Path(path)
+    return is_dcp_dir(path) and not (path / "metadata.json").is_file()
+
+
+FORMAT = SourceFormat(
+    name="dcp",
+    description="a PyTorch DCP folder (.metadata + *.distcp) of a Hugging Face model's state dict",
+    probe=probe,
+    open=open_dcp,
+    priority=60,  # accelerate / torchtitan folders are DCP folders too: their own format wins
+    framework="pytorch",
+)
