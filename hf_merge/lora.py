@@ -167,7 +167,9 @@ def resolve_settings(
 ) -> LoraSettings:
     """Settle r / alpha / rsLoRA / patterns from the checkpoint's files and the caller's options."""
     meta = _read_json(Path(folder) / "lora_train_meta.json")
-    old = _read_json(Path(folder) / "lora_adapter" / "adapter_config.json")
+    # an adapter folder beside the weights: older verl's lora_adapter/, or PEFT's own save in the
+    # checkpoint folder itself (HF Trainer checkpoint-N/ of a PEFT run)
+    old = _read_json(Path(folder) / "lora_adapter" / "adapter_config.json") or _read_json(Path(folder) / "adapter_config.json")
     ranks = Counter(m.r for m in layout.modules.values())
     r = ranks.most_common(1)[0][0]
     for source_name, source in (("lora_train_meta.json", meta), ("lora_adapter/adapter_config.json", old)):

@@ -163,6 +163,7 @@ def merge(
     push_to_hub: str | None = None,
     private: bool | None = None,
     is_value_model: bool | None = None,
+    source_options: dict[str, Any] | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -187,6 +188,8 @@ def merge(
         push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
         is_value_model: the checkpoint is a critic: write its value head as ``score.weight`` of a
             ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
+        source_options: format-specific reader options, e.g. ``{"tag": "global_step100",
+            "source_weights": "module"}`` for DeepSpeed (each format takes the ones it declares).
     """
     target = Path(target)
     check_target(target, overwrite=overwrite)
@@ -195,7 +198,7 @@ def merge(
 
         quantize = QuantizeOptions.coerce(quantize)
         require_bitsandbytes()
-    ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model)
+    ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model, **(source_options or {}))
     try:
         config_dir, cfg = checkpoint_config(ckpt.info)
         views = build_views(
@@ -237,7 +240,7 @@ def merge(
                     _write_provenance(tmp, provenance)
                     report = verify_or_raise(
                         tmp, ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
-                        use_rslora=use_rslora, base_model=base_model,
+                        use_rslora=use_rslora, base_model=base_model, source_options=source_options,
                     )
                     provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
                 _write_provenance(tmp, provenance)

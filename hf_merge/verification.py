@@ -128,6 +128,7 @@ def verify(
     lora_alpha: float | None = None,
     use_rslora: bool | None = None,
     base_model: "str | Path | None" = None,
+    source_options: dict | None = None,
 ) -> VerifyReport:
     """Compare a merged folder with its source checkpoint or a reference HF folder.
 
@@ -151,7 +152,7 @@ def verify(
         from .hf_files import checkpoint_config
         from .merging import build_views
 
-        source = open_checkpoint(against_path, backend=kind, config=config)
+        source = open_checkpoint(against_path, backend=kind, config=config, **(source_options or {}))
         try:
             _, cfg = checkpoint_config(source.info)
             dtype = provenance.get("dtype") or "config"

@@ -50,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--is-value-model", action="store_true", default=None, help="write a critic's value head as score.weight (Megatron)")
     p.add_argument("--tie-word-embedding", action="store_true", help="accepted for verl compatibility; ties follow config.json")
     p.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag to read (default: the one named in `latest`)")
+    p.add_argument("--source-weights", choices=["master", "module"], default=None,
+                   help="DeepSpeed: master (default): the fp32 master weights; module: the 16-bit module weights (ZeRO 1/2)")
     lora = p.add_argument_group("LoRA (PEFT checkpoints)")
     lora.add_argument("--lora", default="both", choices=["fuse", "adapter", "both"],
                       help="fuse: model with LoRA folded in; adapter: a PEFT adapter folder; both (default): fused model + TARGET/lora_adapter/")
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         push_to_hub=args.push_to_hub,
         private=args.private,
         is_value_model=args.is_value_model,
+        source_options={"tag": args.tag, "source_weights": args.source_weights},
     )
     if args.json:
         print(json.dumps({
