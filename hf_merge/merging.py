@@ -67,10 +67,12 @@ def build_views(
     use_rslora: bool | None = None,
     base_model: "str | Path | None" = None,
     base_model_name: str | None = None,
+    hub: bool = True,
 ) -> Views:
     """The transform stack from a source's tensors to what the output folder(s) hold.
 
-    Plain checkpoints: tied alias dropped, floating tensors cast. PEFT checkpoints: the base
+    Plain checkpoints: tied alias dropped, the Hub layout (``hub``: what ``save_pretrained``
+    writes, see :mod:`hf_merge.transforms.hub_layout`), floating tensors cast. PEFT checkpoints: the base
     names unwrapped, LoRA folded in (``lora`` fuse/both) and/or the adapter on its own
     (adapter/both; it keeps the training dtype unless ``dtype`` names one).
     """
@@ -130,6 +132,11 @@ def build_views(
         model, dropped = drop_tied(model, tied_pairs(config))
         if dropped:
             notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
+        if hub:
+            from .transforms.hub_layout import hub_layout
+
+            model, hub_notes = hub_layout(model, config)
+            notes.extend(hub_notes)
         views.model = Cast(model, out_dtype)
     return views
 
@@ -137,8 +144,9 @@ def build_views(
 def model_view(
     ckpt: LazyCheckpoint, config: dict[str, Any], *, dtype: "str | torch.dtype | None" = None, **lora_options: Any
 ) -> tuple[LazyCheckpoint, torch.dtype | None, list[str]]:
-    """The HF model as a lazy checkpoint (LoRA fused): ``(view, output dtype or None, notes)``."""
-    views = build_views(ckpt, config, dtype=dtype, lora="fuse", **lora_options)
+    """The HF model in transformers' in-memory layout (LoRA fused), for loading into a model:
+    ``(view, output dtype or None, notes)``."""
+    views = build_views(ckpt, config, dtype=dtype, lora="fuse", hub=False, **lora_options)
     return views.model, views.out_dtype, views.notes
 
 

@@ -1,0 +1,430 @@
+"""Hub-canonical layout: transformers' in-memory names and layout -> what ``save_pretrained`` writes.
+
+transformers 5 keeps many models in memory in another layout than the one it saves (fused MoE
+experts ``mlp.experts.gate_up_proj [E, 2F, H]`` saved as one tensor per expert; VLMs'
+``model.language_model.*`` saved as ``model.*`` or ``language_model.model.*``), and FSDP rank files
+hold the in-memory layout. This transform writes the saved one, with no table of its own: it runs
+transformers' own ``revert_weight_conversion`` — the function ``save_pretrained`` calls — over a
+skeleton of the model built on the meta device and a state dict of *symbolic* meta tensors. Each
+symbolic tensor records the torch calls transformers' reverse operations make on it (``chunk``,
+``squeeze``, ``cat``, ``transpose``...), so the result is, per output name, a spec (shape and dtype,
+known before any data is read) plus a recipe: which source tensors, which calls.
+
+Reading replays the recipe on the real tensors. A recipe made only of views of one source
+(``chunk`` / ``split`` / ``select`` / ``squeeze`` / ``narrow``, the per-expert split of a fused
+``[E, 2F, H]`` tensor) that lands on a contiguous range of the source is served by
+:meth:`read_rows` as runs of the source's own rows — zero-copy views of a memory-mapped rank file,
+so the writer's ``copy_file_range`` path is kept.
+
+An operation outside :data:`KNOWN_OPERATIONS`, or a torch call outside :data:`REPLAYABLE_CALLS`, is
+a :class:`~hf_merge.errors.MappingError` naming it and the architecture, never a silent
+pass-through. Models transformers does not convert (dense Llama/Qwen..., remote code) pass through
+unchanged. Checked with transformers 5.24.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
+from ..errors import MappingError
+from ..spec import TensorSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HubLayout", "hub_layout", "KNOWN_OPERATIONS", "REPLAYABLE_CALLS", "model_class_for"]
+
+#: ``transformers.core_model_loading`` operations whose reverse only moves data around (no
+#: arithmetic on values, no dependence on anything but shapes and the config), so replaying the
+#: torch calls they make gives the bytes ``save_pretrained`` writes.
+KNOWN_OPERATIONS = frozenset({
+    "Chunk", "Split", "Concatenate", "Interleave", "MergeModulelist", "SplitModulelist", "Transpose",
+    "Conv3dToLinear", "LinearToConv3d", "PermuteForRope",
+})
+
+#: torch calls a recipe may hold (by name); the first group are views (no data copied).
+VIEW_CALLS = frozenset({"chunk", "split", "squeeze", "select", "narrow", "__getitem__", "unsqueeze", "contiguous"})
+REPLAYABLE_CALLS = VIEW_CALLS | frozenset({
+    "cat", "concat", "concatenate", "stack", "transpose", "permute", "reshape", "view", "flatten", "unflatten", "clone", "t",
+})
+_METADATA_CALLS = frozenset({"size", "dim", "numel", "shape", "dtype", "ndim", "__get__", "__len__", "is_floating_point"})
+
+
+# --------------------------------------------------------------------------------------------
+# Recipes: what transformers' reverse operations did to each source tensor
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    func: str  # the torch function's name (checked against REPLAYABLE_CALLS)
+    fn: Any
+    args: tuple
+    kwargs: tuple  # sorted (key, value) pairs
+    index: int | None  # element of a tuple result (chunk / split), else None
+
+
+class _Symbolic(torch.Tensor):
+    """A meta tensor that records every torch call made on it (the recipe of its data)."""
+
+    _recipe: Any
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, recipe: Any) -> "_Symbolic":
+        out = torch.Tensor._make_subclass(cls, meta, False)
+        out._recipe = recipe
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        if name in _METADATA_CALLS or not _has_tensor(result):
+            return result
+        rec_args = _to_recipe(args)
+        rec_kwargs = tuple(sorted((k, _to_recipe(v)) for k, v in kwargs.items()))
+        if isinstance(result, (tuple, list)):
+            return type(result)(
+                _Symbolic(r, _Call(name, func, rec_args, rec_kwargs, i)) if isinstance(r, torch.Tensor) else r
+                for i, r in enumerate(result)
+            )
+        return _Symbolic(result, _Call(name, func, rec_args, rec_kwargs, None))
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def _to_recipe(value: Any) -> Any:
+    if isinstance(value, _Symbolic):
+        return value._recipe
+    if isinstance(value, torch.Tensor):
+        raise MappingError("a reverse weight conversion made a new tensor from no source; hf_merge cannot replay it")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_recipe(v) for v in value)
+    return value
+
+
+def _leaves(recipe: Any) -> Iterator[str]:
+    if isinstance(recipe, _Leaf):
+        yield recipe.name
+    elif isinstance(recipe, _Call):
+        for arg in recipe.args:
+            yield from _leaves(arg)
+        for _, arg in recipe.kwargs:
+            yield from _leaves(arg)
+    elif isinstance(recipe, (tuple, list)):
+        for item in recipe:
+            yield from _leaves(item)
+
+
+def _calls(recipe: Any) -> Iterator[_Call]:
+    if isinstance(recipe, _Call):
+        yield recipe
+        for arg in recipe.args:
+            yield from _calls(arg)
+        for _, arg in recipe.kwargs:
+            yield from _calls(arg)
+    elif isinstance(recipe, (tuple, list)):
+        for item in recipe:
+            yield from _calls(item)
+
+
+def _replay(recipe: Any, leaf: Any) -> Any:
+    """Evaluate ``recipe`` with ``leaf(name)`` giving each source tensor."""
+    if isinstance(recipe, _Leaf):
+        return leaf(recipe.name)
+    if isinstance(recipe, _Call):
+        args = tuple(_replay(a, leaf) for a in recipe.args)
+        kwargs = {k: _replay(v, leaf) for k, v in recipe.kwargs}
+        result = recipe.fn(*args, **kwargs)
+        return result if recipe.index is None else result[recipe.index]
+    if isinstance(recipe, (tuple, list)):
+        return type(recipe)(_replay(item, leaf) for item in recipe)
+    return recipe
+
+
+# --------------------------------------------------------------------------------------------
+# The model skeleton and transformers' own reverse conversion
+# --------------------------------------------------------------------------------------------
+
+
+def model_class_for(config: dict[str, Any]):
+    """The transformers class ``save_pretrained`` would run on: ``architectures[0]``, or None
+    (no architectures, or custom code: transformers converts neither)."""
+    import transformers
+    from transformers import PreTrainedModel
+
+    for arch in config.get("architectures") or []:
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    return None
+
+
+def _skeleton(cls, config: dict[str, Any]):
+    """``cls`` built on the meta device from the config dict (no memory, no init)."""
+    from transformers import AutoConfig
+
+    cfg = dict(config)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise MappingError(f"config.json has no model_type; cannot build {cls.__name__} to find its saved layout")
+    config_obj = AutoConfig.for_model(model_type, **cfg)
+    with torch.device("meta"):
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # older transformers 5
+            from transformers.modeling_utils import no_init_weights
+        with no_init_weights():
+            return cls(config_obj)
+
+
+def _reverse_conversions(model) -> list:
+    """What ``revert_weight_conversion`` reverses for a freshly built model (transformers' own list)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    return [c for c in conversions if not isinstance(c, PrefixChange)]
+
+
+def _check_operations(conversions: list, arch: str) -> None:
+    for conversion in conversions:
+        for op in getattr(conversion, "operations", None) or []:
+            for candidate in (op, _reverse_op(op, arch)):
+                name = type(candidate).__name__
+                if name not in KNOWN_OPERATIONS:
+                    raise MappingError(
+                        f"{arch}: transformers saves it through the weight operation {name} ({conversion!r}), "
+                        "which hf_merge does not know; merge with --dtype as trained and convert with save_pretrained, "
+                        "or report it"
+                    )
+
+
+def _reverse_op(op, arch: str):
+    try:
+        return op.reverse_op
+    except NotImplementedError:
+        raise MappingError(
+            f"{arch}: the weight operation {type(op).__name__} has no reverse in transformers, so save_pretrained "
+            "cannot write this model either; report it"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# The lazy view
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Span:
+    """An output that is the contiguous elements ``[offset, offset + numel)`` of one source."""
+
+    source: str
+    offset: int
+
+
+class HubLayout(LazyCheckpoint):
+    """``base`` (transformers' in-memory names) seen as ``save_pretrained`` would write it.
+
+    Args:
+        base: a lazy checkpoint with the model's ``state_dict`` names (tied alias already dropped).
+        recipes: ``{output name: recipe}`` from :func:`hub_layout`.
+        specs: ``{output name: TensorSpec}``, in the order save_pretrained's state dict has them.
+    """
+
+    def __init__(self, base: LazyCheckpoint, recipes: dict[str, Any], specs: dict[str, TensorSpec], *, architecture: str):
+        self.base = base
+        self.info = base.info
+        self.architecture = architecture
+        self._recipes = recipes
+        self._specs = specs
+        base_specs = base.specs()
+        self._spans: dict[str, _Span] = {}
+        for name, recipe in recipes.items():
+            span = _span(recipe, base_specs)
+            if span is not None:
+                self._spans[name] = span
+        self._lock = threading.Lock()
+        self._cached: tuple[str, torch.Tensor] | None = None  # one source in flight, for non-view recipes
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def source_names(self, name: str) -> list[str]:
+        """The base tensors output ``name`` is made from."""
+        return sorted(set(_leaves(self._recipes[name])))
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        spec = self._specs[name]
+        check_out(spec, out)
+        recipe = self._recipes[name]
+        if isinstance(recipe, _Leaf):
+            self.base.read_into(recipe.name, out)
+            return
+        if name in self._spans:
+            runs = self.read_rows(name, out.dtype)
+            if runs is not None:
+                for first, rows in runs:
+                    out[first : first + len(rows)].copy_(rows)
+                return
+        out.copy_(_replay(recipe, self._source))
+
+    def _source(self, name: str) -> torch.Tensor:
+        """A whole source tensor, kept until another is asked for (siblings share it)."""
+        with self._lock:
+            if self._cached is None or self._cached[0] != name:
+                self._cached = None
+                self._cached = (name, self.base.read(name))
+            return self._cached[1]
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        recipe = self._recipes[name]
+        if isinstance(recipe, _Leaf):
+            return self.base.read_rows(recipe.name, dtype, max_bytes)
+        span = self._spans.get(name)
+        spec = self._specs[name]
+        if span is None or not spec.shape or spec.numel == 0:
+            return None
+        source = self.base.specs()[span.source]
+        runs = self.base.read_rows(span.source, source.dtype, max_bytes)
+        if runs is None:
+            return None
+        return _span_runs(runs, span, source, spec, dtype, max_bytes)
+
+    def close(self) -> None:
+        self._cached = None
+        self.base.close()
+
+
+def _span(recipe: Any, base_specs: dict[str, TensorSpec]) -> _Span | None:
+    """If ``recipe`` is views of one source landing on a contiguous range of it: that range."""
+    leaves = set(_leaves(recipe))
+    if len(leaves) != 1 or isinstance(recipe, _Leaf):
+        return None
+    if any(call.func not in VIEW_CALLS for call in _calls(recipe)):
+        return None
+    (source,) = leaves
+    spec = base_specs[source]
+    probe = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+
+    def leaf(_name: str) -> torch.Tensor:
+        return probe
+
+    view = _replay(_strip_contiguous(recipe), leaf)
+    if not isinstance(view, torch.Tensor) or not view.is_contiguous():
+        return None
+    return _Span(source, view.storage_offset())
+
+
+def _strip_contiguous(recipe: Any) -> Any:
+    """The recipe without ``contiguous`` calls (so the replay on a meta tensor stays a view)."""
+    if isinstance(recipe, _Call):
+        if recipe.func == "contiguous":
+            return _strip_contiguous(recipe.args[0])
+        return _Call(
+            recipe.func, recipe.fn, tuple(_strip_contiguous(a) for a in recipe.args),
+            tuple((k, _strip_contiguous(v)) for k, v in recipe.kwargs), recipe.index,
+        )
+    if isinstance(recipe, (tuple, list)):
+        return type(recipe)(_strip_contiguous(r) for r in recipe)
+    return recipe
+
+
+def _span_runs(runs, span: _Span, source: TensorSpec, spec: TensorSpec, dtype: torch.dtype, max_bytes: int):
+    """The source's row runs cut to ``span``, as whole rows of the output (partial rows joined)."""
+    row = math.prod(spec.shape[1:])
+    lo, hi = span.offset, span.offset + spec.numel
+    source_row = math.prod(source.shape[1:])
+    pending: torch.Tensor | None = None  # one output row being assembled across two runs
+    filled = 0
+    for first, rows in runs:
+        start = first * source_row
+        end = start + rows.numel()
+        if end <= lo:
+            continue
+        if start >= hi:
+            break
+        flat = rows.reshape(-1)[max(lo, start) - start : min(hi, end) - start]
+        at = max(lo, start) - lo  # element offset in the output
+        if pending is not None:
+            take = min(row - filled, flat.numel())
+            pending[filled : filled + take].copy_(flat[:take])
+            filled += take
+            flat, at = flat[take:], at + take
+            if filled == row:
+                yield at // row - 1, pending.view((1,) + spec.shape[1:])
+                pending = None
+        whole = (flat.numel() // row) * row
+        if whole:
+            yield from row_runs(flat[:whole].view((-1,) + spec.shape[1:]), at // row, dtype, max_bytes)
+        if flat.numel() > whole:
+            pending = torch.empty(row, dtype=dtype)
+            filled = flat.numel() - whole
+            pending[:filled].copy_(flat[whole:])
+    if pending is not None:
+        raise MappingError(f"{spec.name}: the source runs of {span.source} ended inside a row")
+
+
+def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckpoint, list[str]]:
+    """``base`` as ``save_pretrained`` writes it, and notes for the user.
+
+    Returns ``base`` itself when transformers saves the model as it holds it in memory (dense
+    models, custom code, no architectures in config.json).
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cls = model_class_for(config)
+    if cls is None:
+        return base, []
+    arch = cls.__name__
+    model = _skeleton(cls, config)
+    conversions = _reverse_conversions(model)
+    if not conversions:
+        return base, []
+    _check_operations(conversions, arch)
+    model._weight_conversions = conversions  # exactly these, as for a model built from scratch
+    specs = base.specs()
+    symbolic = {
+        name: _Symbolic(torch.empty(spec.shape, dtype=spec.dtype, device="meta"), _Leaf(name))
+        for name, spec in specs.items()
+    }
+    try:
+        reverted = revert_weight_conversion(model, symbolic)
+    except MappingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' own error, re-raised typed with the architecture
+        raise MappingError(f"{arch}: transformers' reverse weight conversion failed on this checkpoint: {e}") from e
+    recipes: dict[str, Any] = {}
+    out_specs: dict[str, TensorSpec] = {}
+    for name, tensor in reverted.items():
+        if not isinstance(tensor, _Symbolic):
+            raise MappingError(f"{arch}: the reverse conversion of {name} made a tensor hf_merge cannot trace")
+        for call in _calls(tensor._recipe):
+            if call.func not in REPLAYABLE_CALLS:
+                raise MappingError(
+                    f"{arch}: saving {name} uses the torch call {call.func}, which hf_merge does not replay; report it"
+                )
+        recipes[name] = tensor._recipe
+        out_specs[name] = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
+    if all(isinstance(r, _Leaf) and r.name == n for n, r in recipes.items()) and len(recipes) == len(specs):
+        return base, []
+    changed = sum(1 for n, r in recipes.items() if not (isinstance(r, _Leaf) and r.name == n))
+    note = f"Hub layout: {changed} of {len(recipes)} tensors renamed or split as {arch}.save_pretrained writes them"
+    return HubLayout(base, recipes, out_specs, architecture=arch), [note]

@@ -1,0 +1,189 @@
+"""Hub-canonical output: real FSDP2 checkpoints of MoE / VLM models merged into exactly what
+``save_pretrained`` of the unsharded model writes (names, shapes, dtypes, bytes), plus logits.
+
+The checkpoints come from ONE 2-rank gloo run of ``examples/make_hub_checkpoints.py`` (session
+scoped; kept between sessions under ``HF_MERGE_FIXTURE_CACHE``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EXAMPLES
+from helpers import folder_tensors, read_json
+
+import hf_merge
+import make_hub_checkpoints as mh
+from hf_merge.checkpoint import open_checkpoint
+from hf_merge.errors import MappingError
+from hf_merge.hf_files import checkpoint_config
+from hf_merge.merging import build_views
+from hf_merge.transforms.hub_layout import HubLayout, hub_layout
+
+MODELS = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_5_vl", "gemma3"]
+IMAGE_TEXT = {"qwen2_5_vl", "gemma3"}
+
+
+@pytest.fixture(scope="session")
+def hub_root(tmp_path_factory) -> Path:
+    key = hashlib.sha256(
+        (EXAMPLES / "make_hub_checkpoints.py").read_bytes() + (EXAMPLES / "make_fsdp_checkpoint.py").read_bytes()
+    ).hexdigest()[:12]
+    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
+    root = Path(cache) / f"hub-{key}" if cache else tmp_path_factory.mktemp("hub")
+    if not (root / "fixture.json").is_file():
+        mh.write_hub_checkpoints(root)
+    return root
+
+
+def assert_bytes_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want), (sorted(set(got) - set(want))[:5], sorted(set(want) - set(got))[:5])
+    for name, w in want.items():
+        g = got[name]
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), name
+        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), f"{name}: bytes differ"
+
+
+def merged_logits(folder: Path, name: str, input_ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if name in IMAGE_TEXT else AutoModelForCausalLM
+    model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits.float()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_merge_equals_save_pretrained(hub_root, tmp_path, name):
+    src, target = hub_root / name, tmp_path / name
+    result = hf_merge.merge(src, target, verify=True)  # verify re-builds the same stack from the source
+    assert any(n.startswith("Hub layout:") for n in result.notes)
+    assert_bytes_equal(folder_tensors(target), folder_tensors(src / "reference"))
+    ref = torch.load(src / "reference" / "logits.pt", weights_only=True)
+    torch.testing.assert_close(merged_logits(target, name, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+    saved = read_json(src / "reference" / "config.json")
+    assert read_json(target / "config.json")["architectures"] == saved["architectures"]
+
+
+def test_expert_splits_are_file_ranges_of_the_rank_files(hub_root):
+    """A per-expert tensor is a run of rows of the fused rank-file tensor: zero-copy, file-backed."""
+    from hf_merge import filemap
+
+    ckpt = open_checkpoint(hub_root / "qwen3_moe")
+    try:
+        _, cfg = checkpoint_config(ckpt.info)
+        view = build_views(ckpt, cfg, dtype="auto").model.base
+        assert isinstance(view, HubLayout)
+        name = "model.layers.1.mlp.experts.3.up_proj.weight"
+        assert view.source_names(name) == ["model.layers.1.mlp.experts.gate_up_proj"]
+        runs = list(view.read_rows(name, torch.float32))
+        assert len(runs) == 1 and runs[0][0] == 0
+        assert filemap.locate(runs[0][1]) is not None  # bytes the writer can copy_file_range
+        fused = ckpt.read("model.layers.1.mlp.experts.gate_up_proj")
+        assert torch.equal(runs[0][1], fused[3, 16:])
+    finally:
+        ckpt.close()
+
+
+def test_cast_merge_rounds_each_expert_once(hub_root, tmp_path):
+    src = hub_root / "qwen3_moe"
+    hf_merge.merge(src, tmp_path / "bf16", dtype="bfloat16")
+    want = {k: v.to(torch.bfloat16) for k, v in folder_tensors(src / "reference").items()}
+    assert_bytes_equal(folder_tensors(tmp_path / "bf16"), want)
+
+
+@pytest.mark.parametrize("name", sorted(IMAGE_TEXT))
+def test_vlm_processor_files_and_loader(hub_root, tmp_path, name):
+    from transformers import AutoModelForImageTextToText
+
+    src, target = hub_root / name, tmp_path / name
+    hf_merge.merge(src, target)
+    hf = src / "global_step_1" / "actor" / "huggingface"
+    for file in ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.jinja", "tokenizer.json"):
+        if (hf / file).is_file():
+            assert (target / file).read_bytes() == (hf / file).read_bytes(), file
+    assert (target / "preprocessor_config.json").is_file()
+    loaded = AutoModelForImageTextToText.from_sharded_pretrained(src, dtype="float32")
+    direct = hf_merge.from_sharded_pretrained(src, dtype="float32")  # class from architectures
+    reference = AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32)
+    assert type(loaded) is type(reference) is type(direct)
+    assert type(reference).__name__ == read_json(target / "config.json")["architectures"][0]
+    want = reference.state_dict()
+    for model in (loaded, direct):
+        got = model.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_lora_on_moe_equals_peft(hub_root, tmp_path):
+    """LoRA on a MoE model's attention: fused output = merge_and_unload() + save_pretrained (Hub
+    layout), adapter folder = PEFT's save_pretrained, names included."""
+    src, target = hub_root / "qwen3_moe_lora", tmp_path / "lora"
+    hf_merge.merge(src, target)
+    assert_bytes_equal(folder_tensors(target), folder_tensors(src / "reference"))
+    assert_bytes_equal(folder_tensors(target / "lora_adapter"), folder_tensors(src / "reference" / "adapter"))
+    got, want = read_json(target / "lora_adapter" / "adapter_config.json"), read_json(src / "reference" / "adapter" / "adapter_config.json")
+    for key in ("r", "lora_alpha", "peft_type", "task_type", "use_rslora"):
+        assert got[key] == want[key], key
+    assert sorted(got["target_modules"]) == sorted(want["target_modules"])
+
+
+def test_from_sharded_pretrained_keeps_the_in_memory_layout(hub_root):
+    """The loader fills the model's own (fused) parameters: no Hub layout on that path."""
+    model = hf_merge.from_sharded_pretrained(hub_root / "qwen3_moe", dtype="float32")
+    fused = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    ckpt = open_checkpoint(hub_root / "qwen3_moe")
+    try:
+        assert torch.equal(fused, ckpt.read("model.layers.0.mlp.experts.gate_up_proj"))
+    finally:
+        ckpt.close()
+
+
+def test_dense_model_passes_through(qwen2_fp32_ws2):
+    ckpt = open_checkpoint(qwen2_fp32_ws2.actor)
+    try:
+        _, cfg = checkpoint_config(ckpt.info)
+        view, notes = hub_layout(ckpt, cfg)
+        assert view is ckpt and notes == []
+    finally:
+        ckpt.close()
+
+
+def test_unknown_operation_is_an_error_naming_it(hub_root, monkeypatch):
+    import transformers.conversion_mapping as cm
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    class ScaleByTwo(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            return {target_patterns[0]: next(iter(input_dict.values()))[0] * 2}
+
+        @property
+        def reverse_op(self):
+            return ScaleByTwo()
+
+    real = cm.get_checkpoint_conversion_mapping
+
+    def patched(model_type):
+        if model_type == "qwen3_moe":
+            return [WeightConverter("mlp.gate.weight", "mlp.gate.weight", operations=[ScaleByTwo()])]
+        return real(model_type)
+
+    monkeypatch.setattr(cm, "get_checkpoint_conversion_mapping", patched)
+    ckpt = open_checkpoint(hub_root / "qwen3_moe")
+    try:
+        _, cfg = checkpoint_config(ckpt.info)
+        with pytest.raises(MappingError, match=r"Qwen3MoeForCausalLM.*ScaleByTwo"):
+            hub_layout(ckpt, cfg)
+    finally:
+        ckpt.close()
+
+
+def test_fixture_record(hub_root):
+    info = json.loads((hub_root / "fixture.json").read_text())
+    assert set(MODELS) <= set(info["models"])
+    assert all(m["fsdp_forward_max_abs_diff"] == 0.0 for m in info["models"].values())
