@@ -211,3 +211,34 @@ def test_missing_expert_is_an_error_naming_it(megatron_moe_root):
     stacked = DcpCheckpoint(megatron_moe_root / "qwen3_moe" / "actor" / "model" / "dist_ckpt").specs()
     with pytest.raises(MappingError, match=r"leading stacked axes should be num_hidden_layers=2, num_experts=8"):
         plan_names(stacked, table, config, _heads(config, None, Path("config.json")), is_value_model=None, where="x")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_from_sharded_pretrained_gives_megatrons_logits(megatron_moe_root, name):
+    """Loading straight into a model (no merged folder) reads every expert too."""
+    import hf_merge
+
+    model = hf_merge.from_sharded_pretrained(megatron_moe_root / name / "actor", dtype="float32", attn_implementation="eager")
+    ref = torch.load(megatron_moe_root / name / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["input_ids"]).logits, ref["logits"], atol=1e-4, rtol=0)
+
+
+def test_table_schema_checks_placeholders():
+    """Placeholders are validated when a table is registered; match_suffix reads them back."""
+    base = dict(mappings.get_table("megatron", "qwen3_moe"))
+    table = mappings.get_table("megatron", "qwen3_moe")
+    assert mappings.match_suffix(table, "mlp.experts.local_experts.12.linear_fc2.weight") == (
+        "mlp.experts.local_experts.{expert}.linear_fc2.weight", {"expert": 12})
+    assert mappings.match_suffix(table, "mlp.experts.linear_fc1.weight3") == ("mlp.experts.linear_fc1.weight{expert}", {"expert": 3})
+    assert mappings.match_suffix(table, "mlp.experts.linear_fc1.weightx") is None
+    bad = [
+        ({"mlp.experts.{expert}.w": "mlp.down_proj.weight"}, "does not"),  # source names it, target does not
+        ({"mlp.experts.{slot}.w": "mlp.experts.{slot}.w"}, "among"),  # unknown placeholder
+    ]
+    for extra, message in bad:
+        with pytest.raises(MappingError, match=message):
+            mappings.validate_table({**base, "layer_tensors": {**base["layer_tensors"], **extra}})
+    no_key = {k: v for k, v in base.items() if k != "experts_config_key"}
+    with pytest.raises(MappingError, match="experts_config_key"):
+        mappings.validate_table(no_key)
