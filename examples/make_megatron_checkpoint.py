@@ -151,6 +151,22 @@ def _stub_cuda() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
 
 
+#: TransformerConfig settings every CPU fixture needs: no dropout, no fused kernels, fp32 on CPU.
+CPU_SETTINGS = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+    use_cpu_initialization=True,
+    params_dtype=torch.float32,
+    pipeline_dtype=torch.float32,
+)
+
+
 def _transformer_config(fam: Family, tp: int, pp: int):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -169,19 +185,9 @@ def _transformer_config(fam: Family, tp: int, pp: int):
         add_bias_linear=False,
         add_qkv_bias=fam.qkv_bias,
         qk_layernorm=fam.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
+        **CPU_SETTINGS,
     )
 
 
@@ -482,8 +488,12 @@ def _worker(rank: int, world: int, port: int, root: str, variants: list[dict], t
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     log("done")
-    # Megatron's saver starts a multiprocessing Manager (a child process holding our stdout /
-    # stderr); stop it, then skip the slow interpreter teardown (seconds per rank).
+    exit_worker()
+
+
+def exit_worker() -> None:
+    """End a fixture worker: Megatron's saver starts a multiprocessing Manager (a child process
+    holding our stdout / stderr); stop it, then skip the slow interpreter teardown (seconds per rank)."""
     import multiprocessing
 
     for child in multiprocessing.active_children():

@@ -166,17 +166,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
 # --------------------------------------------------------------------------------------------
 
 MEGATRON_GENERATOR = EXAMPLES / "make_megatron_checkpoint.py"
+MEGATRON_MOE_GENERATOR = EXAMPLES / "make_megatron_moe_checkpoint.py"
 
 
-@pytest.fixture(scope="session")
-def megatron_root(tmp_path_factory) -> Path:
-    """All default variants, written by real megatron-core (skips if it is not installed)."""
+def build_megatron_fixture(generator: Path, tmp_path_factory, name: str, *, depends: tuple[Path, ...] = ()) -> Path:
+    """Run a megatron-core fixture generator once (cached under HF_MERGE_FIXTURE_CACHE, keyed by
+    its source, megatron-core and torch); skip if megatron-core is not installed."""
     import torch
 
     mcore = pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
-    key = hashlib.sha256(MEGATRON_GENERATOR.read_bytes() + mcore.__version__.encode() + torch.__version__.encode()).hexdigest()[:12]
+    source = b"".join(p.read_bytes() for p in (generator, *depends))
+    key = hashlib.sha256(source + mcore.__version__.encode() + torch.__version__.encode()).hexdigest()[:12]
     cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
-    root = Path(cache) / f"megatron-{key}" if cache else tmp_path_factory.mktemp("megatron")
+    root = Path(cache) / f"{name}-{key}" if cache else tmp_path_factory.mktemp(name)
     done = root / "fixture.done"
     if done.is_file():
         return root
@@ -188,7 +190,7 @@ def megatron_root(tmp_path_factory) -> Path:
     # own process group, so that a failure or a timeout can end every process it started.
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, str(MEGATRON_GENERATOR), str(root)], stdout=log, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, str(generator), str(root)], stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )
         try:
@@ -202,6 +204,19 @@ def megatron_root(tmp_path_factory) -> Path:
                 pass
             proc.wait()
     if rc != 0:
-        pytest.fail(f"make_megatron_checkpoint.py failed (rc={rc}):\n{log_path.read_text()[-4000:]}")
-    done.write_text(f"{time.perf_counter() - t0:.1f}s\n")
+        pytest.fail(f"{generator.name} failed (rc={rc}):\n{log_path.read_text()[-4000:]}")
+    BUILD_TIMES[name] = time.perf_counter() - t0
+    done.write_text(f"{BUILD_TIMES[name]:.1f}s\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def megatron_root(tmp_path_factory) -> Path:
+    """All default variants, written by real megatron-core (skips if it is not installed)."""
+    return build_megatron_fixture(MEGATRON_GENERATOR, tmp_path_factory, "megatron")
+
+
+@pytest.fixture(scope="session")
+def megatron_moe_root(tmp_path_factory) -> Path:
+    """MoE / MLA variants (EP=2 on 2 gloo ranks), written by real megatron-core."""
+    return build_megatron_fixture(MEGATRON_MOE_GENERATOR, tmp_path_factory, "megatron-moe", depends=(MEGATRON_GENERATOR,))

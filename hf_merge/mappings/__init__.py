@@ -27,6 +27,16 @@ Table fields (``"megatron"`` source):
 - ``not_model``: fnmatch patterns of entries that belong to other state (optimizer, rng).
 - ``tensor_parallel``: source name -> ``0`` / ``1`` (dim TP ranks split) or ``"gate_up"``
   (each rank holds ``[gate_r; up_r]``); unlisted names are replicated. Used for per-rank files.
+- ``experts_config_key``: the config.json key giving the number of routed experts
+  (``num_experts``, ``n_routed_experts``, ``num_local_experts``); required when a layer entry
+  uses ``{expert}``.
+
+Placeholders and stacked axes. A layer suffix (a key of ``layer_tensors`` / ``fused`` /
+``tensor_parallel``) may contain ``{expert}``: the expert index is then part of the source name
+(``mlp.experts.local_experts.{expert}.linear_fc2.weight``, ``mlp.experts.linear_fc2.weight{expert}``).
+An HF target may contain ``{expert}`` where its source does not: the source then stacks the experts
+on an axis (after the layer axis when that is stacked too), e.g. ``[L, E, 2F, H]``. Every
+placeholder of a source suffix must appear in its target.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from typing import Any, Mapping
 
 from ..errors import MappingError
 
-__all__ = ["SCHEMA", "register", "get_table", "tables", "describe", "validate_table"]
+__all__ = ["SCHEMA", "PLACEHOLDERS", "register", "get_table", "tables", "describe", "validate_table", "placeholders", "match_suffix"]
 
 _STR_MAP = "str->str"
 _FUSED_ROLES = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
@@ -65,15 +75,51 @@ SCHEMA: dict[str, tuple[str, bool]] = {
     "ignore": ("str-list", False),
     "not_model": ("str-list", False),
     "tensor_parallel": ("tp", False),
+    "experts_config_key": ("str", False),
 }
 
+#: The placeholders a layer suffix or its HF target may hold (besides the layer prefix's ``{layer}``).
+PLACEHOLDERS = ("expert",)
+
 _REGISTRY: dict[tuple[str, str], Mapping[str, Any]] = {}
-_TABLE_MODULES = ("megatron_gpt",)
+_TABLE_MODULES = ("megatron_gpt", "megatron_moe")
 _loaded = False
 
 
 def _fail(table: Mapping[str, Any], msg: str) -> None:
     raise MappingError(f"mapping table {table.get('name', '?')!r}: {msg}")
+
+
+def placeholders(template: str) -> list[str]:
+    """The ``{name}`` fields of ``template``, in order."""
+    return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+
+
+def _suffix_regex(suffix: str) -> re.Pattern[str]:
+    parts = []
+    for literal, field_name, _, _ in string.Formatter().parse(suffix):
+        parts.append(re.escape(literal))
+        if field_name is not None:
+            parts.append(f"(?P<{field_name}>\\d+)")
+    return re.compile("".join(parts))
+
+
+def match_suffix(table: Mapping[str, Any], suffix: str) -> tuple[str, dict[str, int]] | None:
+    """The layer entry of ``table`` that ``suffix`` spells, and the placeholder values in it.
+
+    ``match_suffix(t, "mlp.experts.local_experts.3.linear_fc2.weight")`` ->
+    ``("mlp.experts.local_experts.{expert}.linear_fc2.weight", {"expert": 3})``; ``None`` if no
+    entry matches. A suffix without placeholders matches only itself.
+    """
+    if suffix in table["layer_tensors"] or suffix in table.get("fused", {}):
+        return suffix, {}
+    for key in list(table["layer_tensors"]) + list(table.get("fused", {})):
+        if "{" not in key:
+            continue
+        m = _suffix_regex(key).fullmatch(suffix)
+        if m:
+            return key, {k: int(v) for k, v in m.groupdict().items()}
+    return None
 
 
 def _is_str_list(v: Any) -> bool:
@@ -110,7 +156,7 @@ def validate_table(table: Mapping[str, Any]) -> None:
         if not ok:
             _fail(table, f"field {key!r} does not have the expected form ({kind})")
 
-    fields = [f for _, f, _, _ in string.Formatter().parse(table["hf_layer_prefix"]) if f is not None]
+    fields = placeholders(table["hf_layer_prefix"])
     if fields != ["layer"]:
         _fail(table, "hf_layer_prefix must contain exactly one '{layer}' placeholder")
     if not table["layer_prefix"].endswith("."):
@@ -134,6 +180,22 @@ def validate_table(table: Mapping[str, Any]) -> None:
             _fail(table, f"fused entry {src!r}: role targets must be names")
         if src in table["layer_tensors"]:
             _fail(table, f"{src!r} is both a fused and a 1:1 layer tensor")
+    uses_experts = False
+    layer_targets: list[tuple[str, list[str]]] = [(s, [h]) for s, h in table["layer_tensors"].items()]
+    layer_targets += [(s, [f[r] for r in _FUSED_ROLES[f["split"]]]) for s, f in table.get("fused", {}).items()]
+    for src, targets in layer_targets:
+        src_fields = placeholders(src)
+        if len(set(src_fields)) != len(src_fields) or not set(src_fields) <= set(PLACEHOLDERS):
+            _fail(table, f"layer entry {src!r}: placeholders must be distinct and among {list(PLACEHOLDERS)}")
+        for hf in targets:
+            hf_fields = placeholders(hf)
+            if len(set(hf_fields)) != len(hf_fields) or not set(hf_fields) <= set(PLACEHOLDERS):
+                _fail(table, f"target {hf!r}: placeholders must be distinct and among {list(PLACEHOLDERS)}")
+            if not set(src_fields) <= set(hf_fields):
+                _fail(table, f"layer entry {src!r} names {src_fields} but its target {hf!r} does not")
+            uses_experts = uses_experts or "expert" in hf_fields
+    if uses_experts and "experts_config_key" not in table:
+        _fail(table, "entries use '{expert}' but the table has no experts_config_key")
     layer_known = set(table["layer_tensors"]) | set(table.get("fused", {}))
     global_known = set(table["tensors"]) | set(table.get("lm_head", {})) | set(table.get("value_head", {}))
     for name in table.get("required", ()):

@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .. import mappings
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import (
     CorruptCheckpointError,
@@ -300,22 +301,22 @@ def _heads(config: Mapping[str, Any], tconf: Mapping[str, Any] | None, cfg_path:
 
 
 class _MegatronNames(LazyCheckpoint):
-    """Megatron tensors with the layer axis removed and 1:1 names already in HF form.
+    """Megatron tensors with the stacked axes removed and 1:1 names already in HF form.
 
-    ``entries`` maps an output name to ``(source key, layer index or None)``; a layer index means
-    "slice ``layer`` of the stacked source tensor".
+    ``entries`` maps an output name to ``(source key, index)``: ``index`` is ``None`` for a whole
+    tensor, or the positions on the source's leading stacked axes (``(layer,)`` for ``[L, ...]``,
+    ``(layer, expert)`` for ``[L, E, ...]``, ``(expert,)`` for a per-layer ``[E, ...]``).
     """
 
-    def __init__(self, src: LazyCheckpoint, entries: Mapping[str, tuple[str, int | None]], info: CheckpointInfo):
+    def __init__(self, src: LazyCheckpoint, entries: Mapping[str, tuple[str, tuple[int, ...] | None]], info: CheckpointInfo):
         self.src = src
         self.info = info
         self._entries = dict(entries)
         src_specs = src.specs()
         self._specs = {}
-        for name, (key, layer) in self._entries.items():
+        for name, (key, index) in self._entries.items():
             spec = src_specs[key]
-            shape = spec.shape[1:] if layer is not None else spec.shape
-            self._specs[name] = TensorSpec(name, shape, spec.dtype)
+            self._specs[name] = TensorSpec(name, spec.shape[len(index or ()) :], spec.dtype)
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
@@ -326,11 +327,14 @@ class _MegatronNames(LazyCheckpoint):
         self.read_region_into(name, (0,) * len(spec.shape), out)
 
     def read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
-        key, layer = self._entries[name]
-        if layer is None:
+        key, index = self._entries[name]
+        if not index:
             self.src.read_region_into(key, tuple(start), out)  # type: ignore[attr-defined]
         else:
-            self.src.read_region_into(key, (layer, *start), out.unsqueeze(0))  # type: ignore[attr-defined]
+            view = out
+            for _ in index:
+                view = view.unsqueeze(0)
+            self.src.read_region_into(key, (*index, *start), view)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self.src.close()
@@ -347,7 +351,7 @@ def _name_list(names: Sequence[str]) -> str:
 
 @dataclass
 class _Plan:
-    entries: dict[str, tuple[str, int | None]]  # HF (or fused) name -> (source key, layer)
+    entries: dict[str, tuple[str, tuple[int, ...] | None]]  # HF (or fused) name -> (source key, stacked index)
     splits: dict[str, FusedSplit]
     order: list[str]
     value_model: bool
@@ -356,6 +360,61 @@ class _Plan:
     notes: list[str]
     warnings: list[str]
     skipped: dict[str, int]
+    moe: str | None = None  # "MoE with E experts ...", for inspect; None for a dense model
+
+
+def _num_experts(table: Mapping[str, Any], config: Mapping[str, Any]) -> int | None:
+    ckey = table.get("experts_config_key")
+    if ckey is None:
+        return None
+    value = config.get(ckey)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _entry_targets(table: Mapping[str, Any], entry: str) -> list[str]:
+    if entry in table["layer_tensors"]:
+        return [table["layer_tensors"][entry]]
+    decl = table["fused"][entry]
+    return [v for r, v in decl.items() if r != "split"]
+
+
+def _stacked_positions(
+    key: str,
+    spec: TensorSpec,
+    entry: str,
+    named: dict[str, int],
+    table: Mapping[str, Any],
+    num_layers: int,
+    num_experts: int | None,
+    where: str,
+) -> list[dict[str, Any]]:
+    """Every (layer, expert) a source tensor holds, with its positions on the stacked axes.
+
+    Placeholders the source name gives (``named``) are fixed; the others the HF target needs are
+    leading axes of the tensor, layer first, then expert.
+    """
+    wanted = {"layer"} | {f for t in _entry_targets(table, entry) for f in mappings.placeholders(t)}
+    axes = [a for a in ("layer", "expert") if a in wanted and a not in named]
+    sizes = {"layer": num_layers, "expert": num_experts}
+    config_keys = {"layer": "num_hidden_layers", "expert": table.get("experts_config_key")}
+    if "expert" in wanted and num_experts is None:
+        raise MissingConfigError(
+            f"{where}: {key} holds MoE experts but config.json has no {table.get('experts_config_key')} "
+            "(the number of experts); pass the right config_dir"
+        )
+    for name, value in named.items():
+        if value >= sizes[name]:  # type: ignore[operator]
+            raise MappingError(f"{where}: {key} is {name} {value}, but config.json has {config_keys[name]}={sizes[name]}")
+    if len(spec.shape) < len(axes) or any(spec.shape[d] != sizes[a] for d, a in enumerate(axes)):
+        want = ", ".join(f"{config_keys[a]}={sizes[a]}" for a in axes)
+        raise MappingError(
+            f"{where}: {key} has shape {list(spec.shape)}; its leading stacked axes should be {want} "
+            "(is config.json the right one?)"
+        )
+    out: list[dict[str, Any]] = [dict(named, index=())]
+    for a in axes:
+        out = [dict(p, **{a: i}, index=p["index"] + (i,)) for p in out for i in range(sizes[a])]  # type: ignore[arg-type]
+    return out
 
 
 def plan_names(
@@ -381,7 +440,9 @@ def plan_names(
     unknown: list[str] = []
     globals_: dict[str, str] = {}
     heads_present: dict[str, TensorSpec] = {}
-    per_layer: dict[tuple[int, str], tuple[str, int | None]] = {}
+    # (layer, table entry, expert or None) -> (source key, positions on its stacked axes)
+    per_layer: dict[tuple[int, str, int | None], tuple[str, tuple[int, ...] | None]] = {}
+    num_experts = _num_experts(table, config)
 
     for key, spec in src_specs.items():
         if _matches(key, table.get("not_model", ())):
@@ -399,31 +460,23 @@ def plan_names(
         if key.startswith(lp):
             rest = key[len(lp) :]
             m = _LAYER_RE.match(rest)
-            suffix = m.group(2) if m else rest
-            if suffix in layer_tensors or suffix in fused:
+            found = mappings.match_suffix(table, m.group(2) if m else rest)
+            if found is not None:
+                entry, named = found
                 if m:
-                    i = int(m.group(1))
-                    if i >= num_layers:
-                        raise MappingError(f"{where}: {key} is layer {i}, but config.json has num_hidden_layers={num_layers}")
-                    if (i, suffix) in per_layer:
-                        raise MappingError(f"{where}: layer {i} {suffix} is stored twice")
-                    per_layer[(i, suffix)] = (key, None)
-                else:
-                    if not spec.shape or spec.shape[0] != num_layers:
-                        raise MappingError(
-                            f"{where}: {key} has shape {list(spec.shape)}; its leading layer axis should be "
-                            f"num_hidden_layers={num_layers} (is config.json the right one?)"
-                        )
-                    for i in range(num_layers):
-                        if (i, suffix) in per_layer:
-                            raise MappingError(f"{where}: layer {i} {suffix} is stored twice")
-                        per_layer[(i, suffix)] = (key, i)
+                    named["layer"] = int(m.group(1))
+                for pos in _stacked_positions(key, spec, entry, named, table, num_layers, num_experts, where):
+                    slot = (pos["layer"], entry, pos.get("expert"))
+                    if slot in per_layer:
+                        what = f"layer {slot[0]}" + (f" expert {slot[2]}" if slot[2] is not None else "")
+                        raise MappingError(f"{where}: {what} {entry} is stored twice")
+                    per_layer[slot] = (key, pos["index"] or None)
                 continue
         unknown.append(key)
     if unknown:
         raise MappingError(
             f"{where}: {len(unknown)} tensor(s) the {table['name']} table does not know: {_name_list(unknown)}. "
-            "Nothing was dropped; add them to hf_merge/mappings/megatron_gpt.py if they are weights"
+            f"Nothing was dropped; add them to hf_merge/mappings/{table['name'].split('.')[0]}.py if they are weights"
         )
     present_model = bool(globals_ or heads_present or per_layer)
     if not present_model:
@@ -432,8 +485,11 @@ def plan_names(
     # Required tensors, and every layer complete.
     required = table.get("required", ())
     suffixes_by_layer: dict[int, set[str]] = {i: set() for i in range(num_layers)}
-    for (i, suffix) in per_layer:
-        suffixes_by_layer[i].add(suffix)
+    experts_held: dict[tuple[int, str], set[int]] = {}
+    for (i, entry, e) in per_layer:
+        suffixes_by_layer[i].add(entry)
+        if e is not None:
+            experts_held.setdefault((i, entry), set()).add(e)
     missing = [r for r in required if r not in layer_tensors and r not in fused and r not in globals_]
     for r in required:
         if r in layer_tensors or r in fused:
@@ -442,13 +498,24 @@ def plan_names(
                 missing.append(f"{lp}{r} (layers {lacking[:8]}{'...' if len(lacking) > 8 else ''})")
     if missing:
         raise MappingError(f"{where}: the {table['name']} table requires tensors this checkpoint lacks: {', '.join(missing)}")
-    ref = suffixes_by_layer[0] if num_layers else set()
-    for i, s in suffixes_by_layer.items():
-        if s != ref:
+    for (i, entry), held in sorted(experts_held.items()):
+        absent = sorted(set(range(num_experts or 0)) - held)
+        if absent:
             raise MappingError(
-                f"{where}: layer {i} has tensors {sorted(s ^ ref)} that layer 0 does not (or the reverse); "
-                "the checkpoint is incomplete or heterogeneous"
+                f"{where}: layer {i} {entry} lacks experts {absent[:8]}{'...' if len(absent) > 8 else ''} of "
+                f"{table.get('experts_config_key')}={num_experts}; the checkpoint is incomplete"
             )
+    # Every layer holds what the first layer of its kind (dense / MoE) holds.
+    moe_layers = {i for i, _ in experts_held}
+    first_of_kind: dict[bool, int] = {}
+    for i, s in suffixes_by_layer.items():
+        j = first_of_kind.setdefault(i in moe_layers, i)
+        if s != suffixes_by_layer[j]:
+            raise MappingError(
+                f"{where}: layer {i} has tensors {sorted(s ^ suffixes_by_layer[j])} that layer {j} does not (or the "
+                "reverse); the checkpoint is incomplete or heterogeneous"
+            )
+    ref = set().union(*suffixes_by_layer.values()) if num_layers else set()
 
     # Config agreement for optional tensors (biases...).
     checks = table.get("config_checks", {})
@@ -548,34 +615,39 @@ def plan_names(
         entries[globals_[key]] = (key, None)
         order.append(globals_[key])
     layer_order = list(layer_tensors) + list(fused)
+    experts_of: dict[tuple[int, str], list[int | None]] = {}
+    for (i, entry, e) in per_layer:
+        experts_of.setdefault((i, entry), []).append(e)
     for i in range(num_layers):
         prefix = hf_lp.format(layer=i)
-        for suffix in layer_order:
-            if (i, suffix) not in per_layer:
-                continue
-            key, layer = per_layer[(i, suffix)]
-            src_label = f"{lp}{i}.{suffix}"
-            if suffix in fused:
-                decl = fused[suffix]
-                kind = decl["split"]
-                outputs = {role: prefix + decl[role] for role in decl if role != "split"}
-                inner = f"{src_label}"  # the fused tensor keeps its (unstacked) Megatron name
-                entries[inner] = (key, layer)
-                splits[inner] = FusedSplit(
-                    kind,
-                    outputs,
-                    num_heads=heads.num_heads if kind == "qkv" else None,
-                    num_kv_heads=heads.num_kv_heads if kind == "qkv" else None,
-                    head_dim=heads.head_dim if kind == "qkv" else None,
-                )
-                for hf in outputs.values():
+        for entry in layer_order:
+            for e in sorted(experts_of.get((i, entry), ()), key=lambda x: -1 if x is None else x):
+                key, index = per_layer[(i, entry, e)]
+                fill = {"expert": e} if e is not None else {}
+                src_label = f"{lp}{i}.{entry.format(**fill)}"
+                if e is not None and "{expert}" not in entry:
+                    src_label += f"[expert {e}]"  # one expert of a stacked [E, ...] tensor
+                if entry in fused:
+                    decl = fused[entry]
+                    kind = decl["split"]
+                    outputs = {role: prefix + decl[role].format(**fill) for role in decl if role != "split"}
+                    inner = src_label  # the fused tensor keeps its (unstacked) Megatron name
+                    entries[inner] = (key, index)
+                    splits[inner] = FusedSplit(
+                        kind,
+                        outputs,
+                        num_heads=heads.num_heads if kind == "qkv" else None,
+                        num_kv_heads=heads.num_kv_heads if kind == "qkv" else None,
+                        head_dim=heads.head_dim if kind == "qkv" else None,
+                    )
+                    for hf in outputs.values():
+                        claim(hf, src_label)
+                    order.append(inner)
+                else:
+                    hf = prefix + layer_tensors[entry].format(**fill)
                     claim(hf, src_label)
-                order.append(inner)
-            else:
-                hf = prefix + layer_tensors[suffix]
-                claim(hf, src_label)
-                entries[hf] = (key, layer)
-                order.append(hf)
+                    entries[hf] = (key, index)
+                    order.append(hf)
     for key in rest_globals:
         claim(globals_[key], key)
         entries[globals_[key]] = (key, None)
@@ -586,7 +658,22 @@ def plan_names(
     entries = {name: entries[name] for name in order}
     if skipped["not_model"]:
         notes.append(f"{skipped['not_model']} optimizer / rng entries in the dist_ckpt ignored")
-    return _Plan(entries, splits, order, value_model, tied, overrides, notes, warnings, skipped)
+    moe = None
+    if moe_layers:
+        topk = config.get("num_experts_per_tok")
+        moe = (
+            f"MoE with {num_experts} experts" + (f" (top-{topk})" if isinstance(topk, int) else "")
+            + f" in {len(moe_layers)} of {num_layers} layers; written one tensor per expert "
+            f"({hf_lp.format(layer='{i}')} + {_expert_example(table)}), as save_pretrained writes"
+        )
+    return _Plan(entries, splits, order, value_model, tied, overrides, notes, warnings, skipped, moe)
+
+
+def _expert_example(table: Mapping[str, Any]) -> str:
+    targets = {v for v in table["layer_tensors"].values() if "{expert}" in v}
+    for entry in table.get("fused", {}).values():
+        targets |= {v for r, v in entry.items() if r != "split" and "{expert}" in v}
+    return ", ".join(sorted(t.replace("{expert}", "{e}") for t in targets))
 
 
 def _infer_tp(dcp: DcpCheckpoint, key: str, stacked: bool) -> int | None:
@@ -746,7 +833,6 @@ def open_megatron(
         )
 
     cdir, config = _load_hf_config(lay.hf_dir, config_dir, lay.root)
-    from .. import mappings  # noqa: PLC0415
 
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
@@ -760,6 +846,7 @@ def open_megatron(
     details.update(
         num_layers=int(config["num_hidden_layers"]),
         family=table["name"].split(".", 1)[-1],
+        moe=plan.moe,
         model_type=model_type,
         value_model=plan.value_model,
         tied=plan.tied,
@@ -901,7 +988,6 @@ def _tp_pieces(
 def _open_legacy(
     path: Path, lay: Layout, *, config_dir: Path | None, is_value_model: bool | None, notes: list[str]
 ) -> LazyCheckpoint:
-    from .. import mappings  # noqa: PLC0415
 
     assert lay.legacy_dir is not None
     grid: dict[tuple[int, int], Path] = {}
@@ -930,6 +1016,11 @@ def _open_legacy(
     heads = _heads(config, lay.transformer_config, cdir / "config.json")
     lp = table["layer_prefix"]
     rules = table.get("tensor_parallel", {})
+    if tp > 1 and table.get("experts_config_key"):
+        raise UnsupportedCheckpointError(
+            f"{lay.legacy_dir}: legacy per-rank files of an MoE model ({table['name']}) saved at TP={tp} are not "
+            "supported (expert tensor-parallel layouts vary); re-save with dist checkpointing (torch_dist)"
+        )
 
     # files[p][t] = list over virtual stages of state dicts
     files = [[_load_rank_file(grid[(t, p)]) for t in range(tp)] for p in range(pp)]
@@ -1014,6 +1105,7 @@ def _open_legacy(
         "vpp": vpp_n if vpp_n > 1 else None,
         "num_layers": offset,
         "family": table["name"].split(".", 1)[-1],
+        "moe": plan.moe,
         "model_type": model_type,
         "value_model": plan.value_model,
         "tied": plan.tied,

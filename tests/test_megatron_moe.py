@@ -1,0 +1,244 @@
+"""Megatron-Core MoE and multi-latent attention: real megatron-core saves at EP=2 -> Hub layout.
+
+The session fixture runs ``examples/make_megatron_moe_checkpoint.py`` once (2 gloo ranks on CPU,
+expert parallelism 2): Qwen3-MoE-like (stacked ``[L, E, ...]`` experts, and the same with
+``singleton_local_shards``; plus the legacy ``state_dict()`` of it), Qwen2-MoE-like (shared expert
+and its gate), Mixtral-like and DeepSeek-V3-like (MLA, a dense first layer, shared expert, router bias). Each is
+reloaded at EP=1 by Megatron and its logits recorded. The merged output must give the same logits
+and be exactly what ``save_pretrained`` writes (names, shapes, dtypes, bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_merge import mappings
+from hf_merge.errors import MappingError
+from hf_merge.readers.dcp import DcpCheckpoint
+from hf_merge.readers.megatron import _heads, open_megatron, plan_names
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "tests"))
+import make_megatron_moe_checkpoint as mk  # noqa: E402
+from helpers import folder_tensors  # noqa: E402
+
+# variant -> folder under the fixture root
+SOURCES = {
+    "qwen3_moe": "qwen3_moe/actor",
+    "qwen3_moe_singleton": "qwen3_moe_singleton/actor",
+    "qwen3_moe_legacy": "qwen3_moe/legacy/actor",
+    "qwen2_moe": "qwen2_moe/actor",
+    "mixtral": "mixtral/actor",
+    "deepseek_v3": "deepseek_v3/actor",
+}
+
+
+def _dcp_load(dist: Path, keys) -> dict[str, torch.Tensor]:
+    """The named full tensors of a dist_ckpt, read by PyTorch DCP itself (the independent reader)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(dist)).read_metadata()
+    state = {k: torch.empty(meta.state_dict_metadata[k].size, dtype=meta.state_dict_metadata[k].properties.dtype) for k in keys}
+    dcp.load(state, storage_reader=FileSystemReader(str(dist)), no_dist=True)
+    return state
+
+
+def _hf_model(config_dir: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((config_dir / "config.json").read_text())
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def merged(megatron_moe_root, tmp_path_factory):
+    """Every variant merged with the CLI (in process)."""
+    from hf_merge.cli.app import main
+
+    out = {}
+    base = tmp_path_factory.mktemp("moe_merged")
+    for name, rel in SOURCES.items():
+        target = base / name
+        assert main(["-q", "merge", str(megatron_moe_root / rel), str(target), "--no-checksums"]) == 0
+        out[name] = target
+    return out
+
+
+@pytest.fixture(scope="module")
+def save_pretrained_layout(megatron_moe_root, tmp_path_factory):
+    """{kind: {name: (shape, dtype)}} of save_pretrained of the HF model built from each config."""
+    from safetensors import safe_open
+
+    out = {}
+    for kind in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"):
+        d = tmp_path_factory.mktemp(f"sp_{kind}")
+        _hf_model(megatron_moe_root / kind / "actor" / "model" / "huggingface").save_pretrained(d)
+        with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+            out[kind] = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    return out
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_logits_equal_megatron(megatron_moe_root, merged, name):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(merged[name], attn_implementation="eager", dtype=torch.float32).eval()
+    ref = torch.load(megatron_moe_root / name.removesuffix("_legacy") / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits
+    assert logits.shape == ref["logits"].shape
+    torch.testing.assert_close(logits, ref["logits"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_output_is_save_pretrained_layout(merged, save_pretrained_layout, name):
+    """Names, shapes and dtypes are exactly what save_pretrained writes for this architecture,
+    and the bytes are what save_pretrained writes for the loaded model."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    kind = name.removesuffix("_legacy").removesuffix("_singleton")
+    got = {}
+    for path in sorted(merged[name].glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            got.update({k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()})
+    want = save_pretrained_layout[kind]
+    assert sorted(got) == sorted(want), (sorted(set(got) - set(want))[:5], sorted(set(want) - set(got))[:5])
+    assert got == want
+    expert = "block_sparse_moe.experts.3.w2" if kind == "mixtral" else "mlp.experts.3.down_proj"
+    assert f"model.layers.1.{expert}.weight" in got
+
+    resaved = merged[name].parent / f"{name}_resaved"
+    AutoModelForCausalLM.from_pretrained(merged[name], dtype=torch.float32).save_pretrained(resaved)
+    ours, theirs = folder_tensors(merged[name]), folder_tensors(resaved)
+    assert sorted(ours) == sorted(theirs)
+    for k, t in theirs.items():
+        assert ours[k].dtype == t.dtype and torch.equal(ours[k], t), k
+
+
+def test_experts_match_megatron_tensors_bit_for_bit(megatron_moe_root, merged):
+    """Every expert of the stacked [L, E, 2F, H] / [L, E, H, F] tensors, read with PyTorch DCP,
+    lands in its own per-expert tensor unchanged (gate rows first, then up rows)."""
+    dist = megatron_moe_root / "qwen3_moe" / "actor" / "model" / "dist_ckpt"
+    keys = {
+        "fc1": "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        "fc2": "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+        "router": "decoder.layers.mlp.router.weight",
+        "norm": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+    }
+    state = _dcp_load(dist, keys.values())
+    out = folder_tensors(merged["qwen3_moe"])
+    fc1, fc2 = state[keys["fc1"]], state[keys["fc2"]]
+    assert fc1.shape == (mk.LAYERS, mk.EXPERTS, 2 * mk.MOE_FFN, mk.HIDDEN)
+    for layer in range(mk.LAYERS):
+        p = f"model.layers.{layer}."
+        assert torch.equal(out[p + "mlp.gate.weight"], state[keys["router"]][layer])
+        assert torch.equal(out[p + "post_attention_layernorm.weight"], state[keys["norm"]][layer])
+        for e in range(mk.EXPERTS):
+            q = f"{p}mlp.experts.{e}."
+            assert torch.equal(out[q + "gate_proj.weight"], fc1[layer, e, : mk.MOE_FFN])
+            assert torch.equal(out[q + "up_proj.weight"], fc1[layer, e, mk.MOE_FFN :])
+            assert torch.equal(out[q + "down_proj.weight"], fc2[layer, e])
+    # the two EP ranks hold different experts: the experts really differ
+    assert not torch.equal(out["model.layers.0.mlp.experts.0.gate_proj.weight"], out["model.layers.0.mlp.experts.2.gate_proj.weight"])
+
+
+@pytest.mark.parametrize("other", ["qwen3_moe_singleton", "qwen3_moe_legacy"])
+def test_other_spellings_give_identical_output(merged, other):
+    """singleton_local_shards (`experts.{e}.linear_fc1.weight_w/_v`) and the legacy state_dict
+    (`local_experts.{e}`) of the same weights merge to the same bytes as the stacked layout."""
+    a, b = folder_tensors(merged["qwen3_moe"]), folder_tensors(merged[other])
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_mla_tensors_are_megatron_tensors(megatron_moe_root, merged):
+    """DeepSeek-V3 MLA: 1:1 renames (kv_a keeps the RoPE rows after the compressed kv rows)."""
+    dist = megatron_moe_root / "deepseek_v3" / "actor" / "model" / "dist_ckpt"
+    pairs = {
+        "decoder.layers.1.self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+        "decoder.layers.1.self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+        "decoder.layers.1.self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+        "decoder.layers.1.self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "decoder.layers.1.self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+        "decoder.layers.1.self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+        "decoder.layers.1.mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+        "decoder.layers.1.mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+    }
+    state = _dcp_load(dist, pairs)
+    out = folder_tensors(merged["deepseek_v3"])
+    for src, hf in pairs.items():
+        assert torch.equal(out[f"model.layers.1.{hf}"], state[src]), src
+    assert out["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].shape == (mk.KV_LORA + mk.QK_ROPE, mk.HIDDEN)
+    assert "model.layers.0.mlp.gate_proj.weight" in out and "model.layers.0.mlp.gate.weight" not in out
+
+
+def test_inspect_says_moe(megatron_moe_root, capsys):
+    from hf_merge.cli.app import main
+    from hf_merge.inspect import describe
+
+    report = describe(megatron_moe_root / "deepseek_v3" / "actor")
+    assert report["moe"].startswith("MoE with 4 experts (top-2) in 1 of 2 layers")
+    assert "mlp.experts.{e}.gate_proj.weight" in report["moe"]
+    assert report["family"] == "deepseek_v3" and report["ep"] == 2
+    assert main(["inspect", str(megatron_moe_root / "qwen3_moe" / "actor")]) == 0
+    assert "MoE with 4 experts (top-2) in 2 of 2 layers" in capsys.readouterr().out
+
+
+def test_missing_expert_is_an_error_naming_it(megatron_moe_root):
+    """A per-expert checkpoint lacking one expert is refused, naming the layer and expert."""
+    ck = open_megatron(megatron_moe_root / "qwen3_moe_singleton" / "actor")
+    dist = DcpCheckpoint(megatron_moe_root / "qwen3_moe_singleton" / "actor" / "model" / "dist_ckpt")
+    specs = dict(dist.specs())
+    del specs["decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight"]
+    config = json.loads((ck.info.hf_dir / "config.json").read_text())
+    table = mappings.get_table("megatron", "qwen3_moe")
+    with pytest.raises(MappingError, match=r"layer 1 mlp\.experts\.experts\.\{expert\}\.linear_fc2\.weight lacks experts \[3\]"):
+        plan_names(specs, table, config, _heads(config, None, Path("config.json")), is_value_model=None, where="x")
+    config["num_experts"] = 8  # the stacked layout checks the expert axis against the config
+    stacked = DcpCheckpoint(megatron_moe_root / "qwen3_moe" / "actor" / "model" / "dist_ckpt").specs()
+    with pytest.raises(MappingError, match=r"leading stacked axes should be num_hidden_layers=2, num_experts=8"):
+        plan_names(stacked, table, config, _heads(config, None, Path("config.json")), is_value_model=None, where="x")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_from_sharded_pretrained_gives_megatrons_logits(megatron_moe_root, name):
+    """Loading straight into a model (no merged folder) reads every expert too."""
+    import hf_merge
+
+    model = hf_merge.from_sharded_pretrained(megatron_moe_root / name / "actor", dtype="float32", attn_implementation="eager")
+    ref = torch.load(megatron_moe_root / name / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["input_ids"]).logits, ref["logits"], atol=1e-4, rtol=0)
+
+
+def test_table_schema_checks_placeholders():
+    """Placeholders are validated when a table is registered; match_suffix reads them back."""
+    base = dict(mappings.get_table("megatron", "qwen3_moe"))
+    table = mappings.get_table("megatron", "qwen3_moe")
+    assert mappings.match_suffix(table, "mlp.experts.local_experts.12.linear_fc2.weight") == (
+        "mlp.experts.local_experts.{expert}.linear_fc2.weight", {"expert": 12})
+    assert mappings.match_suffix(table, "mlp.experts.linear_fc1.weight3") == ("mlp.experts.linear_fc1.weight{expert}", {"expert": 3})
+    assert mappings.match_suffix(table, "mlp.experts.linear_fc1.weightx") is None
+    bad = [
+        ({"mlp.experts.{expert}.w": "mlp.down_proj.weight"}, "does not"),  # source names it, target does not
+        ({"mlp.experts.{slot}.w": "mlp.experts.{slot}.w"}, "among"),  # unknown placeholder
+    ]
+    for extra, message in bad:
+        with pytest.raises(MappingError, match=message):
+            mappings.validate_table({**base, "layer_tensors": {**base["layer_tensors"], **extra}})
+    no_key = {k: v for k, v in base.items() if k != "experts_config_key"}
+    with pytest.raises(MappingError, match="experts_config_key"):
+        mappings.validate_table(no_key)
