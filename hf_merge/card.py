@@ -23,7 +23,8 @@ Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys m
         "fsdp_version": 2,                         # optional; other format details may follow
         "role": "actor"                            # optional: "actor" | "critic" | ...
       },
-      "dtype": "bfloat16",                         # dtype of the written weights ("auto": as stored)
+      "dtype": "bfloat16",                         # dtype of the written floating weights (config.json's)
+      "dtype_option": "config",                    # optional: what --dtype asked for (config/auto/a dtype)
       "base_model": "Qwen/Qwen2.5-0.5B",           # model trained from (Hub id or a local path), or null
       "architecture": "Qwen2ForCausalLM",          # config.json "architectures"[0], or null
       "lora": null | {
@@ -31,10 +32,12 @@ Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys m
         "r": 8, "lora_alpha": 16,
         "target_modules": ["q_proj", "v_proj"],
         "use_rslora": false,
+        "adapter_dtype": "float32",                # optional: dtype of the adapter's tensors
         "adapter_subfolder": "lora_adapter"        # optional, mode "both": where the adapter is
       },                                           #   (more keys allowed, e.g. "alpha_source")
       "quantization": null | {"method": "bitsandbytes", "mode": "nf4" | "fp4" | "int8"},
       "verification": null | {"passed": true, "summary": "..."},
+      "missing_files": ["tokenizer", "generation_config.json"],   # optional: side files not found
       "files": {"model.safetensors": "<sha256 hex>", ...}   # optional: every file written
     }
 
@@ -316,10 +319,12 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
     elif base_raw:
         local_name = (_short_path(str(base_raw)) or "").split("/")[-1]
         rows.append(("Base model", f"`{local_name}` (a local path, not a Hub id: not linked)"))
-    if info.get("dtype"):
-        dtype = info["dtype"]
-        rows.append(("dtype", "as stored in the checkpoint" if dtype == "auto" else f"`{dtype}`"))
-    lora = info.get("lora")
+    else:
+        rows.append(("Base model", "unknown (the config has no `_name_or_path`; merge with `--base-model-name ORG/NAME`)"))
+    lora = info.get("lora") or {}
+    dtype_text = _dtype_text(info, adapter)
+    if dtype_text:
+        rows.append(("dtype", dtype_text))
     if lora:
         how = _LORA_MODES.get(str(lora.get("mode")), str(lora.get("mode")))
         details = [f"r={lora.get('r')}", f"lora_alpha={lora.get('lora_alpha')}"]
@@ -327,10 +332,16 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
             details.append("rsLoRA")
         if lora.get("target_modules"):
             details.append("modules: " + ", ".join(f"`{m}`" for m in lora["target_modules"]))
+        if lora.get("adapter_dtype") and lora.get("mode") == "both" and not adapter:
+            details.append(f"adapter in `{lora.get('adapter_subfolder') or _ADAPTER_SUBFOLDER}/`, `{lora['adapter_dtype']}`")
         rows.append(("LoRA", f"{how} ({'; '.join(details)})"))
     quant = info.get("quantization")
     if quant:
         rows.append(("Quantization", f"{quant.get('method')} `{quant.get('mode')}`"))
+    missing = info.get("missing_files") or []
+    if missing:
+        what = {"tokenizer": "no tokenizer (use the base model's, or merge with `--config DIR` holding it)"}
+        rows.append(("Not included", "; ".join(what.get(m, f"no `{m}`") for m in missing)))
     verification = info.get("verification")
     if verification is None:
         rows.append(("Verification", "not run"))
@@ -340,6 +351,22 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
         rows.append(("Verification", f"{verdict}: {summary}" if summary else verdict))
     rows.append(("Merged with", f"hf-merge {info.get('hf_merge_version') or '(unknown version)'}"))
     return [(k, _cell(v)) for k, v in rows]
+
+
+def _dtype_text(info: dict[str, Any], adapter: bool) -> str | None:
+    """The written dtype; bitsandbytes modes; how to get a half-size copy of a float32 model."""
+    lora = info.get("lora") or {}
+    dtype = lora.get("adapter_dtype") if adapter and lora.get("adapter_dtype") else info.get("dtype")
+    if not dtype:
+        return None
+    if dtype == "auto":
+        return "as stored in the checkpoint"
+    quant = info.get("quantization")
+    if quant and not adapter:
+        return f"`{quant.get('mode')}` weights ({quant.get('method')}), other tensors `{dtype}`"
+    if dtype == "float32" and not adapter:
+        return "`float32` (exact; merge with `--dtype bfloat16` for a half-size copy, one rounding per weight)"
+    return f"`{dtype}`"
 
 
 def _snippet(info: dict[str, Any], repo_id: str | None, folder_files: set[str], adapter: bool) -> str:

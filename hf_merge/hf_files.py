@@ -149,3 +149,45 @@ def copy_side_files(config_dir: Path, folder: Path, *, skip: tuple[str, ...] = (
             shutil.copyfile(item, Path(folder) / name)
             copied.append(name)
     return copied
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+GENERATION_CONFIG = "generation_config.json"
+# Architectures that generate text: their folders normally carry a generation_config.json.
+_GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def written_dtype(specs, *, skip=None) -> tuple[torch.dtype | None, dict[torch.dtype, int]]:
+    """The dtype config.json must name for these output tensors: the floating dtype holding the
+    most elements (``skip(spec)`` true: left out, e.g. quantized parts), and the element count per
+    floating dtype. ``(None, {})`` when no floating tensor is written."""
+    counts: dict[torch.dtype, int] = {}
+    for spec in specs.values():
+        if spec.dtype.is_floating_point and not (skip is not None and skip(spec)):
+            counts[spec.dtype] = counts.get(spec.dtype, 0) + spec.numel
+    if not counts:
+        return None, {}
+    return max(counts, key=lambda d: (counts[d], d.itemsize)), counts
+
+
+def missing_side_files(config: dict[str, Any], files: list[str]) -> list[str]:
+    """What a user loading the output would miss: ``tokenizer`` when no tokenizer file is among
+    ``files``, ``generation_config.json`` when the architecture generates text and has none."""
+    missing = []
+    if not any(name in files for name in TOKENIZER_FILES):
+        missing.append("tokenizer")
+    archs = config.get("architectures") or []
+    if GENERATION_CONFIG not in files and any(str(a).endswith(_GENERATIVE_SUFFIXES) for a in archs):
+        missing.append(GENERATION_CONFIG)
+    return missing
+
+
+def holds_side_files_only(folder: Path) -> bool:
+    """True for a non-empty folder of config / tokenizer / generation files and no weights (verl's
+    ``actor/huggingface``), which a merge may fill in place."""
+    items = list(Path(folder).iterdir()) if Path(folder).is_dir() else []
+    return (Path(folder) / "config.json").is_file() and all(
+        item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in WEIGHT_INDEXES
+        and item.name != "hf_merge.json"
+        for item in items
+    )

@@ -13,11 +13,15 @@ import torch
 
 from . import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
-from .hf_files import checkpoint_config, copy_side_files, resolve_dtype, tied_pairs, write_config
+from .hf_files import (
+    checkpoint_config, copy_side_files, holds_side_files_only, missing_side_files, resolve_dtype, tied_pairs,
+    write_config, written_dtype,
+)
 from .hub import push, write_card
 from .output import atomic_folder, check_target
-from .plan import plan_shards
-from .spec import dtype_name
+from .errors import HfMergeError, HubError
+from .plan import parse_size, plan_shards
+from .spec import dtype_name, parse_dtype
 from .transforms import Cast, drop_tied
 from .verification import verify_or_raise
 from .writer import write_shards
@@ -39,6 +43,8 @@ class MergeResult:
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
     url: str | None = None  # the Hub URL when pushed
+    quantization: str | None = None  # nf4 / fp4 / int8 when the weights are bitsandbytes-quantized
+    adapter: dict[str, Any] | None = None  # LoRA "both": the adapter folder's path, tensors, bytes, dtype
 
 
 @dataclass
@@ -200,7 +206,13 @@ def merge(
             "source_weights": "module"}`` for DeepSpeed (each format takes the ones it declares).
     """
     target = Path(target)
-    check_target(target, overwrite=overwrite)
+    try:
+        max_shard_size = parse_size(max_shard_size)
+    except ValueError as e:
+        raise HfMergeError(f"--max-shard-size: {e}") from None
+    # verl scripts merge into actor/huggingface, which holds config and tokenizer only: fill it in place.
+    into_side_files = not overwrite and holds_side_files_only(target)
+    check_target(target, overwrite=overwrite or into_side_files)
     if quantize is not None:  # quantize: options and bitsandbytes are checked before anything is read
         from .transforms.quantize import QuantizeOptions, Quantized, require_bitsandbytes
 
@@ -217,11 +229,23 @@ def merge(
         if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
             views.model = qview = Quantized(views.model, cfg, quantize)
             views.notes.extend(qview.notes)
+        warnings = list(ckpt.info.warnings)
+        if into_side_files:
+            views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
+        if is_value_model and ckpt.info.format != "megatron":
+            views.notes.append("--is-value-model changes nothing here: FSDP critics are saved under their HF names already")
+        written = None
+        if views.model is not None:
+            written, counts = written_dtype(views.model.specs(), skip=qview.group if qview is not None else None)
+            views.notes += _dtype_notes(ckpt, written, counts, requested=dtype)
+        provenance = _provenance(ckpt, cfg, views, base_model_name, written, requested=dtype)
+        if provenance["base_model"] is None:
+            views.notes.append(
+                "base model unknown (config.json has no _name_or_path): pass --base-model-name ORG/NAME to set "
+                "base_model in the model card" + (" and adapter_config.json" if views.adapter is not None else "")
+            )
         for note in ckpt.info.notes + views.notes:
             logger.info(note)
-        for warning in ckpt.info.warnings:
-            logger.warning(warning)
-        provenance = _provenance(ckpt, cfg, views, base_model_name)
         if qview is not None:  # quantize
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
@@ -237,43 +261,67 @@ def merge(
                 # PEFT loads one adapter file: never shard it.
                 views.adapter.specs(), max_shard_size=2**62, metadata=metadata, filename_pattern=ADAPTER_PATTERN
             )
-        with atomic_folder(target, overwrite=overwrite) as tmp:
+        with atomic_folder(target, overwrite=overwrite or into_side_files) as tmp:
+            if into_side_files:
+                copy_side_files(target, tmp)  # the target's own files, refreshed below from the config folder
             if model_plan is not None:
                 digests = write_shards(views.model, model_plan, tmp, workers=workers, desc="Merging", sha256=checksums)
-                write_config(cfg, tmp, dtype=views.out_dtype)
+                write_config(cfg, tmp, dtype=written)
                 copy_side_files(config_dir, tmp)
+                missing = missing_side_files(cfg, sorted(p.name for p in tmp.iterdir()))
+                if missing:
+                    provenance["missing_files"] = missing
+                    warnings.append(_missing_message(missing, config_dir))
                 if checksums:
                     provenance["files"] = digests
-                if verify:
-                    _write_provenance(tmp, provenance)
-                    report = verify_or_raise(
-                        tmp, ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
-                        use_rslora=use_rslora, base_model=base_model, source_options=source_options,
-                    )
-                    provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
-                _write_provenance(tmp, provenance)
-                write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
             if adapter_plan is not None:
                 adapter_dir = tmp if model_plan is None else tmp / ADAPTER_SUBDIR
                 write_shards(views.adapter, adapter_plan, adapter_dir, workers=1, desc="Adapter")
                 (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
                 if model_plan is None:
                     copy_side_files(config_dir, adapter_dir, skip=("generation_config.json",))
-                    _write_provenance(adapter_dir, provenance)
+            if verify:  # the model and/or the adapter, before the folder is moved into place
+                _write_provenance(tmp, provenance)
+                report = verify_or_raise(
+                    tmp, ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
+                    use_rslora=use_rslora, base_model=base_model, source_options=source_options,
+                )
+                provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
+            _write_provenance(tmp, provenance)
+            if model_plan is not None:
+                write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
+            if adapter_plan is not None:
                 write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if model_plan is None else None)
+        for warning in warnings:
+            logger.warning(warning)
         main_plan = model_plan or adapter_plan
-        return MergeResult(
+        adapter = None
+        if adapter_plan is not None and model_plan is not None:
+            adapter = {
+                "path": target / ADAPTER_SUBDIR, "tensors": sum(len(f.specs) for f in adapter_plan.files),
+                "bytes": adapter_plan.total_size, "dtype": provenance["lora"]["adapter_dtype"],
+            }
+        result = MergeResult(
             target=target,
             files=[f.name for f in main_plan.files],
-            dtype=dtype_name(views.out_dtype) if views.out_dtype else None,
+            dtype=provenance["dtype"],
             num_tensors=sum(len(f.specs) for f in main_plan.files),
             total_bytes=main_plan.total_size,
-            notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
+            notes=ckpt.info.notes + views.notes + warnings,
             provenance=provenance,
-            url=push(target, push_to_hub, private=private) if push_to_hub else None,
+            quantization=quantize.mode if qview is not None else None,
+            adapter=adapter,
         )
     finally:
         ckpt.close()
+    if push_to_hub:
+        try:
+            result.url = push(target, push_to_hub, private=private)
+        except HfMergeError as e:
+            raise HubError(
+                f"{e} -- the merged folder {target} was written; retry the upload with: hf-merge push {target} {push_to_hub}"
+            ) from e
+    return result
 
 
 def _write_provenance(folder: Path, provenance: dict[str, Any]) -> None:
@@ -288,9 +336,55 @@ def _framework(info: Any) -> str | None:
     return fmt.framework if fmt is not None else None
 
 
-def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base_model_name: str | None) -> dict[str, Any]:
+def _dtype_notes(ckpt: LazyCheckpoint, written, counts, *, requested) -> list[str]:
+    """Say what config.json's dtype is when the weights are mixed, and when the config's dtype
+    rounds the trained weights (a float32 output is pointed out by the summary line and the card)."""
+    notes = []
+    if written is None:
+        return notes
+    if len(counts) > 1:
+        total = sum(counts.values())
+        others = ", ".join(f"{dtype_name(d)} {100 * n / total:.1f}%" for d, n in counts.items() if d != written)
+        notes.append(f"the weights have mixed dtypes: config.json says {dtype_name(written)}, the majority (others: {others})")
+    trained, _ = written_dtype(ckpt.specs())
+    if trained is not None and written.itemsize < trained.itemsize and requested in (None, "config"):
+        notes.append(
+            f"the checkpoint holds {dtype_name(trained)} weights and its config.json says {dtype_name(written)}: "
+            f"writing {dtype_name(written)} (one rounding per weight); --dtype auto keeps them exact"
+        )
+    return notes
+
+
+def _dtype_option(requested: "str | torch.dtype | None") -> str:
+    if requested is None or requested == "config":
+        return "config"
+    return "auto" if requested == "auto" else dtype_name(parse_dtype(requested))
+
+
+def _missing_message(missing: list[str], config_dir: Path) -> str:
+    what = " and ".join("no tokenizer" if m == "tokenizer" else f"no {m}" for m in missing)
+    return (
+        f"{config_dir} has {what}, so the output has none either (AutoTokenizer would not give the model's "
+        "tokenizer); pass --config DIR with the base model's config and tokenizer files"
+    )
+
+
+def _provenance(
+    ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base_model_name: str | None, written: torch.dtype | None,
+    *, requested: "str | torch.dtype | None" = None,
+) -> dict[str, Any]:
     info = ckpt.info
     out_dtype = views.out_dtype
+    lora = views.lora
+    if lora is not None and views.adapter is not None:
+        adapter_dtype, _ = written_dtype(views.adapter.specs())
+        lora = {**lora, "adapter_dtype": dtype_name(adapter_dtype) if adapter_dtype else None}
+        if views.model is not None:
+            lora["adapter_subfolder"] = ADAPTER_SUBDIR
+    if views.model is not None:
+        shown = dtype_name(written) if written is not None else (dtype_name(out_dtype) if out_dtype else "auto")
+    else:  # an adapter folder alone
+        shown = lora["adapter_dtype"] if lora and lora.get("adapter_dtype") else "auto"
     return {
         "hf_merge_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -302,10 +396,12 @@ def _provenance(ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base
             "step": info.step,
             **{k: v for k, v in info.details.items() if k in ("mesh", "mesh_dim_names", "fsdp_version", "placements")},
         },
-        "dtype": dtype_name(out_dtype) if out_dtype else "auto",
+        "dtype": shown,  # of the written (floating, unquantized) weights, as config.json says
+        # what was asked for ("config", "auto" or a dtype): verify rebuilds the expected tensors with it
+        "dtype_option": _dtype_option(requested),
         "architecture": (config.get("architectures") or [None])[0],
         "base_model": base_model_name or config.get("_name_or_path") or None,
-        "lora": views.lora,
+        "lora": lora,
         "quantization": None,
         "verification": None,
     }

@@ -212,14 +212,14 @@ def write_shards(
     """Write every file of ``plan`` (and the index when sharded) into ``folder``.
 
     Returns ``{file name: sha256 hex digest}`` (``None`` values unless ``sha256``)."""
-    from huggingface_hub.utils import tqdm
+    from .progress import progress_bar
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     n = workers or default_workers(len(plan.files))
     n = max(1, min(n, len(plan.files)))
     digests: dict[str, str | None] = {}
-    with tqdm(total=plan.total_size, unit="B", unit_scale=True, desc=desc) as bar:
+    with progress_bar(total=plan.total_size, unit="B", desc=desc) as bar:
         if n == 1:
             for fp in plan.files:
                 digests[fp.name] = write_file(ckpt, fp, folder, progress=bar.update, sha256=sha256)

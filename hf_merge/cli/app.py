@@ -17,16 +17,10 @@ class _NoteFormatter(logging.Formatter):
         return f"{prefix}: {record.getMessage()}"
 
 
-class _DropOptionalKernelNotice(logging.Filter):
-    """bitsandbytes (imported by peft) warns on every start that an optional download-only CPU
-    kernel is missing; it changes nothing for merging, so the CLI drops that one message."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in record.getMessage()
-
-
 def _setup_logging(quiet: bool) -> None:
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
+    from .._quiet import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # bitsandbytes' optional-kernel notice; int8 layers' cast notice once
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_NoteFormatter())
     log = logging.getLogger("hf_merge")
@@ -39,6 +33,9 @@ def _setup_logging(quiet: bool) -> None:
         disable_progress_bars()
 
 
+TOP_LEVEL_FLAGS = ("-h", "--help", "--version", "-q", "--quiet")
+
+
 def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
     raise KeyboardInterrupt
 
@@ -49,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="hf-merge",
-        description="Turn distributed training checkpoints (verl FSDP / Megatron, DCP) into Hugging Face models.",
+        description="Turn distributed training checkpoints (verl FSDP, verl Megatron / Megatron-Core torch_dist) into Hugging Face models.",
     )
     parser.add_argument("--version", action="version", version=f"hf-merge {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors: no notes, no progress bars")
@@ -74,9 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] not in ("-q", "--quiet") and any(a in ("-q", "--quiet") for a in argv):
         argv = ["--quiet"] + [a for a in argv if a not in ("-q", "--quiet")]  # -q anywhere on the line
     commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if argv and not argv[0].startswith("-") and argv[0] not in commands:
-        argv.insert(0, "merge")  # `hf-merge SRC TGT` and `hf merge SRC TGT` mean merge
-    args = parser.parse_args(argv)
+    first = 1 if argv[:1] == ["--quiet"] else 0
+    if len(argv) > first and argv[first] not in commands and argv[first] not in TOP_LEVEL_FLAGS:
+        # `hf-merge SRC TGT`, `hf merge SRC TGT` and `hf merge --backend fsdp --local_dir ...` mean merge
+        argv.insert(first, "merge")
+    from ._args import check_flags, reject_unknown
+
+    check_flags(parser, argv)  # a misspelled flag: a suggestion and the command's usage
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        reject_unknown(parser, getattr(args, "command", None), extra)
     _setup_logging(args.quiet)
     try:
         return int(args.run(args) or 0)

@@ -6,7 +6,12 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("install-extension", help="register hf-merge so that `hf merge ...` runs it (offline)")
+    p = sub.add_parser(
+        "install-extension",
+        help="register hf-merge so that `hf merge ...` runs it (offline)",
+        description="Write the manifest huggingface_hub's `hf` CLI reads for extensions "
+        "(~/.local/share/hf/extensions/hf-merge/), so that `hf merge ARGS` runs `hf-merge ARGS`. No network.",
+    )
     p.add_argument("--executable", default=None, help="path of the hf-merge executable (default: this environment's)")
     p.set_defaults(run=run)
 

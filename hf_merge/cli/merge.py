@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
-
-from ._formats import add_backend_argument
 import logging
 import sys
+
+from ..progress import human_bytes
+from ._args import dtype_arg, float_dtype_arg, size_arg
+
+from ._formats import add_backend_argument
 
 logger = logging.getLogger("hf_merge.cli")
 
@@ -19,7 +22,9 @@ EXAMPLES = """examples:
 
 # verl flags that change nothing here, with the reason shown once when given.
 IGNORED_VERL_FLAGS = {
-    "use_cpu_initialization": "--use_cpu_initialization is not needed: hf-merge never builds the model to merge",
+    "use_cpu_initialization": "--use_cpu_initialization changes nothing: hf-merge never builds the model to merge",
+    "trust_remote_code": "--trust-remote-code changes nothing: hf-merge reads config.json as JSON and copies remote-code files without running them",
+    "tie_word_embedding": "--tie-word-embedding changes nothing: tied weights follow tie_word_embeddings in config.json",
 }
 
 
@@ -39,17 +44,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default=None,
-        choices=["float32", "bfloat16", "float16", "auto"],
-        help="output dtype; default: the config's dtype; auto: keep the checkpoint's",
+        type=dtype_arg,
+        metavar="{float32,bfloat16,float16,auto}",
+        help="output dtype (aliases fp32, bf16, fp16); default: the dtype in the checkpoint's config.json; "
+        "auto: keep the shards' dtype",
     )
-    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    p.add_argument("--max-shard-size", default="5GB", type=size_arg, metavar="SIZE",
+                   help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
     p.add_argument("--workers", type=int, default=None, help="processes writing output files (default: one per file, one per two CPUs, at most 8)")
     p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
-    p.add_argument("--trust-remote-code", action="store_true", help="accepted for verl compatibility; hf-merge never runs checkpoint code to merge")
+    p.add_argument("--trust-remote-code", action="store_true", help="verl compatibility; changes nothing: hf-merge never runs checkpoint code")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
-    p.add_argument("--is-value-model", action="store_true", default=None, help="write a critic's value head as score.weight (Megatron)")
-    p.add_argument("--tie-word-embedding", action="store_true", help="accepted for verl compatibility; ties follow config.json")
-    p.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--is-value-model", action="store_true", default=None,
+                   help="write a critic's value head as score.weight (Megatron; detected from the head's shape otherwise)")
+    p.add_argument("--tie-word-embedding", action="store_true", help="verl compatibility; changes nothing: ties follow config.json")
+    p.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true",
+                   help="verl compatibility; changes nothing: hf-merge never builds the model")
     p.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag to read (default: the one named in `latest`)")
     p.add_argument("--source-weights", choices=["master", "module"], default=None,
                    help="DeepSpeed: master (default): the fp32 master weights; module: the 16-bit module weights (ZeRO 1/2)")
@@ -70,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q = p.add_argument_group("quantized output (needs: pip install 'hf-merge[quantize]')")
     q.add_argument("--quantize", choices=["nf4", "fp4", "int8"], default=None, help="write bitsandbytes 4-bit (nf4, fp4) or 8-bit (int8) weights, as transformers saves them")
     q.add_argument("--double-quant", action="store_true", help="4-bit: quantize the scales too (bnb_4bit_use_double_quant)")
-    q.add_argument("--quant-compute-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="4-bit: bnb_4bit_compute_dtype (default: the output dtype)")
+    q.add_argument("--quant-compute-dtype", type=float_dtype_arg, metavar="{float32,bfloat16,float16}", default=None, help="4-bit: bnb_4bit_compute_dtype (default: the output dtype)")
     q.add_argument("--quant-skip-modules", default=None, metavar="M1,M2", help="comma-separated modules to keep unquantized, besides lm_head and tied embeddings (llm_int8_skip_modules matching)")
     p.set_defaults(run=run)
 
@@ -113,16 +123,35 @@ def run(args: argparse.Namespace) -> int:
         source_options={"tag": args.tag, "source_weights": args.source_weights},
     )
     if args.json:
+        adapter = {**result.adapter, "path": str(result.adapter["path"])} if result.adapter else None
         print(json.dumps({
-            "target": str(result.target), "files": result.files, "dtype": result.dtype,
-            "tensors": result.num_tensors, "bytes": result.total_bytes, "notes": result.notes, "url": result.url,
+            "target": str(result.target), "files": result.files, "dtype": result.dtype, "quantization": result.quantization,
+            "tensors": result.num_tensors, "bytes": result.total_bytes, "adapter": adapter, "notes": result.notes,
+            "url": result.url,
         }, indent=2))
     elif not getattr(args, "quiet", False):
-        size = result.total_bytes / 1e9
-        print(f"wrote {result.target} ({result.num_tensors} tensors, {size:.2f} GB, {len(result.files)} file(s), dtype {result.dtype or 'as trained'})", file=sys.stderr)
+        print(summary_line(result), file=sys.stderr)
         if result.url:
             print(f"pushed to {result.url}", file=sys.stderr)
     return 0
+
+
+def summary_line(result) -> str:
+    """``wrote TARGET (27 tensors, 1.23 GB, 1 file, dtype bfloat16)``, plus the adapter of a LoRA
+    ``both`` merge, the quantization, and how to halve a float32 output."""
+    files = f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}"
+    if result.quantization:
+        dtype = f"{result.quantization} (bitsandbytes), other tensors {result.dtype}"
+    else:
+        dtype = f"dtype {result.dtype}"
+    kind = "the LoRA adapter " if (result.provenance.get("lora") or {}).get("mode") == "adapter" else ""
+    line = f"wrote {kind}{result.target} ({result.num_tensors} tensors, {human_bytes(result.total_bytes)}, {files}, {dtype})"
+    if result.adapter:
+        a = result.adapter
+        line += f" and its LoRA adapter {a['path']} ({a['tensors']} tensors, {human_bytes(a['bytes'])}, dtype {a['dtype']})"
+    if result.dtype == "float32" and not result.quantization and not kind:
+        line += "; float32 is exact, --dtype bfloat16 writes half the size"
+    return line
 
 
 def _quantize_options(args: argparse.Namespace):

@@ -8,7 +8,7 @@ each rank's piece straight into its place in the caller's buffer.
 
 Sharding follows DTensor's ``Shard(d)`` semantics (``torch.chunk``): chunk size ``ceil(n/k)``, the
 last chunks short or empty. ``Replicate`` mesh dimensions are read from coordinate 0 only, so an
-HSDP checkpoint reads one replica group.
+HSDP checkpoint reads one replica group (``verify`` compares the other groups with it).
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ class _Layout:
     spec: TensorSpec
     pieces: tuple[_Piece, ...]
     placements: str  # for inspect, e.g. "(Shard(dim=0),)" or "plain"
+    replicas: tuple[tuple[int, int], ...] = ()  # (rank, rank of the piece read): copies not read (HSDP)
 
 
 def _chunk_range(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
@@ -146,7 +147,7 @@ def _chunk_range(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(start + step, hi)
 
 
-def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piece, ...], str]:
+def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piece, ...], str, tuple[tuple[int, int], ...]]:
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = value.device_mesh
@@ -163,10 +164,13 @@ def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piec
             f"{name}: device mesh {tuple(ranks.shape)} has {ranks.numel()} ranks but the world size is {world_size}"
         )
     shape = tuple(value.shape)
-    pieces = []
+    pieces, replicas = [], []
     for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape]).reshape(-1, ranks.dim()).tolist():
         if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord)):
-            continue  # another replica of a piece read from coordinate 0
+            # another replica of a piece read from coordinate 0 (verify checks that they agree)
+            primary = [0 if isinstance(p, Replicate) else c for p, c in zip(placements, coord)]
+            replicas.append((int(ranks[tuple(coord)]), int(ranks[tuple(primary)])))
+            continue
         bounds = [(0, n) for n in shape]
         for mesh_dim, (p, c) in enumerate(zip(placements, coord)):
             if isinstance(p, Shard):
@@ -174,7 +178,7 @@ def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piec
                 bounds[p.dim] = _chunk_range(lo, hi, ranks.shape[mesh_dim], c)
         rank = int(ranks[tuple(coord)])
         pieces.append(_Piece(rank, tuple(slice(lo, hi) for lo, hi in bounds)))
-    return tuple(pieces), str(placements)
+    return tuple(pieces), str(placements), tuple(replicas)
 
 
 class FsdpCheckpoint(LazyCheckpoint):
@@ -245,7 +249,7 @@ class FsdpCheckpoint(LazyCheckpoint):
             meta = value._spec.tensor_meta
             if meta is not None and tuple(meta.shape) != tuple(value.shape):
                 raise CorruptCheckpointError(f"{name}: DTensor shape {tuple(value.shape)} != its spec {tuple(meta.shape)}")
-            pieces, placements = _dtensor_pieces(name, value, self.world_size)
+            pieces, placements, replicas = _dtensor_pieces(name, value, self.world_size)
             mesh_info.setdefault("mesh", list(value.device_mesh.mesh.shape))
             mesh_info.setdefault("names", list(value.device_mesh.mesh_dim_names or ()))
             spec = TensorSpec(name, tuple(value.shape), value.dtype)
@@ -254,6 +258,7 @@ class FsdpCheckpoint(LazyCheckpoint):
             spec = TensorSpec(name, tuple(value.shape), value.dtype)
             pieces = (_Piece(0, tuple(slice(0, n) for n in value.shape)),)
             placements = "plain"
+            replicas = tuple((r, 0) for r in range(1, self.world_size))
         else:
             raise UnsupportedCheckpointError(
                 f"{name} in rank 0 is a {type(value).__name__}, not a tensor; is this a model state dict?"
@@ -261,7 +266,7 @@ class FsdpCheckpoint(LazyCheckpoint):
         covered = sum(math.prod(s.stop - s.start for s in p.index) for p in pieces)
         if covered != spec.numel:
             raise CorruptCheckpointError(f"{name}: the pieces cover {covered} of {spec.numel} elements")
-        return _Layout(spec, pieces, placements)
+        return _Layout(spec, pieces, placements, replicas)
 
     def _check_rank(self, rank: int) -> None:
         state = self._state(rank)
@@ -294,6 +299,25 @@ class FsdpCheckpoint(LazyCheckpoint):
 
     def placements(self) -> dict[str, str]:
         return {name: lay.placements for name, lay in self._layouts.items()}
+
+    def replica_differences(self) -> tuple[int, list[str]]:
+        """Compare every copy that is not read (HSDP replica groups, plain buffers saved by every
+        rank) byte for byte with the copy that is: ``(copies compared, differences)``. A diverged
+        replica means the replicas trained apart."""
+        compared, differ = 0, []
+        for rank in sorted({r for lay in self._layouts.values() for r, _ in lay.replicas}):
+            self._check_rank(rank)
+        for name, lay in self._layouts.items():
+            for rank, primary in lay.replicas:
+                a, b = _local(self._state(rank)[name]), _local(self._state(primary)[name])
+                compared += 1
+                if a.shape != b.shape or not torch.equal(_bytes(a), _bytes(b)):
+                    diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape and a.numel() else float("nan")
+                    differ.append(
+                        f"{name}: rank {rank} holds other values than rank {primary}, its replica "
+                        f"(max abs diff {diff:.3g}); the replicas diverged in training"
+                    )
+        return compared, differ
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         lay = self._layouts[name]
@@ -331,6 +355,10 @@ class FsdpCheckpoint(LazyCheckpoint):
 
 def _local(value: Any) -> torch.Tensor:
     return value._local_tensor if hasattr(value, "_local_tensor") else value
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
 
 
 def open_fsdp(path: Path, *, config_dir: Path | None = None) -> FsdpCheckpoint:

@@ -1,0 +1,398 @@
+"""What a new user stumbles on (issue 16): dtype in config.json and in every report, adapter and
+HSDP verification, verl's spellings (`hf merge --backend ...`, `test`, `--target_dir .../huggingface`),
+argument parsing, plain progress in logs, missing tokenizer, failed push, inspect's table.
+
+CLI checks run in-process (``hf_merge.cli.app.main``): the process boundary is not what they test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import folder_tensors, read_json
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from test_hub import TOKEN, hub, inproc  # noqa: F401 - the Hub stand-in fixtures
+
+import hf_merge
+from hf_merge.cli import app
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """app.main points the hf_merge logger at this test's captured stderr: undo it afterwards."""
+    log = logging.getLogger("hf_merge")
+    saved = log.handlers[:], log.level, log.propagate
+    yield
+    log.handlers[:], log.level, log.propagate = saved
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    rc = app.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def usage_error(capsys, *args) -> str:
+    """argparse's exit 2 with the subcommand's usage; returns stderr."""
+    with pytest.raises(SystemExit) as info:
+        app.main([str(a) for a in args])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def file_dtypes(folder: Path) -> set[str]:
+    dtypes = set()
+    for path in Path(folder).glob("*.safetensors"):
+        header_len = int.from_bytes(path.read_bytes()[:8], "little")
+        header = json.loads(path.read_bytes()[8 : 8 + header_len])
+        dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return dtypes
+
+
+@pytest.fixture
+def actor_copy(qwen2_fp32_ws2, tmp_path):
+    return Path(shutil.copytree(qwen2_fp32_ws2.actor, tmp_path / "actor"))
+
+
+# --- 1, 12: config.json names the dtype written; fp32 and downcasts are announced -------------
+
+
+def test_dtype_auto_writes_float32_config_and_loads_float32(qwen2_fp32_ws2, tmp_path, capsys):
+    target = tmp_path / "auto"
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, target, "--dtype", "auto")
+    assert rc == 0, err
+    assert file_dtypes(target) == {"F32"}
+    assert read_json(target / "config.json")["dtype"] == "float32"  # the source config says bfloat16
+    assert read_json(target / "hf_merge.json")["dtype"] == "float32"
+    assert "dtype float32); float32 is exact, --dtype bfloat16 writes half the size" in err
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target)  # no dtype given: the config's
+    assert model.dtype == torch.float32
+    assert "`float32` (exact; merge with `--dtype bfloat16`" in (target / "README.md").read_text()
+
+
+def test_default_downcast_is_announced_and_float32_config_stays_exact(actor_copy, tmp_path, capsys):
+    rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "bf16")
+    assert rc == 0
+    assert "holds float32 weights and its config.json says bfloat16: writing bfloat16 (one rounding per weight)" in err
+    assert "dtype bfloat16)" in err and file_dtypes(tmp_path / "bf16") == {"BF16"}
+    # verl 0.9.1 writes "dtype": "float32" for fp32 training: exact by default, and said so
+    cfg_path = actor_copy / "huggingface" / "config.json"
+    cfg = read_json(cfg_path)
+    cfg_path.write_text(json.dumps({**cfg, "dtype": "float32"}))
+    rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "fp32")
+    assert rc == 0 and file_dtypes(tmp_path / "fp32") == {"F32"}
+    assert "dtype float32); float32 is exact, --dtype bfloat16 writes half the size" in err
+    assert "one rounding per weight); --dtype auto" not in err
+
+
+def test_written_dtype_is_the_majority_of_floating_elements():
+    from hf_merge.hf_files import written_dtype
+    from hf_merge.spec import TensorSpec
+
+    specs = {
+        "w": TensorSpec("w", (64, 64), torch.bfloat16),
+        "norm": TensorSpec("norm", (64,), torch.float32),
+        "packed": TensorSpec("packed", (10_000,), torch.uint8),
+    }
+    dtype, counts = written_dtype(specs)
+    assert dtype == torch.bfloat16 and counts == {torch.bfloat16: 4096, torch.float32: 64}
+    assert written_dtype(specs, skip=lambda s: s.name == "w")[0] == torch.float32
+    assert written_dtype({"p": specs["packed"]}) == (None, {})
+
+
+def test_missing_base_model_name_says_how_to_set_it(actor_copy, tmp_path, capsys):
+    cfg_path = actor_copy / "huggingface" / "config.json"
+    cfg = read_json(cfg_path)
+    del cfg["_name_or_path"]
+    cfg_path.write_text(json.dumps(cfg))
+    rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "m")
+    assert rc == 0 and "pass --base-model-name ORG/NAME" in err
+    assert "merge with `--base-model-name ORG/NAME`" in (tmp_path / "m" / "README.md").read_text()
+
+
+# --- 2, 3: adapters are verified and reported with their own dtype ---------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_both(lora_ckpt, tmp_path_factory):
+    target = tmp_path_factory.mktemp("both") / "merged"
+    result = hf_merge.merge(lora_ckpt.actor, target, lora="both", verify=True)
+    return target, result
+
+
+def test_adapter_merge_verifies_and_reports_its_dtype(lora_ckpt, tmp_path, capsys):
+    target = tmp_path / "adapter"
+    rc, _, err = cli(capsys, "merge", lora_ckpt.actor, target, "--lora", "adapter", "--verify")
+    assert rc == 0, err
+    prov = read_json(target / "hf_merge.json")
+    assert prov["verification"]["passed"] is True and prov["dtype"] == "float32"
+    assert prov["lora"]["adapter_dtype"] == "float32" and file_dtypes(target) == {"F32"}
+    assert "wrote the LoRA adapter" in err and "dtype float32" in err and "bfloat16" not in err.split("wrote")[-1]
+    assert "`float32`" in (target / "README.md").read_text()
+    # the adapter equals PEFT's own save_pretrained, and verify checks it against the source
+    want = load_file(lora_ckpt.reference_adapter / "adapter_model.safetensors")
+    got = load_file(target / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)
+    rc, out, _ = cli(capsys, "verify", target, "--against", lora_ckpt.actor)
+    assert rc == 0, out
+    assert re.search(r"^adapter_config.json +ok", out, re.M) and "bit-exact" in out
+
+
+def test_verify_adapter_detects_a_changed_lora_b_and_config(lora_ckpt, tmp_path, capsys):
+    target = tmp_path / "adapter"
+    hf_merge.merge(lora_ckpt.actor, target, lora="adapter")
+    path = target / "adapter_model.safetensors"
+    tensors = load_file(path)
+    name = next(k for k in tensors if k.endswith("lora_B.weight"))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1e-3
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = read_json(target / "adapter_config.json")
+    (target / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 99}))
+    rc, out, err = cli(capsys, "verify", target, "--against", lora_ckpt.actor)
+    assert rc == 1
+    assert f"{name}: not bit-identical" in out
+    assert "adapter_config.json: lora_alpha is 99, the checkpoint gives 8" in out
+
+
+def test_both_merge_verifies_the_adapter_folder_too(lora_both, lora_ckpt, tmp_path, capsys):
+    target, result = lora_both
+    assert result.provenance["verification"]["passed"]
+    assert result.adapter["dtype"] == "float32" and result.adapter["tensors"] == 2 * 7 * 2
+    from hf_merge.cli.merge import summary_line
+
+    line = summary_line(result)
+    assert f"and its LoRA adapter {target / 'lora_adapter'} (28 tensors, " in line and "kB" in line and "0.00 GB" not in line
+    bad = Path(shutil.copytree(target, tmp_path / "bad"))
+    path = bad / "lora_adapter" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = -tensors[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+    rc, out, _ = cli(capsys, "verify", bad, "--against", lora_ckpt.actor)
+    assert rc == 1
+    assert "values" in out and f"adapter: {name}: not bit-identical" in out
+    assert re.search(r"^file checksums +ok", out, re.M)  # the model folder itself is intact
+
+
+def test_quantized_summary_names_the_mode(qwen2_fp32_ws2, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "q", "--quantize", "int8")
+    assert rc == 0, err
+    assert "int8 (bitsandbytes), other tensors bfloat16)" in err
+    assert "`int8` weights (bitsandbytes), other tensors `bfloat16`" in (tmp_path / "q" / "README.md").read_text()
+
+
+# --- 4: verl drop-in ------------------------------------------------------------------------
+
+
+def test_hf_extension_spelling_implies_merge_and_flags_say_they_change_nothing(qwen2_fp32_ws2, tmp_path, capsys):
+    # `hf merge --backend fsdp ...` runs `hf-merge --backend fsdp ...`
+    rc, _, err = cli(
+        capsys, "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--target_dir", tmp_path / "m",
+        "--tie-word-embedding", "--trust-remote-code", "--is-value-model", "--use_cpu_initialization",
+    )
+    assert rc == 0, err
+    notes = [ln for ln in err.splitlines() if "changes nothing" in ln]
+    assert len(notes) == 4, err
+    assert all(len(ln) < 200 for ln in notes)
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_merge_into_verls_actor_huggingface_keeps_its_files(actor_copy, qwen2_fp32_ws2, capsys):
+    hf = actor_copy / "huggingface"
+    (hf / "chat_template.jinja").write_text("{{ messages }}")
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+    rc, _, err = cli(capsys, "merge", "--backend", "fsdp", "--local_dir", actor_copy, "--target_dir", hf)
+    assert rc == 0, err
+    assert "holds config/tokenizer files only: merging into it" in err
+    for name, data in before.items():
+        if name != "config.json":
+            assert (hf / name).read_bytes() == data, name
+    assert read_json(hf / "config.json")["architectures"] == ["Qwen2ForCausalLM"]
+    ref = folder_tensors(qwen2_fp32_ws2.reference)
+    got = folder_tensors(hf)
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k].to(torch.bfloat16)) for k in ref)
+    # now it holds weights: a second merge is refused as for any model folder
+    rc, _, err = cli(capsys, "merge", actor_copy, hf)
+    assert rc == 2 and "pass --overwrite" in err
+
+
+def test_verl_test_subcommand(qwen2_fp32_ws2, tmp_path, capsys):
+    ref = qwen2_fp32_ws2.reference
+    rc, out, err = cli(capsys, "test", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", ref)
+    assert rc == 0, out + err
+    assert "values" in out and "max abs diff 0" in out
+    bad = Path(shutil.copytree(ref, tmp_path / "ref"))
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    rc, out, err = cli(capsys, "test", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", bad)
+    assert rc == 1 and "model.norm.weight: max abs diff" in out and "does not match" in err
+
+
+def test_help_texts(capsys):
+    parser = app.build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, p in sub.choices.items():
+        assert p.description, name
+        for action in p._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+    with pytest.raises(SystemExit):
+        app.main(["merge", "--help"])
+    out = capsys.readouterr().out
+    assert "--use_cpu_initialization" in out and "bf16" in out
+    assert "DCP" not in parser.description
+
+
+# --- 5: arguments ---------------------------------------------------------------------------
+
+
+def test_sizes_and_dtype_aliases_are_parsed_before_anything_is_read(qwen2_fp32_ws2, tmp_path, capsys):
+    err = usage_error(capsys, "merge", tmp_path / "does-not-exist", tmp_path / "o", "--max-shard-size", "2X")
+    assert "usage: hf-merge merge" in err and "cannot read the size '2X'" in err and "Traceback" not in err
+    err = usage_error(capsys, "merge", tmp_path / "x", tmp_path / "o", "--dtype", "bfloat")
+    assert "unknown dtype 'bfloat' (did you mean bfloat16?)" in err
+    target = tmp_path / "m"
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, target, "--max-shard-size", "150kB", "--dtype", "fp32")
+    assert rc == 0, err
+    index = read_json(target / "model.safetensors.index.json")
+    assert len(set(index["weight_map"].values())) > 1 and file_dtypes(target) == {"F32"}
+    from hf_merge.plan import parse_size
+
+    assert [parse_size(s) for s in ("2G", "2GB", "2gb", "1.5GB", "4GiB", "500M", "123")] == [
+        2 * 10**9, 2 * 10**9, 2 * 10**9, 1_500_000_000, 4 * 2**30, 500 * 10**6, 123]
+
+
+def test_misspelled_flag_gets_a_suggestion_and_the_subcommand_usage(tmp_path, capsys):
+    err = usage_error(capsys, "merge", tmp_path / "a", tmp_path / "b", "--max-shard-sise", "2G")
+    assert "usage: hf-merge merge" in err
+    assert "unrecognized argument --max-shard-sise (did you mean --max-shard-size?)" in err
+    err = usage_error(capsys, "verify", tmp_path / "a", "--againts", tmp_path / "b")
+    assert "usage: hf-merge verify" in err and "did you mean --against?" in err
+
+
+# --- 6: progress in logs ----------------------------------------------------------------------
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(qwen2_fp32_ws2, tmp_path, capsys, monkeypatch):
+    from hf_merge import progress
+
+    monkeypatch.setattr(progress, "PLAIN_INTERVAL", 0.0)  # a line per update
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "m", "--max-shard-size", "150kB", "--workers", "1")
+    assert rc == 0 and "\r" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("note: Merging: ")]
+    assert lines and lines[-1].startswith("note: Merging: 100% (") and "B of " in lines[-1]
+
+
+def test_plain_progress_is_periodic():
+    from hf_merge.progress import PlainProgress
+
+    now = [0.0]
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    log = logging.getLogger("hf_merge.progress")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.INFO)
+    try:
+        bar = PlainProgress(total=3_000_000, desc="Merging", interval=30, clock=lambda: now[0])
+        for t in (1, 10, 31, 40, 62):
+            now[0] = t
+            bar.update(500_000)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    assert records == ["Merging: 50% (1.5 MB of 3 MB)", "Merging: 83% (2.5 MB of 3 MB)"]
+
+
+# --- 7, 8: missing tokenizer, failed push ------------------------------------------------------
+
+
+def test_missing_tokenizer_and_generation_config_warn(actor_copy, tmp_path, capsys):
+    hf = actor_copy / "huggingface"
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"):
+        (hf / name).unlink(missing_ok=True)
+    rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "m")
+    assert rc == 0
+    warning = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert len(warning) == 1 and "no tokenizer and no generation_config.json" in warning[0]
+    assert "pass --config DIR" in warning[0]
+    assert read_json(tmp_path / "m" / "hf_merge.json")["missing_files"] == ["tokenizer", "generation_config.json"]
+    assert "Not included | no tokenizer" in (tmp_path / "m" / "README.md").read_text()
+
+
+def test_failed_push_says_the_folder_was_written_and_how_to_retry(inproc, qwen2_fp32_ws2, tmp_path, capsys):  # noqa: F811
+    inproc.fail(500, path_contains="/commit/")
+    target = tmp_path / "m"
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, target, "--push-to-hub", "tester/tiny")
+    assert rc == 2 and (target / "model.safetensors").is_file()
+    assert f"the merged folder {target} was written; retry the upload with: hf-merge push {target} tester/tiny" in err
+    rc, out, err = cli(capsys, "push", target, "tester/tiny")
+    assert rc == 0, err
+    assert inproc.repos["tester/tiny"].files["model.safetensors"] == (target / "model.safetensors").read_bytes()
+
+
+# --- 9: verify's hints ---------------------------------------------------------------------------
+
+
+def test_verify_against_folder_of_another_dtype_says_so_first(qwen2_fp32_ws2, tmp_path, capsys):
+    target = tmp_path / "bf16"
+    hf_merge.merge(qwen2_fp32_ws2.actor, target)
+    rc, out, _ = cli(capsys, "verify", target, "--against", qwen2_fp32_ws2.reference, "--logits", "--logits-atol", "1e-9")
+    assert rc == 1
+    first = out.splitlines()[0]
+    assert first.startswith("note: the dtypes differ: target bfloat16, reference float32") and "--rtol 0.0039" in first
+    assert "a larger --logits-atol allows it" in out
+    rc, out, _ = cli(capsys, "verify", target, "--against", qwen2_fp32_ws2.reference, "--rtol", "0.0039")
+    assert rc == 0, out
+
+
+# --- 10: inspect ---------------------------------------------------------------------------------
+
+
+def test_inspect_table_and_json(hsdp_ckpt, capsys):
+    rc, out, _ = cli(capsys, "inspect", hsdp_ckpt.actor, "--tensors")
+    assert rc == 0
+    assert "None" not in out and '["' not in out and "(Shard(dim=0),)" not in out
+    assert "device mesh  ddp=2 x fsdp=2" in out and "Replicate(), Shard(dim=0)" in out
+    assert "ranks read" in out and "(the others are replicas)" in out
+    rc, out, _ = cli(capsys, "inspect", hsdp_ckpt.actor, "--json")
+    data = json.loads(out)
+    assert data["world_size"] == 4 and data["mesh"] == [2, 2]
+
+
+# --- 13: HSDP replicas ----------------------------------------------------------------------------
+
+
+def test_verify_checks_hsdp_replicas(hsdp_ckpt, tmp_path, capsys):
+    target = tmp_path / "m"
+    hf_merge.merge(hsdp_ckpt.actor, target)
+    rc, out, _ = cli(capsys, "verify", target, "--against", hsdp_ckpt.actor)
+    assert rc == 0, out
+    assert "replicas" in out and "equal the merged ones" in out
+    # rank 2 (replica group 1) diverges in one element of one tensor
+    actor = Path(shutil.copytree(hsdp_ckpt.actor, tmp_path / "actor"))
+    from hf_merge.readers.safe_pickle import load_rank_file
+
+    path = actor / "model_world_size_4_rank_2.pt"
+    state = load_rank_file(path)
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name]._local_tensor.view(-1)[0] += 1  # a private (copy-on-write) mapping: the file is unchanged
+    torch.save(state, tmp_path / "rank2.pt")
+    del state
+    (tmp_path / "rank2.pt").replace(path)
+    rc, out, _ = cli(capsys, "verify", target, "--against", actor)
+    assert rc == 1
+    assert f"{name}: rank 2 holds other values than rank 0, its replica" in out
+    assert re.search(r"^file checksums +ok", out, re.M) and "bit-exact" in out  # the merged group still matches
