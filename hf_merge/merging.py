@@ -13,6 +13,7 @@ import torch
 
 from . import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
+from .errors import HfMergeError
 from .hf_files import checkpoint_config, copy_side_files, resolve_dtype, tied_pairs, write_config
 from .hub import push, write_card
 from .output import atomic_folder, check_target
@@ -163,6 +164,8 @@ def merge(
     push_to_hub: str | None = None,
     private: bool | None = None,
     is_value_model: bool | None = None,
+    gguf: str | None = None,
+    gguf_pre_tokenizer: str | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -187,7 +190,19 @@ def merge(
         push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
         is_value_model: the checkpoint is a critic: write its value head as ``score.weight`` of a
             ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
+        gguf / gguf_pre_tokenizer: write one GGUF file (``"f32"``, ``"bf16"``, ``"q8_0"``, ...) for
+            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`).
     """
+    if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
+        from .gguf.convert import merge_gguf
+
+        if quantize is not None or verify:
+            raise HfMergeError("--gguf writes its own quantized types; it does not combine with --quantize or --verify")
+        return merge_gguf(
+            source, target, gguf, backend=backend, dtype=dtype, config=config, overwrite=overwrite, lora=lora,
+            lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
+            pre_tokenizer=gguf_pre_tokenizer, push_to_hub=push_to_hub, private=private, is_value_model=is_value_model,
+        )
     target = Path(target)
     check_target(target, overwrite=overwrite)
     if quantize is not None:  # quantize: options and bitsandbytes are checked before anything is read

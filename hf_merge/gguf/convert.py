@@ -1,0 +1,111 @@
+"""``merge(..., gguf=TYPE)``: any source -> (LoRA fused) -> one GGUF file in an atomic folder.
+
+The same stack as the safetensors merge (open -> transforms -> writer): the model view keeps each
+tensor's stored dtype (the GGUF type decides what is written), the tied alias is dropped (no
+``output.weight``), and the folder gets the ``.gguf``, the model card and ``hf_merge.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import HfMergeError, LoraError, QuantizationError
+
+logger = logging.getLogger(__name__)
+
+
+def require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise QuantizationError("GGUF output needs the gguf package: pip install 'hf-merge[gguf]'") from None
+
+
+def file_name(model_name: str, type_name: str) -> str:
+    """``Qwen2-7B`` + ``q8_0`` -> ``Qwen2-7B-q8_0.gguf`` (characters unsafe in a file name become ``-``)."""
+    safe = re.sub(r"[^A-Za-z0-9._+-]+", "-", model_name).strip("-.") or "model"
+    return f"{safe}-{type_name}.gguf"
+
+
+def model_name(config: dict[str, Any], base_model_name: str | None, target: Path) -> str:
+    """The model's name for ``general.name`` and the file: base model name, ``_name_or_path`` or the target."""
+    for value in (base_model_name, config.get("_name_or_path")):
+        if value:
+            return str(value).rstrip("/").split("/")[-1]
+    return Path(target).name
+
+
+def merge_gguf(
+    source: "str | Path",
+    target: "str | Path",
+    gguf_type: str,
+    *,
+    backend: str = "auto",
+    dtype: Any = None,
+    config: "str | Path | None" = None,
+    overwrite: bool = False,
+    lora: str = "both",
+    lora_alpha: float | None = None,
+    use_rslora: bool | None = None,
+    base_model: "str | Path | None" = None,
+    base_model_name: str | None = None,
+    pre_tokenizer: str | None = None,
+    push_to_hub: str | None = None,
+    private: bool | None = None,
+    is_value_model: bool | None = None,
+):
+    """Write ``TARGET/<name>-<type>.gguf`` (+ README.md, hf_merge.json); see :func:`hf_merge.merge`."""
+    from .. import merging
+    from ..checkpoint import open_checkpoint
+    from ..hf_files import checkpoint_config
+    from ..hub import push, write_card
+    from ..output import atomic_folder, check_target
+    from . import quant
+    from .arch import arch_for
+    from .tokenizer import load_vocab
+    from .writer import write_gguf
+
+    target = Path(target)
+    check_target(target, overwrite=overwrite)
+    ftype = quant.file_type(gguf_type)
+    require_gguf()
+    if dtype not in (None, "auto"):
+        raise HfMergeError(f"--dtype {dtype} does not apply to GGUF output; the --gguf type ({ftype.name}) decides what is written")
+    if lora == "adapter":
+        raise LoraError("--lora adapter with --gguf: GGUF LoRA adapter files are not written yet; use --lora fuse")
+    ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model)
+    try:
+        config_dir, cfg = checkpoint_config(ckpt.info)
+        arch_for(cfg)  # unsupported architectures are refused before anything is read
+        views = merging.build_views(
+            ckpt, cfg, dtype="auto", lora="fuse", lora_alpha=lora_alpha, use_rslora=use_rslora,
+            base_model=base_model, base_model_name=base_model_name,
+        )
+        vocab = load_vocab(config_dir, cfg["vocab_size"], pre_tokenizer=pre_tokenizer)
+        for note in ckpt.info.notes + views.notes:
+            logger.info(note)
+        for warning in ckpt.info.warnings:
+            logger.warning(warning)
+        name = model_name(cfg, base_model_name, target)
+        fname = file_name(name, ftype.name)
+        provenance = merging._provenance(ckpt, cfg, views, base_model_name)
+        with atomic_folder(target, overwrite=overwrite) as tmp:
+            planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
+            types = sorted({t.type_name for t in planned})
+            provenance["dtype"] = ftype.name
+            provenance["gguf"] = {
+                "file": fname, "type": ftype.name, "architecture": arch_for(cfg).name, "tensor_types": types,
+                "tokenizer": {"model": vocab.model, "pre": vocab.pre},
+            }
+            merging._write_provenance(tmp, provenance)
+            write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
+        return merging.MergeResult(
+            target=target, files=[fname], dtype=ftype.name, num_tensors=len(planned),
+            total_bytes=(target / fname).stat().st_size, notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
+            provenance=provenance, url=push(target, push_to_hub, private=private) if push_to_hub else None,
+        )
+    finally:
+        ckpt.close()
