@@ -30,9 +30,10 @@ def file_name(model_name: str, type_name: str) -> str:
     return f"{safe}-{type_name}.gguf"
 
 
-def model_name(config: dict[str, Any], base_model_name: str | None, target: Path) -> str:
-    """The model's name for ``general.name`` and the file: base model name, ``_name_or_path`` or the target."""
-    for value in (base_model_name, config.get("_name_or_path")):
+def model_name(config: dict[str, Any], base_model_name: str | None, source_dir: Path | None, target: Path) -> str:
+    """The model's name for ``general.name`` and the file: ``--base-model-name``, config.json's
+    ``_name_or_path``, a Hugging Face source folder's name, else the target folder's."""
+    for value in (base_model_name, config.get("_name_or_path"), source_dir and source_dir.name):
         if value:
             return str(value).rstrip("/").split("/")[-1]
     return Path(target).name
@@ -89,7 +90,7 @@ def merge_gguf(
             logger.info(note)
         for warning in ckpt.info.warnings:
             logger.warning(warning)
-        name = model_name(cfg, base_model_name, target)
+        name = model_name(cfg, base_model_name, ckpt.info.path if ckpt.info.format == "hf" else None, target)
         fname = file_name(name, ftype.name)
         provenance = merging._provenance(ckpt, cfg, views, base_model_name)
         with atomic_folder(target, overwrite=overwrite) as tmp:
