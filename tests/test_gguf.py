@@ -292,3 +292,28 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: " in err and "--gguf-pre-tokenizer" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# model card and push
+# ------------------------------------------------------------------------------------------------
+
+from test_hub import hub, inproc  # noqa: E402,F401 - the loopback Hub stand-in fixtures
+
+
+def test_push_gguf_folder(inproc, qwen2_q8, tmp_path):
+    """A GGUF folder (no config.json) pushes; its card is a GGUF card: library_name gguf, tags gguf
+    and the type, a llama.cpp / llama-cpp-python snippet naming the file."""
+    from huggingface_hub import ModelCard
+
+    from hf_merge.hub import push
+
+    folder = Path(shutil.copytree(qwen2_q8.parent, tmp_path / "up"))
+    push(folder, "tester/tiny-gguf", private=False)
+    files = inproc.repos["tester/tiny-gguf"].files
+    assert set(files) == {qwen2_q8.name, "README.md", "hf_merge.json"}
+    assert files[qwen2_q8.name] == qwen2_q8.read_bytes()
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.library_name == "gguf"
+    assert {"gguf", "q8-0", "hf-merge"} <= set(card.data.tags)
+    assert f'Llama.from_pretrained(repo_id="tester/tiny-gguf", filename="{qwen2_q8.name}")' in card.text

@@ -97,6 +97,7 @@ def merge_gguf(
             planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
             types = sorted({t.type_name for t in planned})
             provenance["dtype"] = ftype.name
+            provenance["quantization"] = {"method": "gguf", "mode": ftype.name}  # the card's tags and row
             provenance["gguf"] = {
                 "file": fname, "type": ftype.name, "architecture": arch_for(cfg).name, "tensor_types": types,
                 "tokenizer": {"model": vocab.model, "pre": vocab.pre},
