@@ -215,6 +215,38 @@ def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
     assert torch.equal(gguf_logits(path, ids), model_logits(src, ids, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_moe_experts_stacked(arch, qwen2_fp32_ws2, tmp_path):
+    """Qwen2-MoE / Qwen3-MoE: the per-expert tensors save_pretrained writes and transformers 5's
+    in-memory stacked gate_up_proj / down_proj (what FSDP rank files hold) give the same GGUF,
+    with llama.cpp's stacked ffn_{gate,up,down}_exps; its logits equal the HF model's."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    # transformers' GGUF loader reads no expert_feed_forward_length: keep its default widths
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=2)
+    cfg = Qwen2MoeConfig(**common) if arch == "qwen2_moe" else Qwen3MoeConfig(norm_topk_prob=True, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    per_expert, stacked = tmp_path / "a" / f"{arch}-tiny", tmp_path / "b" / f"{arch}-tiny"
+    model.save_pretrained(per_expert)
+    stacked.mkdir(parents=True)
+    shutil.copy(per_expert / "config.json", stacked)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings},
+              stacked / "model.safetensors")
+    for folder in (per_expert, stacked):
+        for f in Path(qwen2_fp32_ws2.hf_dir).glob("tokenizer*"):
+            shutil.copy(f, folder / f.name)
+    a = to_gguf(per_expert, tmp_path / "out-a", "f32", "--gguf-pre-tokenizer", "gpt-2")
+    b = to_gguf(stacked, tmp_path / "out-b", "f32", "--gguf-pre-tokenizer", "gpt-2")
+    assert a.read_bytes() == b.read_bytes()
+    tensors = {t.name: t for t in gguf.GGUFReader(a).tensors}
+    assert tuple(tensors["blk.0.ffn_gate_exps.weight"].data.shape) == (4, cfg.moe_intermediate_size, 64)
+    ids, _ = reference_logits(qwen2_fp32_ws2)
+    assert torch.equal(gguf_logits(a, ids), model_logits(per_expert, ids, dtype=torch.float32))
+
+
 def test_llama3_rope_freqs_match_transformers():
     """``rope_freqs`` = transformers' default inv_freq / its llama3-scaled inv_freq, per frequency."""
     from transformers import LlamaConfig
@@ -282,7 +314,7 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
         file_type("q4_k_m")
     with pytest.raises(QuantizationError, match="unknown GGUF type 'q3'"):
         file_type("q3")
-    with pytest.raises(MappingError, match="model_type 'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(MappingError, match="model_type 'gpt2'.*supported: llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         arch_for({"model_type": "gpt2"})
     (tmp_path / "tokenizer.model").write_bytes(b"\x00")
     with pytest.raises(MappingError, match="SentencePiece"):

@@ -95,9 +95,35 @@ def add_hparams(writer, arch: GgufArch, config: dict[str, Any], ftype) -> None:
     if config.get("head_dim") is not None:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    if arch.moe:
+        _add_moe(writer, arch, config)
     if arch.name == "llama":  # llama.cpp's llama converter also writes these two
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(head_dim(config))
     writer.add_file_type(int(gguf.LlamaFileType[ftype.file_type]))
     if ftype.quantized:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+# llama.cpp's router normalises the chosen experts' weights for qwen3moe and not for qwen2moe.
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+
+
+def _add_moe(writer, arch: GgufArch, config: dict[str, Any]) -> None:
+    # transformers 5 spells the expert count num_local_experts for qwen3_moe, num_experts for qwen2_moe
+    n_experts = config.get("num_experts") or config.get("num_local_experts")
+    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", config.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", config.get("moe_intermediate_size"))):
+        if value is None:
+            raise MappingError(f"config.json has no {key!r}; GGUF output of a {arch.name} model needs it")
+    want = _NORM_TOPK[arch.name]
+    if bool(config.get("norm_topk_prob", False)) != want:
+        raise MappingError(
+            f"config.json has norm_topk_prob={config.get('norm_topk_prob')}, but llama.cpp's {arch.name} always "
+            f"uses {want}: the GGUF model would route differently, so it is not written"
+        )
+    writer.add_expert_count(n_experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch.name == "qwen2moe" and config.get("shared_expert_intermediate_size") is not None:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])

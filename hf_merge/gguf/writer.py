@@ -22,7 +22,7 @@ import torch
 from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
 from . import quant
-from .arch import GgufArch, arch_for, map_names
+from .arch import GgufArch, Piece, arch_for, map_names
 from .hparams import add_hparams, rope_freqs
 from .tokenizer import Vocab, add_to_writer
 
@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """One GGUF tensor: ``shape`` in numpy order (rows last), the HF tensor it comes from."""
+    """One GGUF tensor: ``shape`` in numpy order (rows last), the HF tensor(s) it comes from."""
 
     gguf_name: str
-    hf_name: str | None  # None: computed from the config (rope_freqs)
+    pieces: tuple[Piece, ...]  # empty: computed from the config (rope_freqs)
     shape: tuple[int, ...]
     type_name: str
     nbytes: int
@@ -48,18 +48,37 @@ def plan_tensors(view: LazyCheckpoint, config: dict[str, Any], arch: GgufArch, f
     planned: list[PlannedTensor] = []
     freqs = rope_freqs(config)
     if freqs is not None:
-        planned.append(PlannedTensor("rope_freqs.weight", None, tuple(freqs.shape), "F32", freqs.nbytes))
-    for hf_name, mapped in map_names(arch, list(specs)).items():
-        spec = specs[hf_name]
-        if not spec.dtype.is_floating_point:
-            raise MappingError(f"tensor {hf_name} has dtype {spec.dtype}; GGUF output expects floating-point weights")
-        shape = tuple(spec.shape)
+        planned.append(PlannedTensor("rope_freqs.weight", (), tuple(freqs.shape), "F32", freqs.nbytes))
+    for mapped in map_names(arch, list(specs)):
+        shapes = {_piece_shape(specs, p) for p in mapped.pieces}
+        if len(shapes) != 1:
+            raise MappingError(f"{mapped.gguf_name}: its experts have different shapes {sorted(shapes)}")
+        shape = shapes.pop()
+        if mapped.stacked:
+            shape = (len(mapped.pieces),) + shape
+        if mapped.flatten:
+            shape = (math.prod(shape),)
         type_name = quant.tensor_type(mapped.gguf_name, shape, ftype)
         n_heads = heads[mapped.permute_heads] if mapped.permute_heads else None
         if n_heads is not None and shape[0] % (2 * n_heads):
-            raise MappingError(f"{hf_name}: {shape[0]} rows do not split into {n_heads} heads of even size")
-        planned.append(PlannedTensor(mapped.gguf_name, hf_name, shape, type_name, quant.nbytes(shape, type_name), n_heads))
+            raise MappingError(f"{mapped.pieces[0].hf_name}: {shape[0]} rows do not split into {n_heads} heads of even size")
+        planned.append(PlannedTensor(
+            mapped.gguf_name, tuple(mapped.pieces), shape, type_name, quant.nbytes(shape, type_name), n_heads
+        ))
     return planned
+
+
+def _piece_shape(specs, piece: Piece) -> tuple[int, ...]:
+    spec = specs[piece.hf_name]
+    if not spec.dtype.is_floating_point:
+        raise MappingError(f"tensor {piece.hf_name} has dtype {spec.dtype}; GGUF output expects floating-point weights")
+    shape = tuple(spec.shape)
+    if piece.part is None:
+        return shape
+    _, n = piece.part
+    if len(shape) < 2 or shape[1] % n:
+        raise MappingError(f"{piece.hf_name}: shape {shape} does not split into {n} equal parts along dim 1")
+    return (shape[0], shape[1] // n) + shape[2:]
 
 
 def permute_rows(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -73,20 +92,27 @@ def permute_rows(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _float_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray]:
-    """The tensor as float32 numpy row chunks of at most ``quant.CHUNK_BYTES``, in row order."""
-    assert t.hf_name is not None
-    step = quant.rows_per_chunk(t.shape[-1] if len(t.shape) > 1 else 1)
-    runs = None
-    if t.permute_heads is None and len(t.shape) > 1:
-        runs = view.read_rows(t.hf_name, torch.float32, max_bytes=quant.CHUNK_BYTES)
-    if runs is None:
-        whole = view.read(t.hf_name)  # the stored dtype: at most the size of the source tensor
-        if t.permute_heads is not None:
-            whole = permute_rows(whole, t.permute_heads)
-        runs = iter([(0, whole)])
-    for _, rows in runs:
-        for first in range(0, max(1, rows.shape[0]), step):
-            yield rows[first:first + step].to(torch.float32).contiguous().numpy()
+    """The tensor as 2-D float32 numpy row chunks (rows = the last dim) of at most about
+    ``quant.CHUNK_BYTES``, in file order: each piece in turn (experts in order)."""
+    row_len = t.shape[-1] if len(t.shape) > 1 else 1
+    step = quant.rows_per_chunk(row_len)
+    for piece in t.pieces:
+        runs = None
+        if t.permute_heads is None and len(t.shape) > 1:
+            runs = view.read_rows(piece.hf_name, torch.float32, max_bytes=quant.CHUNK_BYTES)
+        if runs is None:
+            whole = view.read(piece.hf_name)  # the stored dtype: at most the size of the source tensor
+            if t.permute_heads is not None:
+                whole = permute_rows(whole, t.permute_heads)
+            runs = iter([(0, whole)])
+        for _, run in runs:
+            if piece.part is not None:  # the i-th of n slices along dim 1, for every entry of dim 0
+                i, n = piece.part
+                width = run.shape[1] // n
+                run = run[:, i * width:(i + 1) * width]
+            rows = run.reshape(-1, row_len)
+            for first in range(0, rows.shape[0], step):
+                yield rows[first:first + step].to(torch.float32).contiguous().numpy()
 
 
 class _StreamedTensor:
@@ -140,7 +166,7 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for t in planned:
-            if t.hf_name is None:  # rope_freqs, computed from the config
+            if not t.pieces:  # rope_freqs, computed from the config
                 chunks = lambda: iter([freqs])  # noqa: E731
             else:
                 chunks = lambda t=t: quant.encode_chunks(_float_chunks(view, t), t.type_name)  # noqa: E731
@@ -159,4 +185,4 @@ def total_bytes(planned: list[PlannedTensor]) -> int:
 
 
 def params(planned: list[PlannedTensor]) -> int:
-    return sum(math.prod(t.shape) for t in planned if t.hf_name is not None)
+    return sum(math.prod(t.shape) for t in planned if t.pieces)
