@@ -182,11 +182,43 @@ def test_row_chunks_give_the_same_bytes(qwen2_fp32_ws2, qwen2_q8, gguf_dir, monk
     assert path.read_bytes() == qwen2_q8.read_bytes()
 
 
-def test_lora_fused_f32(lora_ckpt, gguf_dir):
-    """A PEFT LoRA checkpoint is fused first: logits equal PEFT's merge_and_unload model."""
-    path = to_gguf(lora_ckpt.root, gguf_dir / "lora", "f32", "--gguf-pre-tokenizer", "gpt-2")
+def test_lora_fused_and_gguf_lora_file(lora_ckpt, gguf_dir):
+    """A PEFT LoRA checkpoint (default --lora both): the fused model, whose logits equal PEFT's
+    merge_and_unload model, and a GGUF LoRA file holding PEFT's own A and B (as PEFT saved them)
+    under llama.cpp's names, with alpha."""
+    from safetensors.torch import load_file
+
+    target = gguf_dir / "lora"
+    assert main(["-q", "merge", str(lora_ckpt.root), str(target), "--gguf", "f32", "--gguf-pre-tokenizer", "gpt-2"]) == 0
+    fused, adapter = target / "qwen2-base-f32.gguf", target / "qwen2-base-lora-f32.gguf"
+    assert sorted(p.name for p in target.glob("*.gguf")) == sorted([fused.name, adapter.name])
     ids, _ = reference_logits(lora_ckpt)
-    assert torch.equal(gguf_logits(path, ids), model_logits(lora_ckpt.reference, ids, dtype=torch.float32))
+    assert torch.equal(gguf_logits(fused, ids), model_logits(lora_ckpt.reference, ids, dtype=torch.float32))
+
+    reader = gguf.GGUFReader(adapter)
+    fields = reader.fields
+    assert bytes(fields["general.type"].parts[-1]).decode() == "adapter"
+    assert bytes(fields["adapter.type"].parts[-1]).decode() == "lora"
+    assert float(fields["adapter.lora.alpha"].parts[-1][0]) == 8.0
+    peft = load_file(Path(lora_ckpt.reference_adapter) / "adapter_model.safetensors")
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == len(peft) == 2 * 7 * 2
+    for gname, hname in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
+                         ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj")]:
+        for suffix, key in ((".lora_a", "lora_A"), (".lora_b", "lora_B")):
+            want = peft[f"base_model.model.{hname}.{key}.weight"].float()
+            got = torch.from_numpy(tensors[gname + suffix].data.copy()).reshape(want.shape)
+            assert torch.equal(got, want), gname + suffix
+
+
+def test_lora_b_rows_follow_the_llama_permutation():
+    """llama.cpp permutes a Llama q / k weight's rows; for a LoRA pair only B's rows move, since
+    ``P(B @ A) = (P B) @ A`` (what llama.cpp's LoRA converter does)."""
+    from hf_merge.gguf.writer import permute_rows
+
+    torch.manual_seed(0)
+    b, a = torch.randn(64, 4, dtype=torch.float64), torch.randn(4, 32, dtype=torch.float64)
+    assert torch.equal(permute_rows(b @ a, 4), permute_rows(b, 4) @ a)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])

@@ -24,10 +24,11 @@ def require_gguf() -> None:
         raise QuantizationError("GGUF output needs the gguf package: pip install 'hf-merge[gguf]'") from None
 
 
-def file_name(model_name: str, type_name: str) -> str:
-    """``Qwen2-7B`` + ``q8_0`` -> ``Qwen2-7B-q8_0.gguf`` (characters unsafe in a file name become ``-``)."""
+def file_name(model_name: str, type_name: str, *, lora: bool = False) -> str:
+    """``Qwen2-7B`` + ``q8_0`` -> ``Qwen2-7B-q8_0.gguf`` (``Qwen2-7B-lora-q8_0.gguf`` for an adapter;
+    characters unsafe in a file name become ``-``)."""
     safe = re.sub(r"[^A-Za-z0-9._+-]+", "-", model_name).strip("-.") or "model"
-    return f"{safe}-{type_name}.gguf"
+    return f"{safe}{'-lora' if lora else ''}-{type_name}.gguf"
 
 
 def model_name(config: dict[str, Any], base_model_name: str | None, source_dir: Path | None, target: Path) -> str:
@@ -58,7 +59,11 @@ def merge_gguf(
     private: bool | None = None,
     is_value_model: bool | None = None,
 ):
-    """Write ``TARGET/<name>-<type>.gguf`` (+ README.md, hf_merge.json); see :func:`hf_merge.merge`."""
+    """Write ``TARGET/<name>-<type>.gguf`` (+ README.md, hf_merge.json); see :func:`hf_merge.merge`.
+
+    PEFT checkpoints: ``lora="fuse"`` writes the fused model, ``"adapter"`` a GGUF LoRA file
+    (``<name>-lora-<type>.gguf``, for llama.cpp's ``--lora``), ``"both"`` (default) both files.
+    """
     from .. import merging
     from ..checkpoint import open_checkpoint
     from ..hf_files import checkpoint_config
@@ -75,38 +80,64 @@ def merge_gguf(
     require_gguf()
     if dtype not in (None, "auto"):
         raise HfMergeError(f"--dtype {dtype} does not apply to GGUF output; the --gguf type ({ftype.name}) decides what is written")
-    if lora == "adapter":
-        raise LoraError("--lora adapter with --gguf: GGUF LoRA adapter files are not written yet; use --lora fuse")
     ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model)
     try:
         config_dir, cfg = checkpoint_config(ckpt.info)
         arch_for(cfg)  # unsupported architectures are refused before anything is read
         views = merging.build_views(
-            ckpt, cfg, dtype="auto", lora="fuse", lora_alpha=lora_alpha, use_rslora=use_rslora,
+            ckpt, cfg, dtype="auto", lora=lora, lora_alpha=lora_alpha, use_rslora=use_rslora,
             base_model=base_model, base_model_name=base_model_name,
         )
-        vocab = load_vocab(config_dir, cfg["vocab_size"], pre_tokenizer=pre_tokenizer)
+        if views.adapter is not None:  # lora: the layout and settings the adapter view was built from
+            from ..lora import find_lora, resolve_settings
+
+            layout = find_lora(ckpt.specs())
+            settings = resolve_settings(
+                layout, ckpt.info.path, cfg, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model_name=base_model_name
+            )
+            try:
+                from .lora import lora_alpha as gguf_alpha
+
+                gguf_alpha(layout, settings)  # refused before anything is written
+            except LoraError as e:
+                if lora == "adapter":
+                    raise
+                logger.warning("no GGUF LoRA file: %s", e)  # --lora both: the fused model alone
+                views.adapter = None
+        vocab = load_vocab(config_dir, cfg["vocab_size"], pre_tokenizer=pre_tokenizer) if views.model is not None else None
         for note in ckpt.info.notes + views.notes:
             logger.info(note)
         for warning in ckpt.info.warnings:
             logger.warning(warning)
         name = model_name(cfg, base_model_name, ckpt.info.path if ckpt.info.format == "hf" else None, target)
-        fname = file_name(name, ftype.name)
         provenance = merging._provenance(ckpt, cfg, views, base_model_name)
+        record: dict[str, Any] = {"type": ftype.name, "architecture": arch_for(cfg).name}
+        files: list[str] = []
+        planned = []
         with atomic_folder(target, overwrite=overwrite) as tmp:
-            planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
-            types = sorted({t.type_name for t in planned})
+            if views.model is not None:
+                fname = file_name(name, ftype.name)
+                planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
+                files.append(fname)
+                record.update(file=fname, tensor_types=sorted({t.type_name for t in planned}),
+                              tokenizer={"model": vocab.model, "pre": vocab.pre})
+            if views.adapter is not None:
+                from .lora import write_lora_gguf
+
+                lname = file_name(name, ftype.name, lora=True)
+                lplanned = write_lora_gguf(views.adapter, layout, settings, cfg, tmp / lname, ftype, name=f"{name}-lora")
+                files.append(lname)
+                record["lora_file"] = lname
+                record.setdefault("file", lname)
+                planned = planned or lplanned
             provenance["dtype"] = ftype.name
             provenance["quantization"] = {"method": "gguf", "mode": ftype.name}  # the card's tags and row
-            provenance["gguf"] = {
-                "file": fname, "type": ftype.name, "architecture": arch_for(cfg).name, "tensor_types": types,
-                "tokenizer": {"model": vocab.model, "pre": vocab.pre},
-            }
+            provenance["gguf"] = record
             merging._write_provenance(tmp, provenance)
             write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
         return merging.MergeResult(
-            target=target, files=[fname], dtype=ftype.name, num_tensors=len(planned),
-            total_bytes=(target / fname).stat().st_size, notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
+            target=target, files=files, dtype=ftype.name, num_tensors=len(planned),
+            total_bytes=sum((target / f).stat().st_size for f in files), notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
             provenance=provenance, url=push(target, push_to_hub, private=private) if push_to_hub else None,
         )
     finally:

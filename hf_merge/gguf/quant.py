@@ -71,7 +71,7 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], ftype: FileType) -> str:
     """The GGMLQuantizationType name the tensor ``gguf_name`` is written as."""
     import gguf
 
-    if len(shape) <= 1 or gguf_name.endswith(F32_SUFFIXES) or not gguf_name.endswith(".weight"):
+    if len(shape) <= 1 or gguf_name.endswith(F32_SUFFIXES) or not gguf_name.endswith((".weight", ".lora_a", ".lora_b")):
         return "F32"
     block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ftype.tensor_type]]
     if shape[-1] % block:

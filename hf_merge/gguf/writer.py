@@ -136,28 +136,21 @@ class _StreamedTensor:
             raise RuntimeError(f"{self._planned.gguf_name}: wrote {written} bytes, planned {self.nbytes}")
 
 
-def write_gguf(
+def write_file(
     view: LazyCheckpoint,
-    config: dict[str, Any],
     path: Path,
-    ftype: quant.FileType,
-    *,
-    vocab: Vocab,
-    name: str,
-    progress: Callable[[int], None] | None = None,
-) -> list[PlannedTensor]:
-    """Write ``view`` (HF names, LoRA already fused) as the GGUF file ``path``; return the plan."""
+    arch_name: str,
+    planned: list[PlannedTensor],
+    add_keys: Callable[[Any], None],
+    computed: dict[str, np.ndarray] | None = None,
+) -> None:
+    """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
+    then each tensor's data in order (``computed`` holds the few tensors with no pieces)."""
     import gguf
 
-    arch = arch_for(config)
-    planned = plan_tensors(view, config, arch, ftype)
-    freqs = rope_freqs(config)
-    writer = gguf.GGUFWriter(path, arch.name)
+    writer = gguf.GGUFWriter(path, arch_name)
     try:
-        writer.add_type("model")
-        writer.add_name(name)
-        add_hparams(writer, arch, config, ftype)
-        add_to_writer(writer, vocab)
+        add_keys(writer)
         for t in planned:
             writer.add_tensor_info(
                 t.gguf_name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=gguf.GGMLQuantizationType[t.type_name]
@@ -166,17 +159,32 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for t in planned:
-            if not t.pieces:  # rope_freqs, computed from the config
-                chunks = lambda: iter([freqs])  # noqa: E731
+            if not t.pieces:  # computed from the config (rope_freqs)
+                chunks = lambda t=t: iter([(computed or {})[t.gguf_name]])  # noqa: E731
             else:
                 chunks = lambda t=t: quant.encode_chunks(_float_chunks(view, t), t.type_name)  # noqa: E731
             writer.write_tensor_data(_StreamedTensor(t, chunks))
-            if progress is not None:
-                progress(t.nbytes)
         writer.flush()
     finally:
         writer.close()
-    logger.debug("wrote %s: %d tensors, %d bytes of tensor data", path, len(planned), sum(t.nbytes for t in planned))
+    logger.debug("wrote %s: %d tensors, %d bytes of tensor data", path, len(planned), total_bytes(planned))
+
+
+def write_gguf(
+    view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str
+) -> list[PlannedTensor]:
+    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan."""
+    arch = arch_for(config)
+    planned = plan_tensors(view, config, arch, ftype)
+    freqs = rope_freqs(config)
+
+    def add_keys(writer) -> None:
+        writer.add_type("model")
+        writer.add_name(name)
+        add_hparams(writer, arch, config, ftype)
+        add_to_writer(writer, vocab)
+
+    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None)
     return planned
 
 
