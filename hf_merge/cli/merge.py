@@ -70,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--quant-skip-modules", default=None, metavar="M1,M2", help="comma-separated modules to keep unquantized, besides lm_head and tied embeddings (llm_int8_skip_modules matching)")
     g = p.add_argument_group("GGUF output for llama.cpp (needs: pip install 'hf-merge[gguf]')")
     g.add_argument("--gguf", metavar="TYPE", default=None,
-                   help="write one GGUF file instead of safetensors: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (LoRA fused)")
+                   help="write a GGUF file instead of safetensors: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; "
+                        "k-quants (q4_k_m, q5_k_m, q6_k, ...) need llama-cpp-python")
     g.add_argument("--gguf-pre-tokenizer", metavar="NAME", default=None,
                    help="llama.cpp pre-tokenizer name (gpt-2, llama-bpe, qwen2, ...) when the tokenizer's hash is unknown")
     p.set_defaults(run=run)

@@ -117,7 +117,15 @@ def merge_gguf(
         with atomic_folder(target, overwrite=overwrite) as tmp:
             if views.model is not None:
                 fname = file_name(name, ftype.name)
-                planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
+                if ftype.k_quant:  # BF16 first, then llama.cpp's C quantizer (kquant.py)
+                    from .kquant import quantize_file
+
+                    bf16 = tmp / f".{fname}.bf16"
+                    planned = write_gguf(views.model, cfg, bf16, ftype, vocab=vocab, name=name)
+                    quantize_file(bf16, tmp / fname, ftype.name)
+                    bf16.unlink()
+                else:
+                    planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
                 files.append(fname)
                 record.update(file=fname, tensor_types=sorted({t.type_name for t in planned}),
                               tokenizer={"model": vocab.model, "pre": vocab.pre})

@@ -27,6 +27,7 @@ class FileType:
     name: str
     tensor_type: str  # gguf.GGMLQuantizationType member name
     file_type: str  # gguf.LlamaFileType member name
+    k_quant: bool = False  # written as BF16, then quantized by llama.cpp's C quantizer (kquant.py)
 
     @property
     def quantized(self) -> bool:
@@ -60,10 +61,10 @@ def file_type(name: str) -> FileType:
     if key in FILE_TYPES:
         return FILE_TYPES[key]
     if key in K_QUANTS:
-        raise QuantizationError(
-            f"--gguf {key} is a k-quant, which only llama.cpp's C quantizer produces; write --gguf bf16 (or f16) "
-            f"and run `llama-quantize MODEL-bf16.gguf MODEL-{key}.gguf {key.upper()}` from llama.cpp"
-        )
+        from .kquant import require_llama_cpp
+
+        require_llama_cpp(key)
+        return FileType(key, "BF16", "MOSTLY_BF16", k_quant=True)
     raise QuantizationError(f"unknown GGUF type {name!r}; use one of {', '.join(ALL_TYPES)}")
 
 
