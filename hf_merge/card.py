@@ -253,7 +253,7 @@ def _card_fields(info: dict[str, Any], adapter: bool) -> dict[str, Any]:
     """The YAML fields hf_merge owns, in the order they are written."""
     base = _hub_model_id(info.get("base_model"))
     _, pipeline_tag = _arch_task(info.get("architecture"))
-    fields: dict[str, Any] = {"library_name": "peft" if adapter else "transformers"}
+    fields: dict[str, Any] = {"library_name": "peft" if adapter else "gguf" if _gguf(info) else "transformers"}
     if base:
         fields["base_model"] = base
         fields["base_model_relation"] = _relation(info, adapter)
@@ -367,9 +367,34 @@ def _dtype_text(info: dict[str, Any], adapter: bool) -> str | None:
     if dtype == "float32" and not adapter:
         return "`float32` (exact; merge with `--dtype bfloat16` for a half-size copy, one rounding per weight)"
     return f"`{dtype}`"
+def _gguf(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The GGUF record of a ``merge --gguf`` folder (``{"file", "type", ...}``), else None."""
+    gguf = info.get("gguf")
+    return gguf if isinstance(gguf, dict) and gguf.get("file") else None
+
+
+def _gguf_snippet(gguf: dict[str, Any], repo_id: str | None) -> str:
+    file = gguf["file"]
+    if repo_id:
+        return "\n".join([
+            f"# llama.cpp: llama-cli -hf {repo_id} -p \"Hello\"   (or: llama-cli -m {file})",
+            "from llama_cpp import Llama  # pip install llama-cpp-python",
+            "",
+            f'llm = Llama.from_pretrained(repo_id="{repo_id}", filename="{file}")',
+            'print(llm("Hello", max_tokens=32)["choices"][0]["text"])',
+        ])
+    return "\n".join([
+        f"# llama.cpp: llama-cli -m {file} -p \"Hello\"",
+        "from llama_cpp import Llama  # pip install llama-cpp-python",
+        "",
+        f'llm = Llama(model_path="{file}")',
+        'print(llm("Hello", max_tokens=32)["choices"][0]["text"])',
+    ])
 
 
 def _snippet(info: dict[str, Any], repo_id: str | None, folder_files: set[str], adapter: bool) -> str:
+    if (gguf := _gguf(info)) and not adapter:
+        return _gguf_snippet(gguf, repo_id)
     model_id = repo_id or "path/or/repo-id"
     auto_class, _ = _arch_task(info.get("architecture"))
     has_tokenizer = any(name in folder_files for name in _TOKENIZER_FILES)
@@ -413,10 +438,13 @@ def _summary(info: dict[str, Any], adapter: bool) -> str:
     framework = source.get("framework")
     backend = _backend_tag(source)
     origin = " ".join(x for x in (framework, backend) if x)
+    if _gguf(info) and not adapter:
+        what = f"This GGUF file (`{_gguf(info)['file']}`, for llama.cpp) was"
     if source.get("format") == "hf":
         return f"{what} written from a Hugging Face model folder by hf-merge."
     origin_text = f"a {origin} training checkpoint" if origin else "a distributed training checkpoint"
-    return f"{what} merged from {origin_text} into the Hugging Face format by hf-merge."
+    into = "GGUF" if _gguf(info) and not adapter else "the Hugging Face format"
+    return f"{what} merged from {origin_text} into {into} by hf-merge."
 
 
 def _section(info: dict[str, Any], repo_id: str | None, folder_files: set[str], adapter: bool) -> str:

@@ -147,6 +147,11 @@ def check_folder(folder: Path) -> str:
     """
     if not folder.is_dir():
         raise HubError(f"{folder} is not a folder: give the TARGET folder that `hf-merge merge` wrote")
+    gguf_file = ((_read_provenance(folder) or {}).get("gguf") or {}).get("file")
+    if gguf_file and _safe_name(gguf_file):  # gguf: a `merge --gguf` folder holds one .gguf file
+        if not (folder / gguf_file).is_file():
+            raise HubError(f"{folder} is incomplete: {gguf_file} is missing; re-run the merge")
+        return "model"
     if (folder / "config.json").is_file():
         kind, weights, indexes = "model", _MODEL_WEIGHTS, _MODEL_INDEXES
     elif (folder / "adapter_config.json").is_file():

@@ -178,6 +178,8 @@ def merge(
     private: bool | None = None,
     is_value_model: bool | None = None,
     source_options: dict[str, Any] | None = None,
+    gguf: str | None = None,
+    gguf_pre_tokenizer: str | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -204,7 +206,20 @@ def merge(
             ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
         source_options: format-specific reader options, e.g. ``{"tag": "global_step100",
             "source_weights": "module"}`` for DeepSpeed (each format takes the ones it declares).
+        gguf / gguf_pre_tokenizer: write one GGUF file (``"f32"``, ``"bf16"``, ``"q8_0"``, ...) for
+            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`).
     """
+    if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
+        from .gguf.convert import merge_gguf
+
+        if quantize is not None or verify:
+            raise HfMergeError("--gguf writes its own quantized types; it does not combine with --quantize or --verify")
+        return merge_gguf(
+            source, target, gguf, backend=backend, dtype=dtype, config=config, overwrite=overwrite, lora=lora,
+            lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
+            pre_tokenizer=gguf_pre_tokenizer, push_to_hub=push_to_hub, private=private, is_value_model=is_value_model,
+            source_options=source_options,
+        )
     target = Path(target)
     try:
         max_shard_size = parse_size(max_shard_size)

@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   hf-merge merge checkpoints/global_step_100/actor ./merged
   hf-merge merge checkpoints/ ./merged --dtype bfloat16 --max-shard-size 2GB
   hf-merge merge checkpoints/ ./merged-nf4 --quantize nf4 --double-quant   # bitsandbytes 4-bit
+  hf-merge merge checkpoints/ ./gguf --gguf q8_0                           # one GGUF file for llama.cpp
   hf-merge merge --backend fsdp --local_dir checkpoints/global_step_100/actor --target_dir ./merged   # verl's spelling
 """
 
@@ -82,6 +83,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--double-quant", action="store_true", help="4-bit: quantize the scales too (bnb_4bit_use_double_quant)")
     q.add_argument("--quant-compute-dtype", type=float_dtype_arg, metavar="{float32,bfloat16,float16}", default=None, help="4-bit: bnb_4bit_compute_dtype (default: the output dtype)")
     q.add_argument("--quant-skip-modules", default=None, metavar="M1,M2", help="comma-separated modules to keep unquantized, besides lm_head and tied embeddings (llm_int8_skip_modules matching)")
+    g = p.add_argument_group("GGUF output for llama.cpp (needs: pip install 'hf-merge[gguf]')")
+    g.add_argument("--gguf", metavar="TYPE", default=None,
+                   help="write a GGUF file instead of safetensors: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; "
+                        "k-quants (q4_k_m, q5_k_m, q6_k, ...) need llama-cpp-python")
+    g.add_argument("--gguf-pre-tokenizer", metavar="NAME", default=None,
+                   help="llama.cpp pre-tokenizer name (gpt-2, llama-bpe, qwen2, ...) when the tokenizer's hash is unknown")
     p.set_defaults(run=run)
 
 
@@ -121,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         private=args.private,
         is_value_model=args.is_value_model,
         source_options={"tag": args.tag, "source_weights": args.source_weights},
+        gguf=args.gguf,
+        gguf_pre_tokenizer=args.gguf_pre_tokenizer,
     )
     if args.json:
         adapter = {**result.adapter, "path": str(result.adapter["path"])} if result.adapter else None

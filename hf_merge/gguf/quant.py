@@ -1,0 +1,107 @@
+"""GGUF tensor types: which type each tensor gets, and quantization by row chunks.
+
+The rules are llama.cpp's converter's (``convert_hf_to_gguf.py``, written here from its public
+behaviour): 1-D tensors, norms and the MoE router stay F32; everything else takes the file's type;
+a row length that is not a multiple of the type's block size falls back to F16. Quantizing uses
+the ``gguf`` package's reference quantizers (``gguf.quants.quantize``) on float32 row chunks of at
+most ``CHUNK_BYTES``, so no tensor is ever held as a whole float32 copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import QuantizationError
+
+CHUNK_BYTES = 16 << 20  # float32 bytes per quantized row chunk
+
+
+@dataclass(frozen=True)
+class FileType:
+    """A ``--gguf TYPE``: the tensor type of the weight matrices and the file's ``general.file_type``."""
+
+    name: str
+    tensor_type: str  # gguf.GGMLQuantizationType member name
+    file_type: str  # gguf.LlamaFileType member name
+    k_quant: bool = False  # written as BF16, then quantized by llama.cpp's C quantizer (kquant.py)
+
+    @property
+    def quantized(self) -> bool:
+        return self.tensor_type not in ("F32", "F16", "BF16")
+
+
+FILE_TYPES: dict[str, FileType] = {
+    t.name: t
+    for t in (
+        FileType("f32", "F32", "ALL_F32"),
+        FileType("f16", "F16", "MOSTLY_F16"),
+        FileType("bf16", "BF16", "MOSTLY_BF16"),
+        FileType("q8_0", "Q8_0", "MOSTLY_Q8_0"),
+        FileType("q4_0", "Q4_0", "MOSTLY_Q4_0"),
+        FileType("q4_1", "Q4_1", "MOSTLY_Q4_1"),
+        FileType("q5_0", "Q5_0", "MOSTLY_Q5_0"),
+        FileType("q5_1", "Q5_1", "MOSTLY_Q5_1"),
+    )
+}
+# llama.cpp's k-quant file types: only its C quantizer (llama-quantize / llama-cpp-python) makes them.
+K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
+ALL_TYPES = tuple(FILE_TYPES) + K_QUANTS
+
+# GGUF tensors (by name suffix) that llama.cpp keeps in float32 whatever the file type.
+F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def file_type(name: str) -> FileType:
+    """The FileType called ``name``; K-quants and unknown names are QuantizationErrors."""
+    key = name.lower()
+    if key in FILE_TYPES:
+        return FILE_TYPES[key]
+    if key in K_QUANTS:
+        from .kquant import require_llama_cpp
+
+        require_llama_cpp(key)
+        return FileType(key, "BF16", "MOSTLY_BF16", k_quant=True)
+    raise QuantizationError(f"unknown GGUF type {name!r}; use one of {', '.join(ALL_TYPES)}")
+
+
+def tensor_type(gguf_name: str, shape: tuple[int, ...], ftype: FileType) -> str:
+    """The GGMLQuantizationType name the tensor ``gguf_name`` is written as."""
+    import gguf
+
+    if len(shape) <= 1 or gguf_name.endswith(F32_SUFFIXES) or not gguf_name.endswith((".weight", ".lora_a", ".lora_b")):
+        return "F32"
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ftype.tensor_type]]
+    if shape[-1] % block:
+        return "F16"
+    return ftype.tensor_type
+
+
+def nbytes(shape: tuple[int, ...], type_name: str) -> int:
+    """Bytes of a tensor of ``shape`` (numpy order, rows last) stored as ``type_name``."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    return math.prod(shape[:-1]) * (shape[-1] // block) * size
+
+
+def rows_per_chunk(row_len: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * max(1, row_len)))
+
+
+def encode(rows: np.ndarray, type_name: str) -> np.ndarray:
+    """float32 rows -> the bytes (or values) GGUF stores for them, in ``type_name``."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name == "F32":
+        return np.ascontiguousarray(rows, dtype=np.float32)
+    return gguf.quants.quantize(np.ascontiguousarray(rows, dtype=np.float32), qtype)
+
+
+def encode_chunks(chunks: Iterator[np.ndarray], type_name: str) -> Iterator[np.ndarray]:
+    for rows in chunks:
+        yield encode(rows, type_name)

@@ -1,0 +1,386 @@
+"""GGUF output (``merge --gguf TYPE``), checked against the Hugging Face model, never against
+another GGUF reader's opinion of the file.
+
+Sources are REAL FSDP2 checkpoints (``tests/conftest.py``: tiny Qwen2 trained in fp32, Llama with
+tied embeddings trained in bf16 on 4 ranks, a PEFT LoRA run) and Hugging Face folders saved by
+transformers itself (Qwen3, Mistral). transformers' own GGUF loader (``from_pretrained(dir,
+gguf_file=...)``, which undoes llama.cpp's q/k permutation) must give:
+- F32: exactly the logits of the HF model in float32;
+- Q8_0 / Q4_0: exactly the logits of the HF model whose weights are replaced by
+  ``dequantize(quantize(W))`` computed here from the block formats' definitions (ggml's reference
+  quantizers), and the Q8_0 bytes must equal that reference quantization byte for byte;
+and the tokenizer it rebuilds from the GGUF must give the HF tokenizer's ids.
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import model_logits, reference_logits
+
+from hf_merge.cli.app import main
+from hf_merge.errors import MappingError, QuantizationError
+
+gguf = pytest.importorskip("gguf", reason="GGUF output needs pip install 'hf-merge[gguf]'")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+
+DATA = Path(__file__).parent / "data"
+TEXTS = ["the quick brown fox", "hello world <|im_end|> again", " spaces  and\nnewlines, 123!"]
+
+
+# ------------------------------------------------------------------------------------------------
+# reference block quantizers, written from ggml's definitions (quantize_row_q8_0_ref / q4_0_ref)
+# ------------------------------------------------------------------------------------------------
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:  # C roundf: half away from zero
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def ref_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 32 along rows: ``d = amax / 127`` (stored fp16), ``q = roundf(x / d)`` (int8)."""
+    blocks = w.float().reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return d.half(), _roundf(blocks * inv).to(torch.int8)
+
+
+def ref_q8_0_bytes(w: torch.Tensor) -> bytes:
+    d, q = ref_q8_0(w)
+    return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=1).numpy().tobytes()
+
+
+def ref_dequant(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """``dequantize(quantize(w))`` for Q8_0 or Q4_0 (Q4_0: ``d = max / -8`` with the signed value of
+    largest magnitude, ``q = min(15, trunc(x / d + 8.5))``, value ``(q - 8) * d``)."""
+    if kind == "q8_0":
+        d, q = ref_q8_0(w)
+        return (q.float() * d.float()).reshape(w.shape)
+    blocks = w.float().reshape(-1, 32)
+    idx = blocks.abs().argmax(dim=1, keepdim=True)
+    d = blocks.gather(1, idx) / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(blocks * inv + 8.5).clamp(0, 15)
+    return ((q - 8) * d.half().float()).reshape(w.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def to_gguf(source: Path, target: Path, kind: str, *extra: str) -> Path:
+    """In-process ``hf-merge merge SOURCE TARGET --gguf KIND``; returns the .gguf file."""
+    rc = main(["-q", "merge", str(source), str(target), "--gguf", kind, *extra])
+    assert rc == 0
+    files = list(target.glob("*.gguf"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def gguf_logits(path: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids).logits.float()
+
+
+def quantized_reference_logits(hf_dir: Path, input_ids: torch.Tensor, kind: str) -> torch.Tensor:
+    """The HF model in float32 with every matrix GGUF quantizes replaced by dequantize(quantize(W))."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "norm" not in name:
+                p.copy_(ref_dequant(p, kind))
+        return model(input_ids).logits.float()
+
+
+@pytest.fixture(scope="session")
+def gguf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="session")
+def qwen2_q8(qwen2_fp32_ws2, gguf_dir) -> Path:
+    return to_gguf(qwen2_fp32_ws2.root, gguf_dir / "qwen2-q8", "q8_0", "--gguf-pre-tokenizer", "gpt-2")
+
+
+# ------------------------------------------------------------------------------------------------
+# model tensors
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen2_fp32_ws2", "llama_tied_bf16_ws4"])
+def test_f32_logits_equal_hf_model(name, checkpoint, gguf_dir):
+    """FSDP2 checkpoint -> F32 GGUF: transformers' GGUF loader gives the HF model's logits exactly
+    (Llama: q/k permuted to llama.cpp's layout and back; tied: no output.weight)."""
+    ck = checkpoint(name)
+    path = to_gguf(ck.root, gguf_dir / f"{name}-f32", "f32", "--gguf-pre-tokenizer", "gpt-2")
+    ids, _ = reference_logits(ck)
+    want = model_logits(ck.reference, ids, dtype=torch.float32)
+    assert torch.equal(gguf_logits(path, ids), want)
+    names = [t.name for t in gguf.GGUFReader(path).tensors]
+    assert ("output.weight" in names) is (not ck.options["tie_word_embeddings"])
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in gguf.GGUFReader(path).tensors)
+
+
+def test_llama_qk_rows_are_permuted(llama_tied_bf16_ws4, gguf_dir):
+    """The permutation is really there: attn_q rows are HF's rows interleaved per head."""
+    path = to_gguf(llama_tied_bf16_ws4.root, gguf_dir / "llama-perm", "f32", "--gguf-pre-tokenizer", "gpt-2")
+    from safetensors.torch import load_file
+
+    hf = load_file(next(Path(llama_tied_bf16_ws4.reference).glob("*.safetensors")))
+    q = hf["model.layers.0.self_attn.q_proj.weight"].float()
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    got = torch.from_numpy(tensors["blk.0.attn_q.weight"].data.copy()).reshape(q.shape)
+    heads, hd = 4, q.shape[0] // 4
+    assert torch.equal(got[1], q[hd // 2])  # row 1 of head 0 is HF's row d/2 (its rotation partner)
+    assert not torch.equal(got, q)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_quantized_logits_equal_hf_with_dequantized_weights(kind, qwen2_fp32_ws2, qwen2_q8, gguf_dir):
+    path = qwen2_q8 if kind == "q8_0" else to_gguf(
+        qwen2_fp32_ws2.root, gguf_dir / "qwen2-q4", kind, "--gguf-pre-tokenizer", "gpt-2"
+    )
+    ids, _ = reference_logits(qwen2_fp32_ws2)
+    assert torch.equal(gguf_logits(path, ids), quantized_reference_logits(qwen2_fp32_ws2.reference, ids, kind))
+
+
+def test_q8_0_bytes_equal_reference_quantization(qwen2_fp32_ws2, qwen2_q8):
+    from safetensors.torch import load_file
+
+    hf = load_file(next(Path(qwen2_fp32_ws2.reference).glob("*.safetensors")))
+    tensors = {t.name: t for t in gguf.GGUFReader(qwen2_q8).tensors}
+    pairs = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+             "blk.1.ffn_down.weight": "model.layers.1.mlp.down_proj.weight", "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight"}
+    for gname, hname in pairs.items():
+        t = tensors[gname]
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0, gname
+        assert t.data.tobytes() == ref_q8_0_bytes(hf[hname]), gname
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert tensors["blk.0.attn_q.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_row_chunks_give_the_same_bytes(qwen2_fp32_ws2, qwen2_q8, gguf_dir, monkeypatch):
+    """Quantizing one row at a time (the streaming path at its smallest) writes the same file."""
+    from hf_merge.gguf import quant
+
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 1)
+    path = to_gguf(qwen2_fp32_ws2.root, gguf_dir / "qwen2-q8-rows", "q8_0", "--gguf-pre-tokenizer", "gpt-2")
+    assert path.read_bytes() == qwen2_q8.read_bytes()
+
+
+def test_lora_fused_and_gguf_lora_file(lora_ckpt, gguf_dir):
+    """A PEFT LoRA checkpoint (default --lora both): the fused model, whose logits equal PEFT's
+    merge_and_unload model, and a GGUF LoRA file holding PEFT's own A and B (as PEFT saved them)
+    under llama.cpp's names, with alpha."""
+    from safetensors.torch import load_file
+
+    target = gguf_dir / "lora"
+    assert main(["-q", "merge", str(lora_ckpt.root), str(target), "--gguf", "f32", "--gguf-pre-tokenizer", "gpt-2"]) == 0
+    fused, adapter = target / "qwen2-base-f32.gguf", target / "qwen2-base-lora-f32.gguf"
+    assert sorted(p.name for p in target.glob("*.gguf")) == sorted([fused.name, adapter.name])
+    ids, _ = reference_logits(lora_ckpt)
+    assert torch.equal(gguf_logits(fused, ids), model_logits(lora_ckpt.reference, ids, dtype=torch.float32))
+
+    reader = gguf.GGUFReader(adapter)
+    fields = reader.fields
+    assert bytes(fields["general.type"].parts[-1]).decode() == "adapter"
+    assert bytes(fields["adapter.type"].parts[-1]).decode() == "lora"
+    assert float(fields["adapter.lora.alpha"].parts[-1][0]) == 8.0
+    peft = load_file(Path(lora_ckpt.reference_adapter) / "adapter_model.safetensors")
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == len(peft) == 2 * 7 * 2
+    for gname, hname in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj"),
+                         ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj")]:
+        for suffix, key in ((".lora_a", "lora_A"), (".lora_b", "lora_B")):
+            want = peft[f"base_model.model.{hname}.{key}.weight"].float()
+            got = torch.from_numpy(tensors[gname + suffix].data.copy()).reshape(want.shape)
+            assert torch.equal(got, want), gname + suffix
+
+
+def test_lora_b_rows_follow_the_llama_permutation():
+    """llama.cpp permutes a Llama q / k weight's rows; for a LoRA pair only B's rows move, since
+    ``P(B @ A) = (P B) @ A`` (what llama.cpp's LoRA converter does)."""
+    from hf_merge.gguf.writer import permute_rows
+
+    torch.manual_seed(0)
+    b, a = torch.randn(64, 4, dtype=torch.float64), torch.randn(4, 32, dtype=torch.float64)
+    assert torch.equal(permute_rows(b @ a, 4), permute_rows(b, 4) @ a)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
+    """An existing Hugging Face folder (saved by transformers) as SOURCE: Qwen3 (q/k norms, no
+    permutation) and Mistral (llama layout, permuted)."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)
+    # transformers' Qwen3 GGUF loader ignores key_length and assumes Qwen3's default head_dim, 128
+    cfg = Qwen3Config(head_dim=128, **common) if arch == "qwen3" else MistralConfig(**common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # the norms' ones would hide a norm written in the wrong place
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.rand_like(p))
+    src = tmp_path / f"{arch}-tiny"
+    model.save_pretrained(src)
+    for f in Path(qwen2_fp32_ws2.hf_dir).glob("tokenizer*"):
+        shutil.copy(f, src / f.name)
+    path = to_gguf(src, tmp_path / "out", "f32", "--gguf-pre-tokenizer", "gpt-2")
+    assert path.name == f"{arch}-tiny-f32.gguf"
+    ids, _ = reference_logits(qwen2_fp32_ws2)
+    assert torch.equal(gguf_logits(path, ids), model_logits(src, ids, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_moe_experts_stacked(arch, qwen2_fp32_ws2, tmp_path):
+    """Qwen2-MoE / Qwen3-MoE: the per-expert tensors save_pretrained writes and transformers 5's
+    in-memory stacked gate_up_proj / down_proj (what FSDP rank files hold) give the same GGUF,
+    with llama.cpp's stacked ffn_{gate,up,down}_exps; its logits equal the HF model's."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    # transformers' GGUF loader reads no expert_feed_forward_length: keep its default widths
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=2)
+    cfg = Qwen2MoeConfig(**common) if arch == "qwen2_moe" else Qwen3MoeConfig(norm_topk_prob=True, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    per_expert, stacked = tmp_path / "a" / f"{arch}-tiny", tmp_path / "b" / f"{arch}-tiny"
+    model.save_pretrained(per_expert)
+    stacked.mkdir(parents=True)
+    shutil.copy(per_expert / "config.json", stacked)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings},
+              stacked / "model.safetensors")
+    for folder in (per_expert, stacked):
+        for f in Path(qwen2_fp32_ws2.hf_dir).glob("tokenizer*"):
+            shutil.copy(f, folder / f.name)
+    a = to_gguf(per_expert, tmp_path / "out-a", "f32", "--gguf-pre-tokenizer", "gpt-2")
+    b = to_gguf(stacked, tmp_path / "out-b", "f32", "--gguf-pre-tokenizer", "gpt-2")
+    assert a.read_bytes() == b.read_bytes()
+    tensors = {t.name: t for t in gguf.GGUFReader(a).tensors}
+    assert tuple(tensors["blk.0.ffn_gate_exps.weight"].data.shape) == (4, cfg.moe_intermediate_size, 64)
+    ids, _ = reference_logits(qwen2_fp32_ws2)
+    assert torch.equal(gguf_logits(a, ids), model_logits(per_expert, ids, dtype=torch.float32))
+
+
+def test_llama3_rope_freqs_match_transformers():
+    """``rope_freqs`` = transformers' default inv_freq / its llama3-scaled inv_freq, per frequency."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hf_merge.gguf.hparams import rope_freqs
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, max_position_embeddings=131072, rope_parameters=rope)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    base = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    got = torch.from_numpy(rope_freqs(cfg.to_dict()))
+    assert got.shape == (64,)
+    torch.testing.assert_close(got, base / scaled, rtol=1e-5, atol=0)
+    assert rope_freqs({**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_ids_equal_hf(qwen2_fp32_ws2, qwen2_q8):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(qwen2_fp32_ws2.hf_dir)
+    from_gguf = AutoTokenizer.from_pretrained(qwen2_q8.parent, gguf_file=qwen2_q8.name)
+    for text in TEXTS:
+        assert from_gguf.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
+    fields = gguf.GGUFReader(qwen2_q8).fields
+    assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-2"
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "gpt2"
+    assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == hf.eos_token_id
+
+
+def test_pre_tokenizer_hash_rule(tmp_path, qwen2_fp32_ws2):
+    """llama.cpp's own GPT-2 vocabulary is recognised as ``gpt-2``; a tokenizer trained here has a
+    hash llama.cpp does not know: an error that says what to pass."""
+    from transformers import AutoTokenizer
+
+    from hf_merge.gguf.tokenizer import pre_tokenizer_name
+
+    src = DATA / "gguf_gpt2_tokenizer"
+    shutil.copy(src / "tokenizer_config.json", tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(gzip.decompress((src / "tokenizer.json.gz").read_bytes()))
+    assert pre_tokenizer_name(AutoTokenizer.from_pretrained(tmp_path)) == "gpt-2"
+    with pytest.raises(MappingError, match="unknown to llama.cpp.*--gguf-pre-tokenizer"):
+        pre_tokenizer_name(AutoTokenizer.from_pretrained(qwen2_fp32_ws2.hf_dir))
+    with pytest.raises(MappingError, match="unknown pre-tokenizer 'nope'"):
+        pre_tokenizer_name(None, "nope")
+
+
+# ------------------------------------------------------------------------------------------------
+# refusals
+# ------------------------------------------------------------------------------------------------
+
+
+def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
+    from hf_merge.gguf.arch import arch_for
+    from hf_merge.gguf.quant import file_type
+    from hf_merge.gguf.tokenizer import load_vocab
+
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:  # without llama-cpp-python, k-quants say how to get them
+        with pytest.raises(QuantizationError, match="k-quant.*pip install llama-cpp-python.*llama-quantize"):
+            file_type("q4_k_m")
+    with pytest.raises(QuantizationError, match="unknown GGUF type 'q3'"):
+        file_type("q3")
+    with pytest.raises(MappingError, match="model_type 'gpt2'.*supported: llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+        arch_for({"model_type": "gpt2"})
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    with pytest.raises(MappingError, match="SentencePiece"):
+        load_vocab(tmp_path, 128)
+    # the CLI: one line, nothing written, and the hash rule without an override
+    assert main(["merge", str(qwen2_fp32_ws2.root), str(tmp_path / "x"), "--gguf", "q8_0"]) != 0
+    err = capsys.readouterr().err
+    assert "error: " in err and "--gguf-pre-tokenizer" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# model card and push
+# ------------------------------------------------------------------------------------------------
+
+from test_hub import hub, inproc  # noqa: E402,F401 - the loopback Hub stand-in fixtures
+
+
+def test_push_gguf_folder(inproc, qwen2_q8, tmp_path):
+    """A GGUF folder (no config.json) pushes; its card is a GGUF card: library_name gguf, tags gguf
+    and the type, a llama.cpp / llama-cpp-python snippet naming the file."""
+    from huggingface_hub import ModelCard
+
+    from hf_merge.hub import push
+
+    folder = Path(shutil.copytree(qwen2_q8.parent, tmp_path / "up"))
+    push(folder, "tester/tiny-gguf", private=False)
+    files = inproc.repos["tester/tiny-gguf"].files
+    assert set(files) == {qwen2_q8.name, "README.md", "hf_merge.json"}
+    assert files[qwen2_q8.name] == qwen2_q8.read_bytes()
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.library_name == "gguf"
+    assert {"gguf", "q8-0", "hf-merge"} <= set(card.data.tags)
+    assert f'Llama.from_pretrained(repo_id="tester/tiny-gguf", filename="{qwen2_q8.name}")' in card.text
