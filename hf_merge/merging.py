@@ -189,7 +189,7 @@ def merge(
             the output is moved into place (a mismatch raises VerificationError; no target is left).
         checksums: record each output file's sha256 in hf_merge.json (``hf-merge verify`` checks them).
         quantize: ``"nf4"``, ``"fp4"``, ``"int8"`` or a :class:`~hf_merge.transforms.quantize.QuantizeOptions`:
-            bitsandbytes weights, as transformers saves them (``pip install 'hf-merge[quantize]'``).
+            bitsandbytes weights, as transformers saves them (needs ``pip install bitsandbytes``).
         push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
         is_value_model: the checkpoint is a critic: write its value head as ``score.weight`` of a
             ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
