@@ -218,7 +218,7 @@ def merge(
         if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
             views.model = qview = Quantized(views.model, cfg, quantize)
             views.notes.extend(qview.notes)
-        warnings = list(ckpt.info.warnings)
+        warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
         if is_value_model and ckpt.info.format != "megatron":
@@ -235,6 +235,8 @@ def merge(
             )
         for note in ckpt.info.notes + views.notes:
             logger.info(note)
+        for warning in warnings:
+            logger.warning(warning)
         if qview is not None:  # quantize
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
@@ -261,6 +263,7 @@ def merge(
                 if missing:
                     provenance["missing_files"] = missing
                     warnings.append(_missing_message(missing, config_dir))
+                    logger.warning(warnings[-1])
                 if checksums:
                     provenance["files"] = digests
             if adapter_plan is not None:
@@ -281,8 +284,6 @@ def merge(
                 write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
             if adapter_plan is not None:
                 write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if model_plan is None else None)
-        for warning in warnings:
-            logger.warning(warning)
         main_plan = model_plan or adapter_plan
         adapter = None
         if adapter_plan is not None and model_plan is not None:
