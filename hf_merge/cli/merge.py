@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("source", nargs="?", help="checkpoint folder: actor/, global_step_N/, or the checkpoints root")
-    p.add_argument("target", nargs="?", help="output folder (written atomically)")
+    p.add_argument("target", nargs="?", help="output folder, written atomically; one holding only config/tokenizer "
+                   "files (verl's actor/huggingface) is merged into, its files kept")
     p.add_argument("--local_dir", "--local-dir", dest="local_dir", help="verl spelling of SOURCE")
     p.add_argument("--target_dir", "--target-dir", dest="target_dir", help="verl spelling of TARGET")
     p.add_argument("--backend", default="auto", choices=["auto", "fsdp", "megatron", "hf"], help="source format (default: detect)")
