@@ -200,7 +200,7 @@ def merge(
             the output is moved into place (a mismatch raises VerificationError; no target is left).
         checksums: record each output file's sha256 in hf_merge.json (``hf-merge verify`` checks them).
         quantize: ``"nf4"``, ``"fp4"``, ``"int8"`` or a :class:`~hf_merge.transforms.quantize.QuantizeOptions`:
-            bitsandbytes weights, as transformers saves them (``pip install 'hf-merge[quantize]'``).
+            bitsandbytes weights, as transformers saves them (needs ``pip install bitsandbytes``).
         push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
         is_value_model: the checkpoint is a critic: write its value head as ``score.weight`` of a
             ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
@@ -244,7 +244,7 @@ def merge(
         if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
             views.model = qview = Quantized(views.model, cfg, quantize)
             views.notes.extend(qview.notes)
-        warnings = list(ckpt.info.warnings)
+        warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
         if is_value_model and ckpt.info.format != "megatron":
@@ -261,6 +261,8 @@ def merge(
             )
         for note in ckpt.info.notes + views.notes:
             logger.info(note)
+        for warning in warnings:
+            logger.warning(warning)
         if qview is not None:  # quantize
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
@@ -287,6 +289,7 @@ def merge(
                 if missing:
                     provenance["missing_files"] = missing
                     warnings.append(_missing_message(missing, config_dir))
+                    logger.warning(warnings[-1])
                 if checksums:
                     provenance["files"] = digests
             if adapter_plan is not None:
@@ -307,8 +310,6 @@ def merge(
                 write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
             if adapter_plan is not None:
                 write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if model_plan is None else None)
-        for warning in warnings:
-            logger.warning(warning)
         main_plan = model_plan or adapter_plan
         adapter = None
         if adapter_plan is not None and model_plan is not None:

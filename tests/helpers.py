@@ -47,8 +47,16 @@ def reference_logits(ckpt) -> tuple[torch.Tensor, torch.Tensor]:
     return ref["input_ids"], ref["logits"]
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``hf-merge`` in a subprocess, as a user would."""
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300, in_process: bool | None = None) -> subprocess.CompletedProcess:
+    """Run ``hf-merge ARGS`` and return its exit status, stdout and stderr.
+
+    In this process (``hf_merge.cli.app.main``, output captured) unless ``env`` is given: a fresh
+    interpreter costs seconds (torch, transformers) and only tests of the process boundary itself
+    (environment read at import, signals, the installed script) need it. ``in_process=True`` with
+    ``env`` sets those variables in this process for the call (for variables read at run time).
+    """
+    if in_process or (in_process is None and env is None):
+        return _run_in_process(args, env or {})
     full_env = {k: v for k, v in os.environ.items() if k != "HF_MERGE_DEBUG"}
     full_env.update({"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})})
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
@@ -56,6 +64,50 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
         [sys.executable, "-m", "hf_merge.cli.app", *map(str, args)],
         capture_output=True, text=True, env=full_env, timeout=timeout,
     )
+
+
+def _run_in_process(args, env: dict) -> subprocess.CompletedProcess:
+    """``app.main`` with stdout/stderr captured; the process state it changes is put back (logging
+    handlers, signal handlers, huggingface_hub's progress-bar switch)."""
+    import contextlib
+    import io
+    import logging
+    import signal
+
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+
+    from hf_merge.cli import app
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    log = logging.getLogger("hf_merge")
+    saved_log = (log.handlers[:], log.level, log.propagate)
+    signals = [s for s in (signal.SIGTERM, getattr(signal, "SIGPIPE", None)) if s is not None]
+    saved_signals = {s: signal.getsignal(s) for s in signals}
+    bars_disabled = are_progress_bars_disabled()
+    saved_env = {k: os.environ.get(k) for k in {"HF_MERGE_DEBUG", *env}}
+    os.environ.pop("HF_MERGE_DEBUG", None)
+    os.environ.update({k: str(v) for k, v in env.items() if v is not None})
+    for k in [k for k, v in env.items() if v is None]:
+        os.environ.pop(k, None)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = app.main(argv)
+            except SystemExit as e:  # argparse: usage errors (2), --help / --version (0)
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        log.handlers[:], log.level, log.propagate = saved_log
+        for s, handler in saved_signals.items():
+            signal.signal(s, handler)
+        if not bars_disabled:
+            enable_progress_bars()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["hf-merge", *argv], rc, out.getvalue(), err.getvalue())
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:

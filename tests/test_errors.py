@@ -130,7 +130,8 @@ def test_pickle_payload_is_refused_and_never_runs(actor_copy, tmp_path):
 
 
 def test_debug_variable_shows_traceback(tmp_path):
-    proc = run_cli("merge", tmp_path / "nope", tmp_path / "out", env={"HF_MERGE_DEBUG": "1"})
+    # in this process: the variable is read when the error is reported, not at start-up
+    proc = run_cli("merge", tmp_path / "nope", tmp_path / "out", env={"HF_MERGE_DEBUG": "1"}, in_process=True)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 

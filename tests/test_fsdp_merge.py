@@ -127,12 +127,43 @@ def test_source_resolution_root_step_and_actor(qwen2_fp32_ws2, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_progress_bar_shown_and_quiet_silences_it(qwen2_fp32_ws2, tmp_path):
-    bars_on = {"HF_HUB_DISABLE_PROGRESS_BARS": None}
-    loud = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "loud", env=bars_on)
-    assert loud.returncode == 0, loud.stderr
-    assert "Merging" in loud.stderr and "wrote" in loud.stderr
-    quiet = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "quiet", "-q", env=bars_on)
+def _stderr_on_a_terminal(*args: str) -> tuple[int, str]:
+    """Run hf-merge with its stderr on a pseudo-terminal (where progress bars are drawn)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_MERGE_DEBUG")}
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm sizes the bar to it
+    proc = subprocess.Popen([sys.executable, "-m", "hf_merge.cli.app", *map(str, args)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(timeout=300), b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_and_quiet_silences_it(qwen2_fp32_ws2, tmp_path):
+    rc, err = _stderr_on_a_terminal("merge", qwen2_fp32_ws2.actor, tmp_path / "loud")
+    assert rc == 0, err
+    assert "Merging" in err and "\r" in err and "wrote" in err  # a tqdm bar, redrawn in place
+    # not a terminal (a pipe, a log file): no bar redrawn with \r (plain lines every 30 s instead)
+    plain = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "plain")
+    assert plain.returncode == 0 and "wrote" in plain.stderr and "\r" not in plain.stderr
+    quiet = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "quiet", "-q")
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr == "" and quiet.stdout == ""
     assert (tmp_path / "quiet" / "model.safetensors").is_file()

@@ -11,18 +11,15 @@ Megatron names) run without it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import run_cli
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from hf_merge.errors import (
@@ -445,12 +442,9 @@ def test_cli_merge_loads_in_transformers_with_megatron_logits(megatron_root, nam
 
     var = VARIANTS[name]
     target = tmp_path / "merged"
-    env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_merge.cli.app", "merge", "--backend", "megatron", "--local_dir",
-         str(role_dir(megatron_root, name)), "--target_dir", str(target), "--dtype", "float32",
-         "--verify", *(["--is-value-model"] if var.value else [])],
-        capture_output=True, text=True, env=env, timeout=300,
+    proc = run_cli(  # in this process: the CLI's parsing and output are tested, not the interpreter
+        "merge", "--backend", "megatron", "--local_dir", role_dir(megatron_root, name), "--target_dir", target,
+        "--dtype", "float32", "--verify", *(["--is-value-model"] if var.value else []),
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads((target / "hf_merge.json").read_text())["verification"]["passed"] is True

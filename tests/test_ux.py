@@ -184,12 +184,34 @@ def test_both_merge_verifies_the_adapter_folder_too(lora_both, lora_ckpt, tmp_pa
     assert re.search(r"^file checksums +ok", out, re.M)  # the model folder itself is intact
 
 
-def test_quantized_summary_names_the_mode(qwen2_fp32_ws2, tmp_path, capsys):
+def test_quantized_summary_names_the_mode_and_int8_forward_is_quiet(qwen2_fp32_ws2, tmp_path, capsys, caplog):
     pytest.importorskip("bitsandbytes")
     rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "q", "--quantize", "int8")
     assert rc == 0, err
     assert "int8 (bitsandbytes), other tensors bfloat16)" in err
     assert "`int8` weights (bitsandbytes), other tensors `bfloat16`" in (tmp_path / "q" / "README.md").read_text()
+    # a forward pass of the int8 model in float32: bitsandbytes' cast notice, once per layer and
+    # pass (12 int8 linears here), reaches the user at most once
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes"):
+        rc, out, err = cli(capsys, "verify", tmp_path / "q", "--against", qwen2_fp32_ws2.actor, "--logits")
+    assert rc == 0, out + err
+    assert re.search(r"^logits finite +ok", out, re.M)
+    casts = [r for r in caplog.records if r.getMessage().startswith("MatMul8bitLt")] + [
+        ln for ln in err.splitlines() if "MatMul8bitLt" in ln]
+    assert len(casts) <= 1
+
+
+def test_kernel_download_notice_is_dropped(caplog):
+    """bitsandbytes' own logger and message (logged at import on AVX512-BF16 CPUs without `kernels`)."""
+    from hf_merge._quiet import quiet_bitsandbytes
+
+    quiet_bitsandbytes()
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes"):
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
+            "`pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
 
 
 # --- 4: verl drop-in ------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("source", nargs="?", help="checkpoint folder: actor/, global_step_N/, or the checkpoints root")
-    p.add_argument("target", nargs="?", help="output folder (written atomically)")
+    p.add_argument("target", nargs="?", help="output folder, written atomically; one holding only config/tokenizer "
+                   "files (verl's actor/huggingface) is merged into, its files kept")
     p.add_argument("--local_dir", "--local-dir", dest="local_dir", help="verl spelling of SOURCE")
     p.add_argument("--target_dir", "--target-dir", dest="target_dir", help="verl spelling of TARGET")
     add_backend_argument(p)
@@ -78,7 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source before finishing")
     p.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip recording sha256 of output files")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-    q = p.add_argument_group("quantized output (needs: pip install 'hf-merge[quantize]')")
+    q = p.add_argument_group("quantized output (needs bitsandbytes: pip install bitsandbytes)")
     q.add_argument("--quantize", choices=["nf4", "fp4", "int8"], default=None, help="write bitsandbytes 4-bit (nf4, fp4) or 8-bit (int8) weights, as transformers saves them")
     q.add_argument("--double-quant", action="store_true", help="4-bit: quantize the scales too (bnb_4bit_use_double_quant)")
     q.add_argument("--quant-compute-dtype", type=float_dtype_arg, metavar="{float32,bfloat16,float16}", default=None, help="4-bit: bnb_4bit_compute_dtype (default: the output dtype)")

@@ -63,7 +63,7 @@ LRU_MODULES = 2
 # Longest repr of a float32 value as a Python float, e.g. "-1.1754943508222875e-38" (23 chars).
 OFFSET_REPR_RESERVE = 24
 CPU_4BIT_OUT_MULTIPLE = 32  # block_n of bitsandbytes.functional._convert_weight_packed_for_cpu
-INSTALL_HINT = "pip install 'hf-merge[quantize]' (or: pip install bitsandbytes)"
+INSTALL_HINT = "pip install bitsandbytes (or, in a clone of hf-merge: pip install '.[quantize]')"
 
 
 @dataclass(frozen=True)
