@@ -241,8 +241,11 @@ def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
     model.save_pretrained(src)
     for f in Path(qwen2_fp32_ws2.hf_dir).glob("tokenizer*"):
         shutil.copy(f, src / f.name)
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    (src / "chat_template.jinja").write_text(template)  # where transformers 5 saves it
     path = to_gguf(src, tmp_path / "out", "f32", "--gguf-pre-tokenizer", "gpt-2")
     assert path.name == f"{arch}-tiny-f32.gguf"
+    assert bytes(gguf.GGUFReader(path).fields["tokenizer.chat_template"].parts[-1]).decode() == template
     ids, _ = reference_logits(qwen2_fp32_ws2)
     assert torch.equal(gguf_logits(path, ids), model_logits(src, ids, dtype=torch.float32))
 

@@ -190,7 +190,3 @@ def write_gguf(
 
 def total_bytes(planned: list[PlannedTensor]) -> int:
     return sum(t.nbytes for t in planned)
-
-
-def params(planned: list[PlannedTensor]) -> int:
-    return sum(math.prod(t.shape) for t in planned if t.pieces)
