@@ -15,7 +15,7 @@ from . import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .hf_files import checkpoint_config, copy_side_files, resolve_dtype, tied_pairs, write_config
 from .hub import push, write_card
-from .output import atomic_folder, check_target
+from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_target
 from .plan import plan_shards
 from .spec import dtype_name
 from .transforms import Cast, drop_tied
@@ -24,7 +24,6 @@ from .writer import write_shards
 
 logger = logging.getLogger(__name__)
 
-PROVENANCE_NAME = "hf_merge.json"
 ADAPTER_SUBDIR = "lora_adapter"
 ADAPTER_PATTERN = "adapter_model{suffix}.safetensors"
 
