@@ -14,7 +14,7 @@ HF names, plus ``logits.pt``) beside the checkpoint:
   attention), FSDP2 ``fully_shard`` per layer, one AdamW step, saved by torchtitan's own
   ``CheckpointManager`` (model, optimizer, train state). The reference weights are torchtitan's own
   ``Llama3StateDictAdapter.to_hf`` of the full state dict; ``config/config.json`` is the matching
-  HF LlamaConfig; logits are torchtitan's forward (flex attention, no grad).
+  HF LlamaConfig; logits are torchtitan's forward (flex attention, no grad) on 128-token sequences.
 - ``OUT/dcp_plain/ckpt``: ``dcp.save(model.state_dict())`` of an FSDP2-sharded tied bf16 Llama (HF
   names at the top level), config.json beside it.
 - ``OUT/dcp_nested/ckpt``: ``dcp.save({"model": ..., "optimizer": ...})`` (get_state_dict) of an
@@ -143,7 +143,7 @@ def _dcp_nested(out: Path, rank: int, input_ids: torch.Tensor) -> None:
 
 # ---- torchtitan ---------------------------------------------------------------------------
 
-TT = dict(dim=64, n_heads=4, n_kv_heads=2, n_layers=2, vocab=128, hidden=96, theta=10000.0)
+TT = dict(dim=64, n_heads=4, n_kv_heads=2, n_layers=2, vocab=128, hidden=96, theta=10000.0, max_seq=128)
 
 
 def _torchtitan_stand_ins() -> None:
@@ -177,7 +177,7 @@ def _torchtitan_model():
         layers=_build_llama3_layers(
             n_layers=c["n_layers"], dim=c["dim"], n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"],
             hidden_dim=c["hidden"], fuse_qkv=True, attn_backend="flex",
-            rope=ComplexRoPE.Config(dim=c["dim"] // c["n_heads"], max_seq_len=64, theta=c["theta"]),
+            rope=ComplexRoPE.Config(dim=c["dim"] // c["n_heads"], max_seq_len=c["max_seq"], theta=c["theta"]),
         ),
     )
     torch.manual_seed(SEED)
@@ -194,8 +194,8 @@ def _torchtitan_hf_config():
     c = TT
     return LlamaConfig(
         vocab_size=c["vocab"], hidden_size=c["dim"], intermediate_size=c["hidden"], num_hidden_layers=c["n_layers"],
-        num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"], max_position_embeddings=64,
-        rope_theta=c["theta"], rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="float32",
+        num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"], max_position_embeddings=c["max_seq"],
+        rope_theta=c["theta"], rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32",
     )
 
 
@@ -223,7 +223,11 @@ def _torchtitan(out: Path, rank: int, input_ids: torch.Tensor) -> None:
     manager.save(curr_step=1, last_step=False)
     manager.maybe_wait_for_saving()
     manager.close()
-    full = _full_state(model)
+    # torchtitan keeps one fused wqkv parameter and splits it in a state_dict hook, which
+    # get_model_state_dict cannot follow: gather the hook's output instead.
+    from torch.distributed.tensor import DTensor
+
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         hf = Llama3StateDictAdapter(cfg, None).to_hf(full)
         from safetensors.torch import save_file
@@ -234,6 +238,9 @@ def _torchtitan(out: Path, rank: int, input_ids: torch.Tensor) -> None:
         _, ref_model = _torchtitan_model()
         ref_model.load_state_dict(full)
         ref_model.eval()
+        # flex attention on CPU reads garbage for sequences shorter than its 128-token block
+        # (torch 2.13: two forwards of the same input differ): use one full block.
+        input_ids = torch.randint(0, TT["vocab"], (2, TT["max_seq"]), generator=torch.Generator().manual_seed(7))
         pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         with torch.no_grad():
             logits = ref_model(input_ids, pos, ref_model.get_attention_masks(pos)).float()

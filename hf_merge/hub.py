@@ -38,12 +38,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import HubError
+from .output import PROVENANCE_FILE
 
 __all__ = ["push", "check_folder", "write_card", "PROVENANCE_FILE"]
 
 logger = logging.getLogger(__name__)
 
-PROVENANCE_FILE = "hf_merge.json"
 _TMP_PREFIX = ".hf_merge-"
 _MODEL_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _MODEL_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

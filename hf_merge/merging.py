@@ -18,7 +18,7 @@ from .hf_files import (
     write_config, written_dtype,
 )
 from .hub import push, write_card
-from .output import atomic_folder, check_target
+from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_target
 from .errors import HfMergeError, HubError
 from .plan import parse_size, plan_shards
 from .spec import dtype_name, parse_dtype
@@ -28,7 +28,6 @@ from .writer import write_shards
 
 logger = logging.getLogger(__name__)
 
-PROVENANCE_NAME = "hf_merge.json"
 ADAPTER_SUBDIR = "lora_adapter"
 ADAPTER_PATTERN = "adapter_model{suffix}.safetensors"
 

@@ -25,6 +25,8 @@ from typing import Iterator
 
 from .errors import TargetExistsError
 
+PROVENANCE_FILE = "hf_merge.json"  # the provenance record every merge writes (one name, used everywhere)
+
 _TMP_TAG = ".hf-merge-tmp-"
 _OLD_TAG = ".hf-merge-old-"
 _LOCK_TAG = ".hf-merge-lock"

@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
 from .errors import HfMergeError, VerificationError
+from .output import PROVENANCE_FILE
 
 CHUNK = 16 << 20
 ADAPTER_CONFIG = "adapter_config.json"
@@ -354,7 +355,7 @@ def verify_or_raise(target, against, **kwargs) -> VerifyReport:
 
 
 def _read_provenance(target: Path) -> dict[str, Any]:
-    path = target / "hf_merge.json"
+    path = target / PROVENANCE_FILE
     try:
         return json.loads(path.read_text()) if path.is_file() else {}
     except ValueError:

@@ -1,0 +1,214 @@
+"""PyTorch DCP sources written by the real frameworks on CPU (examples/make_dcp_checkpoints.py):
+accelerate FSDP2 ``save_state``, torchtitan's model + FSDP2 + ``CheckpointManager``, and
+``torch.distributed.checkpoint.save`` of FSDP2-sharded HF models. Each merge is compared byte for
+byte with the trained weights and by logits."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_merge
+from hf_merge import formats
+from hf_merge.cli.app import main as cli_main
+from hf_merge.errors import MappingError, MissingConfigError
+from hf_merge.transforms.name_table import NameRule, NameTable, NameTableView, rope_source_rows
+
+from helpers import assert_tensors_equal, folder_tensors, model_logits, read_json
+
+GENERATOR = Path(__file__).resolve().parents[1] / "examples" / "make_dcp_checkpoints.py"
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="session")
+def dcp_root(tmp_path_factory) -> Path:
+    """All four checkpoints, one 2-rank gloo run (cached under HF_MERGE_FIXTURE_CACHE)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is a test dependency (pip install -e '.[test]')")
+    import accelerate
+    import torchtitan
+
+    key = hashlib.sha256(
+        GENERATOR.read_bytes() + f"{torch.__version__}{accelerate.__version__}{torchtitan.__version__}".encode()
+    ).hexdigest()[:12]
+    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
+    root = Path(cache) / f"dcp-{key}" if cache else tmp_path_factory.mktemp("dcp-formats")
+    if (root / "fixture.json").is_file():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(GENERATOR), str(root)], capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"make_dcp_checkpoints.py failed:\n{proc.stderr[-4000:]}")
+    (root / "build_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
+    return root
+
+
+def _merge(*args) -> None:
+    assert cli_main(["merge", *map(str, args), "--overwrite"]) == 0
+
+
+def _check_logits(out: Path, reference: Path, *, exact: bool, dtype: torch.dtype = torch.float32) -> None:
+    ref = torch.load(reference / "logits.pt", weights_only=True)
+    got = model_logits(out, ref["input_ids"], dtype=dtype)
+    if exact:
+        assert torch.equal(got, ref["logits"])
+    else:
+        torch.testing.assert_close(got, ref["logits"], atol=2e-5, rtol=1e-4)
+
+
+# ---- accelerate ---------------------------------------------------------------------------
+
+
+def test_accelerate_full_training_folder_merges_bit_exact(dcp_root, tmp_path, monkeypatch):
+    src = dcp_root / "accelerate" / "ckpt"
+    assert {"optimizer_0", "pytorch_model_fsdp_0"} <= {p.name for p in src.iterdir()}
+    assert any(p.suffix == ".pkl" for p in src.iterdir())
+    det = formats.detect(src)
+    assert det.chosen.name == "accelerate" and det.matched == ("accelerate",)
+
+    opened: list[str] = []  # every file the merge opens: never the RNG pickles or the optimizer
+    real_open, real_os_open = builtins.open, os.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
+    monkeypatch.setattr(os, "open", lambda f, *a, **k: (opened.append(str(f)), real_os_open(f, *a, **k))[1])
+    out = tmp_path / "out"
+    _merge(src, out, "--config", dcp_root / "accelerate" / "config")
+    monkeypatch.undo()
+    assert not [f for f in opened if f.endswith(".pkl") or "optimizer_0" in f], opened
+    assert_tensors_equal(folder_tensors(out), folder_tensors(dcp_root / "accelerate" / "reference"))
+    _check_logits(out, dcp_root / "accelerate" / "reference", exact=True)
+    prov = read_json(out / "hf_merge.json")["source"]
+    assert prov["format"] == "accelerate-fsdp" and prov["framework"] == "accelerate" and prov["world_size"] == 2
+
+
+def test_accelerate_config_beside_and_newest_checkpoint(dcp_root, tmp_path):
+    project = tmp_path / "project" / "checkpoints"
+    for i in (0, 3):  # accelerate's automatic_checkpoint_naming layout
+        shutil.copytree(dcp_root / "accelerate" / "ckpt", project / f"checkpoint_{i}", ignore=shutil.ignore_patterns("optimizer_0"))
+    with pytest.raises(MissingConfigError, match="--config"):
+        hf_merge.open_checkpoint(project.parent)
+    shutil.copy(dcp_root / "accelerate" / "config" / "config.json", project / "checkpoint_3" / "config.json")
+    with hf_merge.open_checkpoint(project.parent) as ckpt:
+        assert ckpt.info.reader == "accelerate" and ckpt.info.step == 3
+        assert any("checkpoint_3" in n for n in ckpt.info.notes)
+        assert "model.embed_tokens.weight" in ckpt.specs() and not any(k.startswith("model.model.") for k in ckpt.specs())
+
+
+# ---- torchtitan ---------------------------------------------------------------------------
+
+
+def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path):
+    tt = dcp_root / "torchtitan"
+    step = tt / "dump" / "checkpoint" / "step-1"
+    assert formats.detect(tt / "dump").chosen.name == "torchtitan"
+    with pytest.raises(MissingConfigError, match="--config"):
+        hf_merge.open_checkpoint(step)
+    with hf_merge.open_checkpoint(tt / "dump", config=tt / "config") as ckpt:
+        assert ckpt.info.step == 1 and ckpt.info.details["name_table"] == "torchtitan-llama3"
+        assert any(n.startswith("optimizer.") for n in ckpt.dropped)  # a full training checkpoint
+    out = tmp_path / "out"
+    _merge(tt / "dump", out, "--config", tt / "config")
+    # the reference is torchtitan's own Llama3StateDictAdapter.to_hf of the trained weights
+    assert_tensors_equal(folder_tensors(out), folder_tensors(tt / "reference"))
+    # transformers' Llama on the merged folder vs torchtitan's own forward (flex attention)
+    _check_logits(out, tt / "reference", exact=False)
+
+
+def test_torchtitan_row_path_equals_full_reads(dcp_root):
+    tt = dcp_root / "torchtitan"
+    with hf_merge.open_checkpoint(tt / "dump", config=tt / "config") as ckpt:
+        name = "model.layers.1.self_attn.k_proj.weight"
+        full = ckpt.read(name)
+        got = torch.empty(full.shape, dtype=torch.float64)
+        runs = 0
+        for first, rows in ckpt.read_rows(name, torch.float64, max_bytes=3 * full.shape[1] * 8):
+            got[first : first + len(rows)] = rows  # a run is valid until the next one is asked for
+            runs += 1
+        assert runs > 2 and torch.equal(got, full.double())
+
+
+def test_rope_permutation_is_torchtitans():
+    pytest.importorskip("torchtitan")
+    sys.path.insert(0, str(GENERATOR.parent))
+    import make_dcp_checkpoints as mk
+
+    mk._torchtitan_stand_ins()
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    for rows, heads, dim in ((64, 4, 64), (32, 2, 64), (48, 3, 8)):
+        w = torch.randn(rows, dim)
+        want = Llama3StateDictAdapter._permute(None, w, heads, rows, dim)
+        assert torch.equal(w[rope_source_rows(rows, heads)], want)
+
+
+# ---- generic DCP --------------------------------------------------------------------------
+
+
+def test_generic_dcp_top_level_hf_names_tied_bf16(dcp_root, tmp_path):
+    src = dcp_root / "dcp_plain" / "ckpt"
+    assert formats.detect(src).chosen.name == "dcp"
+    out = tmp_path / "out"
+    _merge(src, out)  # config.json beside the .metadata
+    got = folder_tensors(out)
+    assert "lm_head.weight" not in got and got["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert_tensors_equal(got, folder_tensors(dcp_root / "dcp_plain" / "reference"))
+    _check_logits(out, dcp_root / "dcp_plain" / "reference", exact=True, dtype=torch.bfloat16)
+
+
+def test_generic_dcp_model_beside_optimizer(dcp_root, tmp_path):
+    src = dcp_root / "dcp_nested" / "ckpt"
+    with hf_merge.open_checkpoint(src, config=dcp_root / "dcp_nested" / "config") as ckpt:
+        assert ckpt.info.reader == "dcp" and not any("optimizer" in k or k.startswith("model.model.") for k in ckpt.specs())
+    out = tmp_path / "out"
+    _merge(src, out, "--config", dcp_root / "dcp_nested" / "config", "--dtype", "auto")
+    assert_tensors_equal(folder_tensors(out), folder_tensors(dcp_root / "dcp_nested" / "reference"))
+
+
+# ---- the name table itself ----------------------------------------------------------------
+
+
+def test_name_rules_are_validated():
+    with pytest.raises(ValueError, match="lost"):
+        NameRule("layers.{layer}.w", "model.w")
+    with pytest.raises(ValueError, match="unknown op"):
+        NameRule("a.{layer}", "b.{layer}", op="transpose")
+    with pytest.raises(ValueError, match="twice"):
+        NameTable("t", "s", ("llama",), (NameRule("a", "x"), NameRule("a", "y")))
+    with pytest.raises(ValueError, match="two rules write"):
+        NameTable("t", "s", ("llama",), (NameRule("a", "x"), NameRule("b", "x")))
+    rule = NameRule("layers.{layer}.experts.w1", "model.layers.{layer}.experts.{expert}.gate.weight")
+    assert rule.unstack == "expert" and rule.pattern.match("layers.12.experts.w1")["layer"] == "12"
+
+
+def test_unknown_source_tensor_is_named(dcp_root):
+    tt = dcp_root / "torchtitan"
+    with hf_merge.open_checkpoint(dcp_root / "dcp_nested" / "ckpt", config=tt / "config") as ckpt:
+        from hf_merge.name_tables.torchtitan import TABLES
+
+        with pytest.raises(MappingError, match=r"model\.embed_tokens\.weight.*no rule of name table 'torchtitan-llama3'"):
+            NameTableView(ckpt, TABLES[0], read_json(tt / "config" / "config.json"))
+
+
+def test_unstacking_reads_one_expert_at_a_time(tmp_path):
+    """``{expert}`` only in the HF name: dim 0 of a grouped tensor, read as a box (DCP file)."""
+    import torch.distributed.checkpoint as dcp
+
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    grouped = torch.randn(3, 5, 4)
+    dcp.save({"layers.0.moe.w1_EFD": grouped}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    table = NameTable("t", "s", ("x",), (NameRule("layers.{layer}.moe.w1_EFD", "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight"),))
+    with NameTableView(DcpCheckpoint(tmp_path / "c"), table, {}) as view:
+        assert list(view.specs()) == [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(3)]
+        for e in range(3):
+            assert torch.equal(view.read(f"model.layers.0.mlp.experts.{e}.gate_proj.weight"), grouped[e])
