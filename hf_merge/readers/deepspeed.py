@@ -289,7 +289,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                 "tag": loc.tag_dir.name,
                 "source_weights": source_weights,
                 "ds_version": ms.get("ds_version"),
-                "param_groups": len(ms["param_shapes"]),
+                "flat_groups": len(ms["param_shapes"]),  # param groups (stage 3: sub-groups)
                 "dtypes": sorted({str(lay.spec.dtype).removeprefix("torch.") for lay in self._layouts.values()}),
             },
             notes=list(loc.notes),
