@@ -289,7 +289,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                 "tag": loc.tag_dir.name,
                 "source_weights": source_weights,
                 "ds_version": ms.get("ds_version"),
-                "param_groups": len(ms["param_shapes"]),
+                "flat_groups": len(ms["param_shapes"]),  # param groups (stage 3: sub-groups)
                 "dtypes": sorted({str(lay.spec.dtype).removeprefix("torch.") for lay in self._layouts.values()}),
             },
             notes=list(loc.notes),
@@ -324,7 +324,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     def _whole(self, key: tuple, tensor: Any, name: str, kind: str) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise CorruptCheckpointError(f"{name} in the model_states file is a {type(tensor).__name__}, not a tensor")
-        self._files[key] = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
+        self._files[key] = _flat(tensor)
         self._add(name, tensor.shape, tensor.dtype, [_Piece(key, 0, 0, tensor.numel())], kind)
 
     def _add_module(self, ms: dict[str, Any]) -> None:
@@ -345,7 +345,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                 frag = (models[0].get("frozen_param_fragments") or {}).get(name)
                 if not isinstance(frag, torch.Tensor) or frag.numel() != numel:
                     raise CorruptCheckpointError(f"frozen parameter {name}: no full fragment of {numel} elements in model_states")
-                self._files[("frozen", 0, name)] = frag.reshape(-1)
+                self._files[("frozen", 0, name)] = _flat(frag)
                 self._add(name, shape, frag.dtype, [_Piece(("frozen", 0, name), 0, 0, numel)], "frozen")
                 continue
             frags = []
@@ -353,7 +353,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                 frag = (m.get("frozen_param_fragments") or {}).get(name)
                 if not isinstance(frag, torch.Tensor):
                     raise CorruptCheckpointError(f"frozen parameter {name}: rank {r}'s model_states has no fragment of it")
-                self._files[("frozen", r, name)] = frag.reshape(-1)
+                self._files[("frozen", r, name)] = _flat(frag)
                 frags.append(frag.numel())
             starts = [sum(frags[:r]) for r in range(len(frags))]
             pieces = _cut(name, starts, frags, 0, numel, lambda r, n=name: ("frozen", r, n))
@@ -372,7 +372,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             sizes = [p.numel() for p in parts]
             starts = [sum(sizes[:r]) for r in range(self.world_size)]
             for r, part in enumerate(parts):
-                self._files[("group", r, g)] = part.reshape(-1)
+                self._files[("group", r, g)] = _flat(part)
             pad = paddings[g] if paddings is not None else [0] * len(shapes)
             if len(pad) != len(shapes):
                 raise CorruptCheckpointError(f"param group {g}: {len(pad)} alignment paddings for {len(shapes)} parameters")
@@ -396,7 +396,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             if [t.numel() for t in subs] != sub_sizes:
                 raise CorruptCheckpointError(f"rank {r}'s fp32_flat_groups differ in size from rank 0's; the files are from different runs")
             for i, t in enumerate(subs):
-                self._files[("sub", r, i)] = t.reshape(-1)
+                self._files[("sub", r, i)] = _flat(t)
         dtype = flats[0][0].dtype
         offset = 0
         for shapes in ms["param_shapes"]:
@@ -451,6 +451,12 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     def close(self) -> None:
         self._files.clear()
         self._states.clear()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view (DeepSpeed pickles its fp32 partitions with ``requires_grad=True``: detached)."""
+    tensor = tensor.detach()
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
 def _step(tag: str) -> int | None:

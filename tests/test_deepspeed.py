@@ -1,0 +1,215 @@
+"""DeepSpeed ZeRO 1/2/3: checkpoints written by REAL DeepSpeed 0.19.8 on CPU (gloo), read without deepspeed.
+
+The fixtures under tests/data/deepspeed/ were written once by ``make_fixtures.py`` there (versions in
+``versions.json``); each variant folder holds, beside the checkpoint, what the training processes
+themselves saw: the fp32 masters as DeepSpeed gathers them (``safe_get_full_fp32_param``), the 16-bit
+module weights (stage 1/2) and the logits of the fp32 model carrying the masters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_merge import open_checkpoint
+from hf_merge.cli.app import main
+from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError, UnsupportedCheckpointError
+from hf_merge.formats import detect
+from hf_merge.readers.deepspeed import load_deepspeed_file
+
+from helpers import assert_tensors_equal, folder_tensors, model_logits
+
+DATA = Path(__file__).parent / "data" / "deepspeed"
+VARIANTS = sorted(p.name for p in DATA.iterdir() if (p / "variant.json").is_file())
+PLAIN = [v for v in VARIANTS if "lora" not in v]
+STAGE12 = [v for v in PLAIN if not v.startswith("z3")]
+
+
+def variant(name: str) -> dict:
+    return json.loads((DATA / name / "variant.json").read_text())
+
+
+def reference(name: str, step: int = 2) -> Path:
+    return DATA / name / "reference" / f"step{step}"
+
+
+def config_args(name: str) -> list[str]:
+    """Trainer folders carry their config.json; plain DeepSpeed folders get it from --config."""
+    return [] if variant(name).get("trainer") else ["--config", str(reference(name) / "config")]
+
+
+def test_committed_fixtures_are_the_matrix():
+    seen = {(v["stage"], v["dtype"], v["tied"], bool(v.get("lora")), v["world_size"]) for v in map(variant, VARIANTS)}
+    assert {s for s, *_ in seen} == {1, 2, 3}
+    assert {d for _, d, *_ in seen} == {"bf16", "fp32"}
+    assert {t for _, _, t, *_ in seen} == {True, False}
+    assert any(lora for *_, lora, _ in seen) and {ws for *_, ws in seen} >= {1, 2, 3}
+    assert json.loads((DATA / "versions.json").read_text())["deepspeed"].startswith("0.19.")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_masters_byte_exact(name):
+    """Every trained tensor equals DeepSpeed's own fp32 master, bit for bit (frozen ones: the module's)."""
+    want = load_file(reference(name) / "masters.safetensors")
+    with open_checkpoint(DATA / name) as ck:
+        assert ck.info.reader == "deepspeed" and ck.info.details["zero_stage"] == variant(name)["stage"]
+        specs = ck.specs()
+        if variant(name).get("lora") and variant(name).get("trainer"):  # exclude_frozen_parameters
+            want = {k: v for k, v in want.items() if "lora_" in k}
+        prefix = "base_model.model." if variant(name).get("lora") else ""
+        extra = set(specs) - set(want)  # the tied alias (shared_params), as the model's state dict has it
+        assert extra == ({prefix + "lm_head.weight"} if variant(name)["tied"] else set()), extra
+        got = {k: ck.read(k) for k in want}
+        for k in extra:
+            assert torch.equal(ck.read(k), ck.read(prefix + "model.embed_tokens.weight"))
+    assert_tensors_equal(got, want)
+
+
+@pytest.mark.parametrize("name", STAGE12)
+def test_module_weights_byte_exact(name):
+    want = load_file(reference(name) / "module.safetensors")
+    with open_checkpoint(DATA / name, source_weights="module") as ck:
+        assert ck.info.details["source_weights"] == "module"
+        got = {k: ck.read(k) for k in want}
+        assert set(ck.specs()) >= set(want)
+    assert_tensors_equal(got, want)
+
+
+def test_bf16_optimizer_and_alignment_layouts():
+    """The matrix really covers the layouts the reader distinguishes."""
+    with open_checkpoint(DATA / "z1_bf16_tied_ws2") as ck:
+        assert ck.info.details["optimizer"] == "BF16_Optimizer"
+        assert sorted(p.name for p in ck.loc.tag_dir.iterdir())[0].startswith("bf16_zero_pp_rank_0")
+    with open_checkpoint(DATA / "z2_bf16_align_ws3") as ck:
+        optim = load_deepspeed_file(ck.loc.tag_dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        assert any(any(g) for g in optim["param_alignment_paddings"])
+        # some parameter is split over two ranks' partitions
+        assert any(len(lay.pieces) > 1 for lay in ck._layouts.values())
+    with open_checkpoint(DATA / "z3_bf16_tied_ws2") as ck:
+        # sub_group_size=700: the masters lie in several optimizer sub-groups per rank (DeepSpeed
+        # keeps each parameter's slice within one sub-group)
+        subs = {p.source[2] for lay in ck._layouts.values() for p in lay.pieces if p.source[0] == "sub"}
+        assert len(subs) > 2, subs
+
+
+@pytest.mark.parametrize("name,dtype", [("z3_bf16_tied_ws2", "bfloat16"), ("z2_fp32_rr_tied_ws3", "float32"),
+                                        ("z1_bf16_tied_ws2", "float32")])
+def test_merge_cli_weights_and_logits(name, dtype, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["merge", "--workers", "1", str(DATA / name), str(out), *config_args(name), "--dtype", dtype, "--verify"])
+    assert rc == 0, capsys.readouterr().err
+    want = load_file(reference(name) / "masters.safetensors")
+    assert_tensors_equal(folder_tensors(out), want, dtype=getattr(torch, dtype))
+    ref = torch.load(reference(name) / "logits.pt", weights_only=True)
+    logits = model_logits(out, ref["input_ids"])
+    if dtype == "float32":
+        torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+    else:
+        assert (logits - ref["logits"]).abs().max() < 0.1
+    provenance = json.loads((out / "hf_merge.json").read_text())
+    assert provenance["verification"]["passed"]
+    assert "deepspeed" in json.dumps(provenance)
+
+
+def test_trainer_root_newest_checkpoint_and_tag(tmp_path, capsys):
+    root = DATA / "z2_bf16_trainer_ws2"
+    assert detect(root).chosen.name == "deepspeed"
+    with open_checkpoint(root) as ck:
+        assert ck.info.notes[0].startswith("using checkpoint-2 (the newest of 2")
+        assert ck.info.hf_dir == root / "checkpoint-2"
+    out = tmp_path / "step1"
+    assert main(["merge", "--workers", "1", str(root), str(out), "--tag", "global_step1", "--dtype", "float32", "--verify"]) == 0
+    assert_tensors_equal(folder_tensors(out), load_file(reference("z2_bf16_trainer_ws2", 1) / "masters.safetensors"))
+    assert "using checkpoint-1 (it holds tag global_step1)" in capsys.readouterr().err
+    with pytest.raises(SourceNotFoundError, match="global_step9"):
+        open_checkpoint(root, tag="global_step9")
+
+
+def test_merge_module_weights(tmp_path, capsys):
+    out = tmp_path / "module"
+    rc = main(["merge", "--workers", "1", str(DATA / "z2_bf16_trainer_ws2"), str(out), "--source-weights", "module", "--dtype", "auto", "--verify"])
+    assert rc == 0, capsys.readouterr().err
+    assert_tensors_equal(folder_tensors(out), load_file(reference("z2_bf16_trainer_ws2") / "module.safetensors"))
+    with pytest.raises(UnsupportedCheckpointError, match="stage 3"):
+        open_checkpoint(DATA / "z3_fp32_ws3", source_weights="module")
+
+
+def test_lora_trainer_adapter_and_base_model(tmp_path, capsys):
+    """PEFT + exclude_frozen_parameters: only LoRA tensors in the DeepSpeed files; --base-model fuses them."""
+    name = "z2_bf16_lora_trainer_ws2"
+    base = DATA / name / "reference" / "base"
+    out = tmp_path / "lora"
+    rc = main(["merge", "--workers", "1", str(DATA / name), str(out), "--base-model", str(base), "--config", str(base), "--dtype", "float32"])
+    assert rc == 0, capsys.readouterr().err
+    masters = load_file(reference(name) / "masters.safetensors")
+    adapter = load_file(out / "lora_adapter" / "adapter_model.safetensors")
+    want = {k.replace(".default", ""): v for k, v in masters.items() if "lora_" in k}
+    assert_tensors_equal(adapter, want)
+    ref = torch.load(reference(name) / "logits.pt", weights_only=True)
+    torch.testing.assert_close(model_logits(out, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-4)
+
+
+def test_lora_stage3_frozen_fragments_and_from_sharded_pretrained():
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge  # noqa: F401 - installs from_sharded_pretrained
+
+    name = "z3_bf16_lora_ws2"
+    model = AutoModelForCausalLM.from_sharded_pretrained(
+        DATA / name, config=reference(name) / "config", dtype="float32", lora_alpha=8
+    )
+    ref = torch.load(reference(name) / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits.float()
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-4)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def _copy_tag(name: str, tmp_path: Path) -> Path:
+    src = DATA / name
+    dst = tmp_path / name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_pickle_refused_nothing_run(tmp_path, capsys):
+    ckpt = _copy_tag("z1_fp32_ws1", tmp_path)
+    marker = tmp_path / "ran"
+    payload = _Payload()
+    payload.marker = marker
+    target = ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": 1, "x": payload}}, target)
+    with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        open_checkpoint(ckpt)
+    assert main(["merge", "--workers", "1", str(ckpt), str(tmp_path / "out"), *config_args("z1_fp32_ws1")]) != 0
+    err = capsys.readouterr().err
+    assert len([ln for ln in err.splitlines() if ln.startswith("error: ")]) == 1 and "Traceback" not in err
+    assert not marker.exists()
+
+
+def test_truncated_and_missing_rank_files(tmp_path):
+    ckpt = _copy_tag("z2_fp32_rr_tied_ws3", tmp_path)
+    tag = ckpt / "global_step2"
+    f = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        open_checkpoint(ckpt)
+    f.unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"rank\(s\) \[1\]"):
+        open_checkpoint(ckpt)
+    (tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CorruptCheckpointError, match="saved by 3 ranks"):
+        open_checkpoint(ckpt)
