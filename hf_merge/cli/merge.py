@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from ..errors import HfMergeError
-    from ..merging import merge
+    from ..preflight import check_merge
 
     source = args.source or args.local_dir
     target = args.target or args.target_dir
@@ -82,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
         raise HfMergeError("both SOURCE and --local_dir given; pass one")
     if not source or not target:
         raise HfMergeError("need a SOURCE and a TARGET: hf-merge merge SOURCE TARGET (or --local_dir X --target_dir Y)")
+    check_merge(source, target, overwrite=args.overwrite, backend=args.backend, config=args.config,
+                base_model=args.base_model, quantize=args.quantize)  # before torch is imported
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
+    from ..merging import merge
+
     result = merge(
         source,
         target,

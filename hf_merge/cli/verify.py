@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..preflight import check_verify
+
+    check_verify(args.target, args.against, config=args.config, base_model=args.base_model)  # before torch is imported
     from ..verification import verify
 
     report = verify(
