@@ -39,6 +39,7 @@ class MergeResult:
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
     url: str | None = None  # the Hub URL when pushed
+    rank: int = 0  # a distributed merge's rank (rank 0 finishes the folder and reports)
 
 
 @dataclass
@@ -189,7 +190,62 @@ def merge(
             ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
     """
     target = Path(target)
+    from .distributed import join_job
+
+    job = join_job()  # under torchrun: this process is one rank of a distributed merge
+    if job is not None:
+        with job:
+            return job.merge(
+                lambda: _prepare(
+                    source, backend=backend, dtype=dtype, max_shard_size=max_shard_size, config=config, lora=lora,
+                    lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model,
+                    base_model_name=base_model_name, quantize=quantize, is_value_model=is_value_model,
+                ),
+                target, overwrite=overwrite, workers=workers, checksums=checksums,
+                finish=lambda prepared, tmp, digests: _finish(
+                    prepared, tmp, digests, verify=verify, backend=backend, config=config, lora_alpha=lora_alpha,
+                    use_rslora=use_rslora, base_model=base_model, push_to_hub=push_to_hub,
+                ),
+                result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
+            )
     check_target(target, overwrite=overwrite)
+    prepared = _prepare(
+        source, backend=backend, dtype=dtype, max_shard_size=max_shard_size, config=config, lora=lora,
+        lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
+        quantize=quantize, is_value_model=is_value_model,
+    )
+    try:
+        with atomic_folder(target, overwrite=overwrite) as tmp:
+            digests = None
+            if prepared.model_plan is not None:
+                digests = write_shards(
+                    prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums
+                )
+            _finish(
+                prepared, tmp, digests, verify=verify, backend=backend, config=config, lora_alpha=lora_alpha,
+                use_rslora=use_rslora, base_model=base_model, push_to_hub=push_to_hub,
+            )
+        return _result(prepared, target, push_to_hub, private)
+    finally:
+        prepared.ckpt.close()
+
+
+@dataclass
+class Prepared:
+    """Everything a merge decides before writing a byte: the same on every rank of a distributed merge."""
+
+    ckpt: LazyCheckpoint
+    config_dir: Path | None
+    config: dict[str, Any]
+    views: Views
+    provenance: dict[str, Any]
+    model_plan: Any  # ShardPlan | None
+    adapter_plan: Any  # ShardPlan | None
+
+
+def _prepare(source, *, backend, dtype, max_shard_size, config, lora, lora_alpha, use_rslora, base_model,
+             base_model_name, quantize, is_value_model) -> Prepared:
+    """Open the source, build the views and plan every output file (specs only, nothing read)."""
     if quantize is not None:  # quantize: options and bitsandbytes are checked before anything is read
         from .transforms.quantize import QuantizeOptions, Quantized, require_bitsandbytes
 
@@ -226,43 +282,52 @@ def merge(
                 # PEFT loads one adapter file: never shard it.
                 views.adapter.specs(), max_shard_size=2**62, metadata=metadata, filename_pattern=ADAPTER_PATTERN
             )
-        with atomic_folder(target, overwrite=overwrite) as tmp:
-            if model_plan is not None:
-                digests = write_shards(views.model, model_plan, tmp, workers=workers, desc="Merging", sha256=checksums)
-                write_config(cfg, tmp, dtype=views.out_dtype)
-                copy_side_files(config_dir, tmp)
-                if checksums:
-                    provenance["files"] = digests
-                if verify:
-                    _write_provenance(tmp, provenance)
-                    report = verify_or_raise(
-                        tmp, ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
-                        use_rslora=use_rslora, base_model=base_model,
-                    )
-                    provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
-                _write_provenance(tmp, provenance)
-                write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
-            if adapter_plan is not None:
-                adapter_dir = tmp if model_plan is None else tmp / ADAPTER_SUBDIR
-                write_shards(views.adapter, adapter_plan, adapter_dir, workers=1, desc="Adapter")
-                (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
-                if model_plan is None:
-                    copy_side_files(config_dir, adapter_dir, skip=("generation_config.json",))
-                    _write_provenance(adapter_dir, provenance)
-                write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if model_plan is None else None)
-        main_plan = model_plan or adapter_plan
-        return MergeResult(
-            target=target,
-            files=[f.name for f in main_plan.files],
-            dtype=dtype_name(views.out_dtype) if views.out_dtype else None,
-            num_tensors=sum(len(f.specs) for f in main_plan.files),
-            total_bytes=main_plan.total_size,
-            notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
-            provenance=provenance,
-            url=push(target, push_to_hub, private=private) if push_to_hub else None,
-        )
-    finally:
+    except BaseException:
         ckpt.close()
+        raise
+    return Prepared(ckpt, config_dir, cfg, views, provenance, model_plan, adapter_plan)
+
+
+def _finish(p: Prepared, tmp: Path, digests: dict[str, str | None] | None, *, verify, backend, config, lora_alpha,
+            use_rslora, base_model, push_to_hub) -> None:
+    """Everything but the model's weight files: index, config, side files, provenance, card, adapter."""
+    views, provenance = p.views, p.provenance
+    if p.model_plan is not None:
+        write_config(p.config, tmp, dtype=views.out_dtype)
+        copy_side_files(p.config_dir, tmp)
+        if digests is not None and any(v is not None for v in digests.values()):
+            provenance["files"] = digests
+        if verify:
+            _write_provenance(tmp, provenance)
+            report = verify_or_raise(
+                tmp, p.ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
+                use_rslora=use_rslora, base_model=base_model,
+            )
+            provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
+        _write_provenance(tmp, provenance)
+        write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
+    if p.adapter_plan is not None:
+        adapter_dir = tmp if p.model_plan is None else tmp / ADAPTER_SUBDIR
+        write_shards(views.adapter, p.adapter_plan, adapter_dir, workers=1, desc="Adapter")
+        (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
+        if p.model_plan is None:
+            copy_side_files(p.config_dir, adapter_dir, skip=("generation_config.json",))
+            _write_provenance(adapter_dir, provenance)
+        write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if p.model_plan is None else None)
+
+
+def _result(p: Prepared, target: Path, push_to_hub: str | None, private: bool | None) -> MergeResult:
+    main_plan = p.model_plan or p.adapter_plan
+    return MergeResult(
+        target=target,
+        files=[f.name for f in main_plan.files],
+        dtype=dtype_name(p.views.out_dtype) if p.views.out_dtype else None,
+        num_tensors=sum(len(f.specs) for f in main_plan.files),
+        total_bytes=main_plan.total_size,
+        notes=p.ckpt.info.notes + p.views.notes + p.ckpt.info.warnings,
+        provenance=p.provenance,
+        url=push(target, push_to_hub, private=private) if push_to_hub else None,
+    )
 
 
 def _write_provenance(folder: Path, provenance: dict[str, Any]) -> None:

@@ -56,9 +56,8 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
     return removed
 
 
-@contextlib.contextmanager
-def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder; on success it becomes ``target``, on any error it is removed."""
+def make_temporary(target: Path, *, overwrite: bool = False) -> Path:
+    """Create (empty) the temporary folder beside ``target`` that becomes it on :func:`commit`."""
     target = Path(target).absolute()
     check_target(target, overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,11 +65,12 @@ def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     tmp = target.parent / f".{target.name}{_TMP_TAG}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def commit(tmp: Path, target: Path) -> None:
+    """Move the finished temporary folder into place (replacing an existing target)."""
+    target = Path(target).absolute()
     if target.exists():
         old = target.parent / f".{target.name}{_OLD_TAG}{os.getpid()}"
         os.rename(target, old)
@@ -78,3 +78,15 @@ def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, target)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder; on success it becomes ``target``, on any error it is removed."""
+    tmp = make_temporary(target, overwrite=overwrite)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit(tmp, target)

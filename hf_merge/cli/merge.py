@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from ..errors import HfMergeError
+    from ..distributed import launched_by_torchrun
     from ..preflight import check_merge
 
     source = args.source or args.local_dir
@@ -82,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise HfMergeError("both SOURCE and --local_dir given; pass one")
     if not source or not target:
         raise HfMergeError("need a SOURCE and a TARGET: hf-merge merge SOURCE TARGET (or --local_dir X --target_dir Y)")
-    check_merge(source, target, overwrite=args.overwrite, backend=args.backend, config=args.config,
-                base_model=args.base_model, quantize=args.quantize)  # before torch is imported
+    if not launched_by_torchrun():  # a rank of a distributed merge reports to the others instead
+        check_merge(source, target, overwrite=args.overwrite, backend=args.backend, config=args.config,
+                    base_model=args.base_model, quantize=args.quantize)  # before torch is imported
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         private=args.private,
         is_value_model=args.is_value_model,
     )
+    if result.rank != 0:  # a distributed merge reports once, from rank 0
+        return 0
     if args.json:
         print(json.dumps({
             "target": str(result.target), "files": result.files, "dtype": result.dtype,
