@@ -65,17 +65,25 @@ def timeout_seconds() -> float:
     return value
 
 
-def join_job() -> "Job | None":
+def join_job(distributed: bool | None = None) -> "Job | None":
     """The distributed job this process belongs to, or None for a plain single-process merge.
 
-    Inside a program that already initialised ``torch.distributed`` (any backend), a new gloo group
-    over the same ranks is used; under torchrun without one, the default group is initialised
-    here (gloo) and destroyed when the merge ends.
+    ``distributed=None``: a job only when launched by torchrun and no process group exists yet
+    (the default group is then initialised here, gloo, and destroyed when the merge ends). A
+    program that already initialised ``torch.distributed`` (any backend) passes True on every
+    rank: a new gloo group over the same ranks is used, the program's group is left as it was.
+    ``False``: never (e.g. only rank 0 merges).
     """
+    if distributed is False or (distributed is None and not launched_by_torchrun()):
+        return None
     import torch.distributed as dist
 
     if not dist.is_available():
+        if distributed:
+            raise DistributedError("distributed=True, but this torch build has no torch.distributed")
         return None
+    if distributed is None and dist.is_initialized():
+        return None  # the program runs its own job: only distributed=True shares the merge
     timeout = _dt.timedelta(seconds=timeout_seconds())
     if dist.is_initialized():
         if dist.get_world_size() == 1:
@@ -83,7 +91,10 @@ def join_job() -> "Job | None":
         group = dist.new_group(backend="gloo", timeout=timeout)
         return Job(group=group, owns_group=False, timeout=timeout)
     if not launched_by_torchrun():
-        return None
+        raise DistributedError(
+            "distributed=True, but no process group exists and RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are not "
+            "set; launch with torchrun, or call torch.distributed.init_process_group first"
+        )
     try:
         dist.init_process_group("gloo", timeout=timeout)
     except Exception as e:  # noqa: BLE001 - rendezvous failures become one line

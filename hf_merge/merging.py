@@ -164,6 +164,7 @@ def merge(
     push_to_hub: str | None = None,
     private: bool | None = None,
     is_value_model: bool | None = None,
+    distributed: bool | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -188,11 +189,16 @@ def merge(
         push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
         is_value_model: the checkpoint is a critic: write its value head as ``score.weight`` of a
             ``*ForTokenClassification`` model (Megatron; detected from the head shape when None).
+        distributed: this process is one rank of a merge shared by every rank of a torch.distributed
+            job (see :mod:`hf_merge.distributed`). None: yes when launched by torchrun (``RANK``,
+            ``WORLD_SIZE`` > 1, ``MASTER_ADDR``/``PORT`` set) and no process group exists yet; a
+            program that already runs torch.distributed passes True on every rank (False, or None,
+            when only one rank merges).
     """
     target = Path(target)
     from .distributed import join_job
 
-    job = join_job()  # under torchrun: this process is one rank of a distributed merge
+    job = join_job(distributed)  # under torchrun: this process is one rank of a distributed merge
     if job is not None:
         with job:
             return job.merge(

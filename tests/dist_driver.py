@@ -6,8 +6,9 @@ MASTER_PORT set by hand). JOBS is a list of ``{"argv": [...], "missing_source_on
 ``OUT_DIR/<job>.rank<r>.json``.
 
 - ``own_group``: the driver initialises torch.distributed (gloo) itself once, as a training
-  script would, and the merges run inside it (hf_merge adds a gloo group of its own);
-  otherwise hf_merge initialises the group from the environment, as ``torchrun -m hf_merge`` does.
+  script would, and this job calls ``hf_merge.merge(SOURCE, TARGET, max_shard_size=...,
+  distributed=True)`` inside it (hf_merge adds a gloo group of its own); other jobs run the CLI,
+  which initialises the group from the environment, as ``torchrun -m hf_merge`` does.
 - ``missing_source_on_rank``: that rank is given a source path that does not exist (a node that
   does not see the checkpoint).
 - ``die_on_rank``: that rank SIGKILLs itself when it starts writing its first output file.
@@ -28,6 +29,7 @@ def main() -> int:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     rank = int(os.environ["RANK"])
+    import hf_merge
     import hf_merge.writer
     from hf_merge.cli.app import main as cli
 
@@ -48,7 +50,11 @@ def main() -> int:
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             try:
-                code = cli(argv)
+                if job.get("own_group"):  # argv: merge SOURCE TARGET --max-shard-size SIZE
+                    hf_merge.merge(argv[1], argv[2], max_shard_size=argv[4], distributed=True)
+                    code = 0
+                else:
+                    code = cli(argv)
             except SystemExit as e:
                 code = e.code
         (out / f"{i}.rank{rank}.json").write_text(json.dumps({"code": code, "stderr": err.getvalue()}))
