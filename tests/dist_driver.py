@@ -5,8 +5,8 @@ MASTER_PORT set by hand). JOBS is a list of ``{"argv": [...], "missing_source_on
 "die_on_rank": r, "own_group": bool}``; each job's exit code and stderr go to
 ``OUT_DIR/<job>.rank<r>.json``.
 
-- ``own_group``: the driver initialises torch.distributed (gloo) itself once, as a training
-  script would, and this job calls ``hf_merge.merge(SOURCE, TARGET, max_shard_size=...,
+- ``own_group``: the driver initialises torch.distributed (gloo) itself, as a training script
+  would, and this job calls ``hf_merge.merge(SOURCE, TARGET, max_shard_size=...,
   distributed=True)`` inside it (hf_merge adds a gloo group of its own); other jobs run the CLI,
   which initialises the group from the environment, as ``torchrun -m hf_merge`` does.
 - ``missing_source_on_rank``: that rank is given a source path that does not exist (a node that
@@ -33,10 +33,6 @@ def main() -> int:
     import hf_merge.writer
     from hf_merge.cli.app import main as cli
 
-    if any(job.get("own_group") for job in jobs):
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
     real_write_file = hf_merge.writer.write_file
     for i, job in enumerate(jobs):
         argv = list(job["argv"])
@@ -51,7 +47,11 @@ def main() -> int:
         with contextlib.redirect_stderr(err):
             try:
                 if job.get("own_group"):  # argv: merge SOURCE TARGET --max-shard-size SIZE
+                    import torch.distributed as dist
+
+                    dist.init_process_group("gloo")
                     hf_merge.merge(argv[1], argv[2], max_shard_size=argv[4], distributed=True)
+                    dist.destroy_process_group()
                     code = 0
                 else:
                     code = cli(argv)
