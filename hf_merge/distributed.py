@@ -39,6 +39,7 @@ from .errors import DistributedError, HfMergeError
 logger = logging.getLogger(__name__)
 
 TIMEOUT_VAR = "HF_MERGE_DIST_TIMEOUT"
+SWITCH_VAR = "HF_MERGE_DISTRIBUTED"  # "1": share merges across the ranks of a running job; "0": never
 DEFAULT_TIMEOUT_S = 1800.0
 PROGRESS_FLUSH_BYTES = 64 << 20
 
@@ -72,8 +73,11 @@ def join_job(distributed: bool | None = None) -> "Job | None":
     (the default group is then initialised here, gloo, and destroyed when the merge ends). A
     program that already initialised ``torch.distributed`` (any backend) passes True on every
     rank: a new gloo group over the same ranks is used, the program's group is left as it was.
-    ``False``: never (e.g. only rank 0 merges).
+    ``False``: never (e.g. only rank 0 merges). ``HF_MERGE_DISTRIBUTED=1`` / ``0`` in the environment
+    stands for True / False when ``distributed`` is None (for the CLI run inside such a program).
     """
+    if distributed is None and os.environ.get(SWITCH_VAR, "") in ("0", "1"):
+        distributed = os.environ[SWITCH_VAR] == "1"
     if distributed is False or (distributed is None and not launched_by_torchrun()):
         return None
     import torch.distributed as dist

