@@ -57,3 +57,7 @@ class VerificationError(HfMergeError):
 
 class HubError(HfMergeError):
     """An interaction with the Hugging Face Hub failed."""
+
+
+class DistributedError(HfMergeError):
+    """A rank of a distributed (torchrun) merge failed, died or timed out; no target was written."""

@@ -115,7 +115,7 @@ def push(
         write_card(folder, info, kind=kind, repo_id=full_id)
 
     message = commit_message or _default_message(kind, info)
-    with _hub_errors(full_id, revision, api.endpoint):
+    with _hub_errors(full_id, revision, api.endpoint), reuse_digests(folder, info):
         commit = api.upload_folder(
             repo_id=full_id,
             folder_path=folder,
@@ -246,6 +246,67 @@ def _check_repo_id(repo_id: str) -> None:
         validate_repo_id(repo_id)
     except HFValidationError as e:
         raise HubError(f"invalid repo id {repo_id!r}: expected 'namespace/name' or 'name' ({_one_line(e)})") from e
+
+
+def known_digests(folder: Path, info: dict[str, Any] | None) -> dict[str, tuple[int, bytes]]:
+    """``{normalised path: (size, sha256)}`` of the files whose digest the merge recorded.
+
+    Only files not modified after ``hf_merge.json`` was written count (the merge writes the
+    weights first), so an edited file is hashed again rather than trusted."""
+    files = (info or {}).get("files") or {}
+    try:
+        written = (folder / PROVENANCE_FILE).stat().st_mtime_ns
+    except OSError:
+        return {}
+    known = {}
+    for name, digest in files.items():
+        if not isinstance(digest, str) or len(digest) != 64:
+            continue
+        path = folder / name
+        try:
+            st = path.stat()
+            value = bytes.fromhex(digest)
+        except (OSError, ValueError):
+            continue
+        if st.st_mtime_ns <= written:
+            known[os.path.normpath(str(path))] = (st.st_size, value)
+    return known
+
+
+@contextmanager
+def reuse_digests(folder: Path, info: dict[str, Any] | None) -> Iterator[None]:
+    """Let huggingface_hub's upload take the sha256 the merge already computed.
+
+    huggingface_hub (2.x) hashes every file it uploads through LFS once more before sending it
+    (``UploadInfo.sha256``, computed lazily from the file; settable). Inside this context an
+    ``UploadInfo`` made for a file listed in ``hf_merge.json`` (same size, not modified since)
+    starts with that digest, so a multi-GB upload does not read every weight file twice.
+    Versions without a settable digest are left alone.
+    """
+    known = known_digests(folder, info)
+    try:
+        from huggingface_hub import _commit_api
+    except ImportError:  # pragma: no cover - private module moved: upload hashes as before
+        yield
+        return
+    upload_info = getattr(_commit_api, "UploadInfo", None)
+    if not known or upload_info is None or not hasattr(upload_info, "is_hashed"):
+        yield
+        return
+    original = upload_info.__dict__["from_path"]
+
+    def from_path(cls, path: str):
+        made = original.__func__(cls, path)
+        size_digest = known.get(os.path.normpath(path))
+        if size_digest is not None and size_digest[0] == made.size and not made.is_hashed:
+            made.sha256 = size_digest[1]
+        return made
+
+    upload_info.from_path = classmethod(from_path)
+    try:
+        yield
+    finally:
+        upload_info.from_path = original
 
 
 def _read_provenance(folder: Path) -> dict[str, Any] | None:

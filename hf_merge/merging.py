@@ -44,6 +44,7 @@ class MergeResult:
     url: str | None = None  # the Hub URL when pushed
     quantization: str | None = None  # nf4 / fp4 / int8 when the weights are bitsandbytes-quantized
     adapter: dict[str, Any] | None = None  # LoRA "both": the adapter folder's path, tensors, bytes, dtype
+    rank: int = 0  # a distributed merge's rank (rank 0 finishes the folder and reports)
 
 
 @dataclass
@@ -179,6 +180,7 @@ def merge(
     source_options: dict[str, Any] | None = None,
     gguf: str | None = None,
     gguf_pre_tokenizer: str | None = None,
+    distributed: bool | None = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -207,6 +209,11 @@ def merge(
             "source_weights": "module"}`` for DeepSpeed (each format takes the ones it declares).
         gguf / gguf_pre_tokenizer: write one GGUF file (``"f32"``, ``"bf16"``, ``"q8_0"``, ...) for
             llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`).
+        distributed: this process is one rank of a merge shared by every rank of a torch.distributed
+            job (see :mod:`hf_merge.distributed`). None: yes when launched by torchrun (``RANK``,
+            ``WORLD_SIZE`` > 1, ``MASTER_ADDR``/``PORT`` set) and no process group exists yet; a
+            program that already runs torch.distributed passes True on every rank (False, or None,
+            when only one rank merges).
     """
     if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
         from .gguf.convert import merge_gguf
@@ -226,7 +233,67 @@ def merge(
         raise HfMergeError(f"--max-shard-size: {e}") from None
     # verl scripts merge into actor/huggingface, which holds config and tokenizer only: fill it in place.
     into_side_files = not overwrite and holds_side_files_only(target)
-    check_target(target, overwrite=overwrite or into_side_files)
+    replace = overwrite or into_side_files
+    check_target(target, overwrite=replace)
+
+    def prepare() -> Prepared:
+        return _prepare(
+            source, target, backend=backend, dtype=dtype, max_shard_size=max_shard_size, config=config, lora=lora,
+            lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
+            quantize=quantize, is_value_model=is_value_model, source_options=source_options,
+            into_side_files=into_side_files,
+        )
+
+    def finish(prepared: Prepared, tmp: Path, digests: "dict[str, str | None] | None") -> None:
+        _finish(
+            prepared, tmp, digests, verify=verify, backend=backend, config=config, lora_alpha=lora_alpha,
+            use_rslora=use_rslora, base_model=base_model, push_to_hub=push_to_hub, source_options=source_options,
+        )
+
+    from .distributed import join_job
+
+    job = join_job(distributed)  # under torchrun: this process is one rank of a distributed merge
+    if job is not None:
+        with job:
+            return job.merge(
+                prepare, target, overwrite=replace, workers=workers, checksums=checksums, finish=finish,
+                result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
+            )
+    prepared = prepare()
+    try:
+        with atomic_folder(target, overwrite=replace) as tmp:
+            digests = None
+            if prepared.model_plan is not None:
+                digests = write_shards(
+                    prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums
+                )
+            finish(prepared, tmp, digests)
+    finally:
+        prepared.ckpt.close()
+    return _result(prepared, target, push_to_hub, private)
+
+
+@dataclass
+class Prepared:
+    """Everything a merge decides before writing a byte: the same on every rank of a distributed merge."""
+
+    ckpt: LazyCheckpoint
+    config_dir: Path | None
+    config: dict[str, Any]
+    views: Views
+    provenance: dict[str, Any]
+    model_plan: Any  # ShardPlan | None
+    adapter_plan: Any  # ShardPlan | None
+    written: "torch.dtype | None"  # the dtype config.json names (that of the written floating weights)
+    warnings: list[str]
+    quantization: str | None  # nf4 / fp4 / int8
+    into_side_files: bool  # the target held config/tokenizer files only: they are kept
+    target: Path
+
+
+def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lora, lora_alpha, use_rslora, base_model,
+             base_model_name, quantize, is_value_model, source_options, into_side_files) -> Prepared:
+    """Open the source, build the views and plan every output file (specs only, nothing read)."""
     if quantize is not None:  # quantize: options and bitsandbytes are checked before anything is read
         from .transforms.quantize import QuantizeOptions, Quantized, require_bitsandbytes
 
@@ -277,58 +344,71 @@ def merge(
                 # PEFT loads one adapter file: never shard it.
                 views.adapter.specs(), max_shard_size=2**62, metadata=metadata, filename_pattern=ADAPTER_PATTERN
             )
-        with atomic_folder(target, overwrite=overwrite or into_side_files) as tmp:
-            if into_side_files:
-                copy_side_files(target, tmp)  # the target's own files, refreshed below from the config folder
-            if model_plan is not None:
-                digests = write_shards(views.model, model_plan, tmp, workers=workers, desc="Merging", sha256=checksums)
-                write_config(cfg, tmp, dtype=written)
-                copy_side_files(config_dir, tmp)
-                missing = missing_side_files(cfg, sorted(p.name for p in tmp.iterdir()))
-                if missing:
-                    provenance["missing_files"] = missing
-                    warnings.append(_missing_message(missing, config_dir))
-                    logger.warning(warnings[-1])
-                if checksums:
-                    provenance["files"] = digests
-            if adapter_plan is not None:
-                adapter_dir = tmp if model_plan is None else tmp / ADAPTER_SUBDIR
-                write_shards(views.adapter, adapter_plan, adapter_dir, workers=1, desc="Adapter")
-                (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
-                if model_plan is None:
-                    copy_side_files(config_dir, adapter_dir, skip=("generation_config.json",))
-            if verify:  # the model and/or the adapter, before the folder is moved into place
-                _write_provenance(tmp, provenance)
-                report = verify_or_raise(
-                    tmp, ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
-                    use_rslora=use_rslora, base_model=base_model, source_options=source_options,
-                )
-                provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
-            _write_provenance(tmp, provenance)
-            if model_plan is not None:
-                write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
-            if adapter_plan is not None:
-                write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if model_plan is None else None)
-        main_plan = model_plan or adapter_plan
-        adapter = None
-        if adapter_plan is not None and model_plan is not None:
-            adapter = {
-                "path": target / ADAPTER_SUBDIR, "tensors": sum(len(f.specs) for f in adapter_plan.files),
-                "bytes": adapter_plan.total_size, "dtype": provenance["lora"]["adapter_dtype"],
-            }
-        result = MergeResult(
-            target=target,
-            files=[f.name for f in main_plan.files],
-            dtype=provenance["dtype"],
-            num_tensors=sum(len(f.specs) for f in main_plan.files),
-            total_bytes=main_plan.total_size,
-            notes=ckpt.info.notes + views.notes + warnings,
-            provenance=provenance,
-            quantization=quantize.mode if qview is not None else None,
-            adapter=adapter,
-        )
-    finally:
+    except BaseException:
         ckpt.close()
+        raise
+    return Prepared(
+        ckpt, config_dir, cfg, views, provenance, model_plan, adapter_plan, written, warnings,
+        quantize.mode if qview is not None else None, into_side_files, target,
+    )
+
+
+def _finish(p: Prepared, tmp: Path, digests: "dict[str, str | None] | None", *, verify, backend, config, lora_alpha,
+            use_rslora, base_model, push_to_hub, source_options) -> None:
+    """Everything but the model's weight files: index, config, side files, provenance, card, adapter."""
+    views, provenance = p.views, p.provenance
+    if p.into_side_files:
+        copy_side_files(p.target, tmp)  # the target's own files, refreshed below from the config folder
+    if p.model_plan is not None:
+        write_config(p.config, tmp, dtype=p.written)
+        copy_side_files(p.config_dir, tmp)
+        missing = missing_side_files(p.config, sorted(f.name for f in tmp.iterdir()))
+        if missing:
+            provenance["missing_files"] = missing
+            p.warnings.append(_missing_message(missing, p.config_dir))
+            logger.warning(p.warnings[-1])
+        if digests is not None and any(v is not None for v in digests.values()):
+            provenance["files"] = digests
+    adapter_dir = None
+    if p.adapter_plan is not None:
+        adapter_dir = tmp if p.model_plan is None else tmp / ADAPTER_SUBDIR
+        write_shards(views.adapter, p.adapter_plan, adapter_dir, workers=1, desc="Adapter")
+        (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
+        if p.model_plan is None:
+            copy_side_files(p.config_dir, adapter_dir, skip=("generation_config.json",))
+    if verify:  # the model and/or the adapter, before the folder is moved into place
+        _write_provenance(tmp, provenance)
+        report = verify_or_raise(
+            tmp, p.ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
+            use_rslora=use_rslora, base_model=base_model, source_options=source_options,
+        )
+        provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
+    _write_provenance(tmp, provenance)
+    if p.model_plan is not None:
+        write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
+    if adapter_dir is not None:
+        write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if p.model_plan is None else None)
+
+
+def _result(p: Prepared, target: Path, push_to_hub: str | None, private: bool | None) -> MergeResult:
+    main_plan = p.model_plan or p.adapter_plan
+    adapter = None
+    if p.adapter_plan is not None and p.model_plan is not None:
+        adapter = {
+            "path": target / ADAPTER_SUBDIR, "tensors": sum(len(f.specs) for f in p.adapter_plan.files),
+            "bytes": p.adapter_plan.total_size, "dtype": p.provenance["lora"]["adapter_dtype"],
+        }
+    result = MergeResult(
+        target=target,
+        files=[f.name for f in main_plan.files],
+        dtype=p.provenance["dtype"],
+        num_tensors=sum(len(f.specs) for f in main_plan.files),
+        total_bytes=main_plan.total_size,
+        notes=p.ckpt.info.notes + p.views.notes + p.warnings,
+        provenance=p.provenance,
+        quantization=p.quantization,
+        adapter=adapter,
+    )
     if push_to_hub:
         try:
             result.url = push(target, push_to_hub, private=private)

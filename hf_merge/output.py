@@ -171,26 +171,76 @@ def _place(tmp: Path, target: Path, overwrite: bool) -> None:
         raise
 
 
+class StagedFolder:
+    """A locked temporary folder beside ``target`` that becomes it on :meth:`commit`.
+
+    Created by :func:`stage`; holds the target's lock until :meth:`commit` or :meth:`discard`
+    (a distributed merge's rank 0 stages, every rank writes into ``tmp``, rank 0 commits).
+    """
+
+    def __init__(self, target: Path, *, overwrite: bool):
+        target = resolve_target(target)
+        check_target(target, overwrite=overwrite)
+        self.target, self.overwrite = target, overwrite
+        self._created = _make_parents(target.parent)
+        self.tmp = target.parent / f".{target.name}{_TMP_TAG}{os.getpid()}"
+        self._lock = target_lock(target)
+        try:
+            self._lock.__enter__()
+            try:
+                check_target(target, overwrite=overwrite)  # again, now that no other run can write it
+                remove_stale_temporaries(target, locked=True)
+                _remove(self.tmp)
+                self.tmp.mkdir()
+            except BaseException:
+                self._lock.__exit__(None, None, None)
+                raise
+        except BaseException:
+            self._remove_created()
+            raise
+        self._open = True
+
+    def commit(self) -> None:
+        """Move the finished folder into place; the lock is released either way."""
+        try:
+            _place(self.tmp, self.target, self.overwrite)
+        except BaseException:
+            self.discard()
+            raise
+        self._release()
+
+    def discard(self) -> None:
+        """Remove the temporary folder (and parent folders created for the target). Safe twice."""
+        if not self._open:
+            return
+        _remove(self.tmp)
+        self._release()
+        self._remove_created()
+
+    def _release(self) -> None:
+        if self._open:
+            self._open = False
+            _remove(self.tmp)
+            self._lock.__exit__(None, None, None)
+
+    def _remove_created(self) -> None:
+        for folder in self._created:  # deepest first; only if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def stage(target: Path, *, overwrite: bool = False) -> StagedFolder:
+    """Lock ``target`` and create its temporary folder (see :class:`StagedFolder`)."""
+    return StagedFolder(Path(target), overwrite=overwrite)
+
+
 @contextlib.contextmanager
 def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder; on success it becomes ``target``, on any error it is removed."""
-    target = resolve_target(target)
-    check_target(target, overwrite=overwrite)
-    created = _make_parents(target.parent)
-    tmp = target.parent / f".{target.name}{_TMP_TAG}{os.getpid()}"
+    staged = stage(target, overwrite=overwrite)
     try:
-        with target_lock(target):
-            check_target(target, overwrite=overwrite)  # again, now that no other run can write it
-            remove_stale_temporaries(target, locked=True)
-            _remove(tmp)
-            tmp.mkdir()
-            try:
-                yield tmp
-                _place(tmp, target, overwrite)
-            finally:
-                _remove(tmp)
+        yield staged.tmp
     except BaseException:
-        for folder in created:  # deepest first; only if still empty
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        staged.discard()
         raise
+    staged.commit()

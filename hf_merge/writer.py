@@ -15,6 +15,7 @@ overlaps with writing instead of re-reading the output afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -208,26 +209,41 @@ def write_shards(
     workers: int | None = None,
     desc: str = "Writing",
     sha256: bool = False,
+    files: list[FilePlan] | None = None,
+    progress: ProgressFn | None = None,
 ) -> dict[str, str | None]:
-    """Write every file of ``plan`` (and the index when sharded) into ``folder``.
+    """Write the files of ``plan`` (and the index when sharded) into ``folder``.
 
-    Returns ``{file name: sha256 hex digest}`` (``None`` values unless ``sha256``)."""
-    from .progress import progress_bar
-
+    ``files`` (a distributed rank's share) writes only those files and no index; ``progress``
+    receives the bytes written instead of a progress bar being shown. Returns
+    ``{file name: sha256 hex digest}`` for the files written (``None`` values unless ``sha256``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    n = workers or default_workers(len(plan.files))
-    n = max(1, min(n, len(plan.files)))
+    share = plan.files if files is None else files
     digests: dict[str, str | None] = {}
-    with progress_bar(total=plan.total_size, unit="B", desc=desc) as bar:
-        if n == 1:
-            for fp in plan.files:
-                digests[fp.name] = write_file(ckpt, fp, folder, progress=bar.update, sha256=sha256)
-        else:
-            digests.update(_write_parallel(ckpt, plan.files, folder, n, bar.update, sha256))
+    if share:
+        n = workers or default_workers(len(share))
+        n = max(1, min(n, len(share)))
+        with contextlib.ExitStack() as stack:
+            if progress is None:
+                from .progress import progress_bar
+
+                bar = stack.enter_context(progress_bar(total=sum(f.data_size for f in share), unit="B", desc=desc))
+                progress = bar.update
+            if n == 1:
+                for fp in share:
+                    digests[fp.name] = write_file(ckpt, fp, folder, progress=progress, sha256=sha256)
+            else:
+                digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256))
+    if files is None:
+        write_index(plan, folder)
+    return {fp.name: digests[fp.name] for fp in share}
+
+
+def write_index(plan: ShardPlan, folder: Path) -> None:
+    """``model.safetensors.index.json`` for a sharded plan (nothing for a single file)."""
     if plan.index is not None:
-        (folder / INDEX_NAME).write_text(json.dumps(plan.index, indent=2, sort_keys=False) + "\n")
-    return {fp.name: digests[fp.name] for fp in plan.files}
+        (Path(folder) / INDEX_NAME).write_text(json.dumps(plan.index, indent=2, sort_keys=False) + "\n")
 
 
 def _write_parallel(

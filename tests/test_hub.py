@@ -390,3 +390,31 @@ def test_unreadable_existing_readme_fails_before_the_network(inproc, model_dir, 
         push(model_dir, "tester/x")
     assert inproc.requests == []
     assert (model_dir / "README.md").read_text() == f"---\n{header}\n---\n\n# Mine\n"  # untouched
+
+
+def test_push_reuses_the_merge_digests(model_dir):
+    """Uploads take the sha256 recorded in hf_merge.json instead of hashing each file again."""
+    import time
+
+    from huggingface_hub import CommitOperationAdd
+
+    from hf_merge.hub import _read_provenance, reuse_digests
+
+    folder = model_dir
+    info = _read_provenance(folder)
+    weights = [name for name, digest in info["files"].items() if digest]
+    assert weights
+    edited = folder / weights[0]
+    with reuse_digests(folder, info):
+        ops = {name: CommitOperationAdd(path_in_repo=name, path_or_fileobj=folder / name) for name in weights}
+    for name, op in ops.items():
+        assert op.upload_info.is_hashed, name  # taken from hf_merge.json, nothing read
+        assert op.upload_info.sha256 == hashlib.sha256((folder / name).read_bytes()).digest()
+    # a file changed after the merge is hashed again, and nothing stays patched outside the context
+    edited.write_bytes(edited.read_bytes()[:-1] + b"\0")
+    os.utime(edited, ns=(time.time_ns() + 10**9,) * 2)
+    with reuse_digests(folder, info):
+        op = CommitOperationAdd(path_in_repo=weights[0], path_or_fileobj=edited)
+    assert not op.upload_info.is_hashed
+    assert op.upload_info.sha256 == hashlib.sha256(edited.read_bytes()).digest()
+    assert not CommitOperationAdd(path_in_repo=weights[0], path_or_fileobj=folder / weights[-1]).upload_info.is_hashed

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from ..errors import HfMergeError
-    from ..merging import merge
+    from ..distributed import launched_by_torchrun
+    from ..preflight import check_merge
 
     source = args.source or args.local_dir
     target = args.target or args.target_dir
@@ -105,9 +106,14 @@ def run(args: argparse.Namespace) -> int:
         raise HfMergeError("both SOURCE and --local_dir given; pass one")
     if not source or not target:
         raise HfMergeError("need a SOURCE and a TARGET: hf-merge merge SOURCE TARGET (or --local_dir X --target_dir Y)")
+    if not launched_by_torchrun():  # a rank of a distributed merge reports to the others instead
+        check_merge(source, target, overwrite=args.overwrite, backend=args.backend, config=args.config,
+                    base_model=args.base_model, quantize=args.quantize)  # before torch is imported
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
+    from ..merging import merge
+
     result = merge(
         source,
         target,
@@ -132,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         gguf=args.gguf,
         gguf_pre_tokenizer=args.gguf_pre_tokenizer,
     )
+    if result.rank != 0:  # a distributed merge reports once, from rank 0
+        return 0
     if args.json:
         adapter = {**result.adapter, "path": str(result.adapter["path"])} if result.adapter else None
         print(json.dumps({

@@ -65,6 +65,9 @@ def _source_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..preflight import check_verify
+
+    check_verify(args.target, args.against, config=args.config, base_model=args.base_model)  # before torch is imported
     from ..verification import verify
 
     report = verify(

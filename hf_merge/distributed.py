@@ -1,0 +1,354 @@
+"""One merge across the ranks of a ``torchrun`` job (several processes, several nodes).
+
+``torchrun --nnodes N --nproc-per-node M -m hf_merge merge SOURCE TARGET`` (or ``hf-merge merge``
+launched by torchrun) runs the same command on every rank. Each rank opens the source and plans
+the output from specs alone, so every rank knows every output file without talking to the others;
+then each writes a share of the files, balanced by bytes, into one temporary folder beside the
+target (on a file system all ranks see). A gloo process group (CPU only; timeout
+``HF_MERGE_DIST_TIMEOUT`` seconds, default 1800) carries three small exchanges:
+
+1. after planning: every rank's outcome (an error line or the plan's fingerprint) and rank 0's
+   temporary folder;
+2. after writing: every rank's outcome and its files' sha256;
+3. after rank 0 has written index, config, side files, provenance and card and moved the folder
+   into place: its outcome.
+
+Any failure is known to every rank at the next exchange, and every rank then raises
+:class:`~hf_merge.errors.DistributedError` naming the failed rank (the failed rank raises its own
+error). A rank that dies breaks the group: the others get an error from gloo (at once, or at the
+timeout) and raise too. Rank 0 only moves the folder into place after exchange 2 succeeded, so a
+failure anywhere leaves no target. Progress is one bar on rank 0 counting every rank's bytes
+(ranks add to a counter in the job's key-value store).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import DistributedError, HfMergeError
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_VAR = "HF_MERGE_DIST_TIMEOUT"
+SWITCH_VAR = "HF_MERGE_DISTRIBUTED"  # "1": share merges across the ranks of a running job; "0": never
+DEFAULT_TIMEOUT_S = 1800.0
+PROGRESS_FLUSH_BYTES = 64 << 20
+
+
+def launched_by_torchrun(environ: "dict[str, str] | None" = None) -> bool:
+    """True when torchrun (or any ``env://`` launcher: Slurm scripts, ...) started this process as
+    one rank of a job of more than one process."""
+    env = os.environ if environ is None else environ
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    return world > 1 and "RANK" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env
+
+
+def timeout_seconds() -> float:
+    raw = os.environ.get(TIMEOUT_VAR, "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise HfMergeError(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds; unset it or set e.g. 1800") from None
+    if value <= 0:
+        raise HfMergeError(f"{TIMEOUT_VAR}={raw!r} must be positive")
+    return value
+
+
+def join_job(distributed: bool | None = None) -> "Job | None":
+    """The distributed job this process belongs to, or None for a plain single-process merge.
+
+    ``distributed=None``: a job only when launched by torchrun and no process group exists yet
+    (the default group is then initialised here, gloo, and destroyed when the merge ends). A
+    program that already initialised ``torch.distributed`` (any backend) passes True on every
+    rank: a new gloo group over the same ranks is used, the program's group is left as it was.
+    ``False``: never (e.g. only rank 0 merges). ``HF_MERGE_DISTRIBUTED=1`` / ``0`` in the environment
+    stands for True / False when ``distributed`` is None (for the CLI run inside such a program).
+    """
+    if distributed is None and os.environ.get(SWITCH_VAR, "") in ("0", "1"):
+        distributed = os.environ[SWITCH_VAR] == "1"
+    if distributed is False or (distributed is None and not launched_by_torchrun()):
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        if distributed:
+            raise DistributedError("distributed=True, but this torch build has no torch.distributed")
+        return None
+    if distributed is None and dist.is_initialized():
+        return None  # the program runs its own job: only distributed=True shares the merge
+    timeout = _dt.timedelta(seconds=timeout_seconds())
+    if dist.is_initialized():
+        if dist.get_world_size() == 1:
+            return None
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        return Job(group=group, owns_group=False, timeout=timeout)
+    if not launched_by_torchrun():
+        raise DistributedError(
+            "distributed=True, but no process group exists and RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are not "
+            "set; launch with torchrun, or call torch.distributed.init_process_group first"
+        )
+    try:
+        dist.init_process_group("gloo", timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - rendezvous failures become one line
+        raise DistributedError(f"could not join the torchrun job's process group ({_first_line(e)}); check MASTER_ADDR/MASTER_PORT and that every rank started") from None
+    return Job(group=None, owns_group=True, timeout=timeout)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, HfMergeError) else _first_line(e)
+
+
+def assign_by_bytes(sizes: list[int], ranks: int) -> list[list[int]]:
+    """Split items (by index) into ``ranks`` shares of balanced total size.
+
+    Largest first, each to the share with the fewest bytes so far (ties: the lowest rank), so
+    every rank computes the same shares from the same plan.
+    """
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (loads[r], r))
+        shares[r].append(i)
+        loads[r] += sizes[i]
+    return [sorted(s) for s in shares]
+
+
+def plan_fingerprint(plan: Any) -> str:
+    """sha256 over every planned file's name and header: equal on ranks that planned the same output."""
+    h = hashlib.sha256()
+    for f in plan.files if plan is not None else []:
+        h.update(f.name.encode() + b"\0" + bytes(f.header) + b"\0")
+    return h.hexdigest()
+
+
+class Job:
+    """This process's place in a distributed merge: rank, world size and the gloo group."""
+
+    def __init__(self, *, group: Any, owns_group: bool, timeout: _dt.timedelta):
+        import torch.distributed as dist
+
+        self.group = group
+        self.owns_group = owns_group
+        self.timeout = timeout
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.host = socket.gethostname()
+        self.hosts = [self.host]
+        self._store = _default_store()
+        if self.rank != 0:  # notes once, from rank 0; warnings and errors from every rank
+            log = logging.getLogger("hf_merge")
+            self._log_level = log.level
+            log.setLevel(max(log.level, logging.WARNING))
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            logging.getLogger("hf_merge").setLevel(self._log_level)
+        if self.owns_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group is already reported
+                pass
+
+    # -- exchanges ---------------------------------------------------------------------------
+    def exchange(self, error: BaseException | None, payload: Any = None) -> list[Any]:
+        """Every rank's ``payload``; raises on every rank when any rank reports an error."""
+        import torch.distributed as dist
+
+        mine = {"rank": self.rank, "host": self.host, "error": _describe(error) if error else None, "payload": payload}
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, mine, group=self.group)
+        except Exception as e:  # noqa: BLE001 - a dead or hung rank breaks the group
+            if error is not None:
+                raise error
+            raise DistributedError(
+                f"lost contact with the other ranks ({_first_line(e)}): a rank died or did not answer within "
+                f"{self.timeout.total_seconds():.0f} s ({TIMEOUT_VAR}); no target was written"
+            ) from None
+        if error is not None:
+            raise error
+        self.hosts = [g["host"] for g in gathered]
+        failed = [g for g in gathered if g["error"]]
+        if failed:
+            first = failed[0]
+            raise DistributedError(
+                f"rank {first['rank']} of {self.world_size} (on {first['host']}) failed: {first['error']}; no target was written"
+            )
+        return [g["payload"] for g in gathered]
+
+    # -- the merge ---------------------------------------------------------------------------
+    def merge(
+        self,
+        prepare: Callable[[], Any],
+        target: Path,
+        *,
+        overwrite: bool,
+        workers: int | None,
+        checksums: bool,
+        finish: Callable[[Any, Path, dict], None],
+        result: Callable[[Any, bool], Any],
+    ) -> Any:
+        """Plan on every rank, write this rank's share, let rank 0 finish; see the module docstring."""
+        from .output import stage
+        from .writer import write_index, write_shards
+
+        main = self.rank == 0
+        prepared = tmp = staged = None
+        error = None
+        try:
+            prepared = prepare()
+            if main:
+                staged = stage(target, overwrite=overwrite)
+                tmp = staged.tmp
+        except BaseException as e:  # noqa: BLE001 - reported to every rank
+            error = e
+        try:
+            info = self.exchange(error, {"plan": plan_fingerprint(getattr(prepared, "model_plan", None)), "tmp": str(tmp)})
+            if len({i["plan"] for i in info}) != 1:
+                odd = next(r for r, i in enumerate(info) if i["plan"] != info[0]["plan"])
+                raise DistributedError(
+                    f"rank {odd} planned different output files than rank 0 (different source files or options "
+                    "on its node?); every rank must see the same checkpoint; no target was written"
+                )
+            tmp = Path(info[0]["tmp"])
+            plan = prepared.model_plan
+            files = plan.files if plan is not None else []
+            share = [files[i] for i in assign_by_bytes([f.data_size for f in files], self.world_size)[self.rank]]
+            digests: dict[str, str | None] = {}
+            error = None
+            with self._progress(plan.total_size if plan else 0, str(tmp)) as progress:
+                try:
+                    if share:
+                        digests = write_shards(
+                            prepared.views.model, plan, tmp, workers=workers, sha256=checksums, files=share,
+                            progress=progress.update,
+                        )
+                    progress.flush()
+                except BaseException as e:  # noqa: BLE001 - reported to every rank
+                    error = e
+                gathered = self.exchange(error, digests)  # rank 0's bar runs until every rank is done
+            error = None
+            if main:
+                try:
+                    every = {k: v for d in gathered for k, v in d.items()}
+                    ordered = {f.name: every[f.name] for f in files}
+                    if plan is not None:
+                        write_index(plan, tmp)
+                    prepared.provenance["distributed"] = {
+                        "world_size": self.world_size,
+                        "hosts": len(set(self.hosts)),
+                        "files_per_rank": [len(d) for d in gathered],
+                        "backend": "torch.distributed (gloo)",
+                    }
+                    finish(prepared, tmp, ordered)
+                    staged.commit()
+                    staged = None
+                except BaseException as e:  # noqa: BLE001 - reported to every rank
+                    error = e
+            self.exchange(error)
+            return _with_rank(result(prepared, main), self.rank)
+        finally:
+            if staged is not None:
+                staged.discard()
+            if prepared is not None:
+                prepared.ckpt.close()
+
+    def _progress(self, total: int, key: str) -> "_Progress":
+        return _Progress(self._store, f"hf_merge/bytes/{key}", total, show=self.rank == 0)
+
+
+def _with_rank(result: Any, rank: int) -> Any:
+    result.rank = rank
+    return result
+
+
+def _default_store() -> Any:
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API; without it rank 0's bar counts its own bytes
+        return None
+
+
+class _Progress:
+    """Bytes written by every rank, counted in the job's store; a bar on rank 0 only."""
+
+    def __init__(self, store: Any, key: str, total: int, *, show: bool):
+        self._store, self._key, self._total, self._show = store, key, total, show
+        self._pending = 0
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._bar = self._thread = None
+
+    def __enter__(self) -> "_Progress":
+        if self._show:
+            from huggingface_hub.utils import tqdm
+
+            self._bar = tqdm(total=self._total, unit="B", unit_scale=True, desc="Merging")
+            if self._store is not None:
+                self._thread = threading.Thread(target=self._poll, name="hf-merge progress", daemon=True)
+                self._thread.start()
+        return self
+
+    def update(self, n: int) -> None:
+        if self._store is None:
+            if self._bar is not None:
+                self._bar.update(n)
+            return
+        self._pending += n
+        now = time.monotonic()
+        if self._pending >= PROGRESS_FLUSH_BYTES or now - self._last > 0.5:
+            self.flush()
+            self._last = now
+
+    def flush(self) -> None:
+        """Hand the bytes counted so far to the store (before telling the others this rank is done)."""
+        if self._pending and self._store is not None:
+            self._store.add(self._key, self._pending)
+            self._pending = 0
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            self._show_total()
+
+    def _show_total(self) -> None:
+        try:
+            done = self._store.add(self._key, 0)
+        except Exception:  # noqa: BLE001 - the store went away with a dead rank; the exchange reports it
+            return
+        if self._bar is not None and done > self._bar.n:
+            self._bar.update(min(done, self._total) - self._bar.n)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - see _show_total
+            pass
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._show_total()
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,177 @@
+"""A merge across the ranks of a torch.distributed job (torchrun, one or two "nodes").
+
+Real runs: torchrun launches the ranks, each plans the same output, writes its share of the
+files, and rank 0 finishes the folder. Every output must be byte-identical to the single-process
+merge of the same checkpoint (hf_merge.json aside: its time stamp and the "distributed" record).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_merge import merge
+from hf_merge.distributed import assign_by_bytes, launched_by_torchrun
+from helpers import no_leftovers
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = Path(__file__).with_name("dist_driver.py")
+SHARD = "60KB"  # the tiny fixtures become several output files
+TIMEOUT_S = "60"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_DISABLE_PROGRESS_BARS="1", HF_MERGE_DIST_TIMEOUT=TIMEOUT_S,
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1", *args]
+
+
+def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.Popen:
+    """Start ``cmd`` in its own session; on timeout kill the session (torchrun and its workers)."""
+    proc = subprocess.Popen(cmd, env=kwargs.pop("env", _env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, **kwargs)
+    try:
+        proc.output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.output = proc.communicate()[0]
+        pytest.fail(f"{' '.join(cmd[:8])} ... did not finish in {timeout} s:\n{proc.output[-3000:]}")
+    return proc
+
+
+def assert_same_folder(got: Path, want: Path) -> None:
+    """Byte-identical files; hf_merge.json equal but for "created" and the "distributed" record."""
+    names = sorted(p.name for p in want.iterdir())
+    assert sorted(p.name for p in got.iterdir()) == names
+    assert sum(n.endswith(".safetensors") for n in names) >= 2, names  # really split across ranks
+    for name in names:
+        if name == "hf_merge.json":
+            a, b = json.loads((got / name).read_text()), json.loads((want / name).read_text())
+            assert a.pop("distributed")["world_size"] >= 2
+            a.pop("created"), b.pop("created")
+            assert a == b
+        else:
+            assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def fsdp_single(qwen2_fp32_ws2, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single") / "fsdp"
+    merge(qwen2_fp32_ws2.actor, out, max_shard_size=SHARD)
+    return out
+
+
+def test_assign_by_bytes_balances_and_agrees():
+    assert assign_by_bytes([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
+    assert assign_by_bytes([3, 3, 2, 2, 2], 2) == [[0, 2, 4], [1, 3]]
+    assert assign_by_bytes([1], 3) == [[0], [], []]
+    assert launched_by_torchrun({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert not launched_by_torchrun({"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert not launched_by_torchrun({})
+
+
+def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 1 -m hf_merge merge` twice, rendezvous on localhost."""
+    target = tmp_path / "merged"
+    endpoint = f"localhost:{_free_port()}"
+    cmd = _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                    "--rdzv-id", "hf-merge-test", "-m", "hf_merge", "merge", str(qwen2_fp32_ws2.actor), str(target),
+                    "--max-shard-size", SHARD)
+    nodes = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for _ in range(2)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    assert_same_folder(target, fsdp_single)
+    assert json.loads((target / "hf_merge.json").read_text())["distributed"]["world_size"] == 2
+    assert sum(log.count("wrote ") for log in logs) == 1, logs  # one report, from rank 0
+
+
+def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatron_root, tmp_path):
+    """One torchrun --nproc-per-node 3 job: FSDP, Megatron and nf4 merges, then a rank without the source."""
+    pytest.importorskip("bitsandbytes")
+    import make_megatron_checkpoint as mk
+
+    variant = next(v for v in mk.DEFAULT_VARIANTS if v.name == "qwen2_v1")
+    megatron_src = megatron_root / variant.name / variant.role
+    fsdp_src = qwen2_fp32_ws2.actor
+    singles = tmp_path / "single"
+    merge(megatron_src, singles / "megatron", max_shard_size=SHARD)
+    merge(fsdp_src, singles / "nf4", max_shard_size=SHARD, quantize="nf4")
+    out = tmp_path / "dist"
+    jobs = [  # in one job that initialised torch.distributed itself (as a training script would)
+        {"argv": ["merge", str(megatron_src), str(out / "megatron"), "--max-shard-size", SHARD]},
+        {"argv": ["merge", str(fsdp_src), str(out / "nf4"), "--max-shard-size", SHARD, "--quantize", "nf4"]},
+        {"argv": ["merge", str(fsdp_src), str(out / "blind"), "--max-shard-size", SHARD], "missing_source_on_rank": 1},
+        {"argv": ["merge", str(fsdp_src), str(out / "fsdp"), "--max-shard-size", SHARD]},
+    ]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    results = tmp_path / "results"
+    results.mkdir()
+    proc = _run(_torchrun("--nproc-per-node", "3", str(DRIVER), "--own-group", str(tmp_path / "jobs.json"), str(results)),
+                timeout=600)
+    assert proc.returncode == 0, proc.output
+    outcome = {(i, r): json.loads((results / f"{i}.rank{r}.json").read_text()) for i in range(4) for r in range(3)}
+    for i in (0, 1, 3):
+        assert [outcome[i, r]["code"] for r in range(3)] == [0, 0, 0], outcome
+    assert_same_folder(out / "fsdp", fsdp_single)
+    assert_same_folder(out / "megatron", singles / "megatron")
+    assert_same_folder(out / "nf4", singles / "nf4")
+    # a rank that cannot see the source: every rank fails with one line, nothing is left behind
+    for r in range(3):
+        assert outcome[2, r]["code"] == 2
+        lines = [ln for ln in outcome[2, r]["stderr"].splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and "not-mounted-here does not exist" in lines[0], outcome[2, r]
+        if r != 1:
+            assert lines[0].startswith("error: rank 1 of 3 "), lines
+    assert not (out / "blind").exists() and no_leftovers(out / "blind")
+
+
+def test_killed_rank_fails_every_rank_and_leaves_no_target(qwen2_fp32_ws2, tmp_path):
+    """Two ranks started by hand (env:// as torchrun sets it); rank 1 is SIGKILLed when it starts
+    writing. Rank 0 must notice by itself, exit non-zero, and leave neither a target nor a temporary."""
+    target = tmp_path / "merged"
+    jobs = [{"argv": ["merge", str(qwen2_fp32_ws2.actor), str(target), "--max-shard-size", SHARD], "die_on_rank": 1}]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen([sys.executable, str(DRIVER), str(tmp_path / "jobs.json"), str(tmp_path)],
+                         env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for r in range(2)
+    ]
+    t0 = time.monotonic()
+    try:
+        logs = [p.communicate(timeout=int(TIMEOUT_S) + 240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert procs[1].returncode == -signal.SIGKILL, logs
+    rank0 = json.loads((tmp_path / "0.rank0.json").read_text())
+    assert rank0["code"] != 0 and "error: lost contact with the other ranks" in rank0["stderr"], rank0
+    assert time.monotonic() - t0 < int(TIMEOUT_S) + 240  # rank 0 did not hang: it noticed, or timed out
+    assert not target.exists() and no_leftovers(target)
