@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .errors import HfMergeError, QuantizationError, SourceNotFoundError
+from .errors import QuantizationError, SourceNotFoundError
+from .formats import check_name
 from .output import check_target
 
-BACKENDS = ("auto", "fsdp", "megatron", "hf")
 QUANTIZE_MODES = ("nf4", "fp4", "int8")
 INSTALL_HINT = "pip install 'hf-merge[quantize]' (or: pip install bitsandbytes)"
 
@@ -39,8 +39,7 @@ def check_merge(
     quantize: object = None,
 ) -> None:
     """Everything about a merge's inputs that can be refused without reading a tensor."""
-    if backend not in BACKENDS:
-        raise HfMergeError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    check_name(backend)
     check_folder(source, "SOURCE", "pass the checkpoint's actor/ or global_step_N folder")
     if config is not None:
         check_folder(config, "--config", "pass the folder holding config.json and the tokenizer")

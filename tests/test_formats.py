@@ -85,3 +85,14 @@ def test_probes_read_no_pickles(qwen2_fp32_ws2, tmp_path, monkeypatch):
         fmt.probe(qwen2_fp32_ws2.root)
         fmt.probe(tmp_path)
     json.dumps(formats.format_names())
+
+
+def test_declared_literals_equal_the_registry_and_import_no_reader():
+    import subprocess
+    import sys
+
+    declared = [(d.name, d.description, d.priority) for d in formats.declared()]
+    assert declared == [(f.name, f.description, f.priority) for f in formats.registry().values()]
+    code = "import sys, hf_merge.formats as f; f.format_names(); f.declared(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -21,7 +21,7 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 def size_arg(value: str) -> int:
     """``--max-shard-size`` type: ``5GB``, ``2G``, ``500MB``, ``4GiB``, ``2000000000`` -> bytes."""
-    from ..plan import parse_size
+    from ..sizes import parse_size
 
     try:
         return parse_size(value)

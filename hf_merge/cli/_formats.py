@@ -6,13 +6,13 @@ import argparse
 
 
 def add_backend_argument(parser: argparse.ArgumentParser, help_prefix: str = "source format") -> None:
-    from ..formats import registry
+    from ..formats import declared
 
-    formats = registry()
-    listing = "; ".join(f"{f.name}: {f.description}" for f in formats.values())
+    formats = declared()  # from the readers' source: no torch import for --help
+    listing = "; ".join(f"{f.name}: {f.description}" for f in formats)
     parser.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", *formats],
+        choices=["auto", *(f.name for f in formats)],
         help=f"{help_prefix} (default: auto, detected from file names). {listing}",
     )
