@@ -41,7 +41,7 @@ from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
 from ..spec import TensorSpec
-from .safe_pickle import load_rank_file
+from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,15 @@ DEEPSPEED_GLOBALS: tuple[tuple[str, str, type], ...] = (
 )
 
 
+_PAIRS = [(module, name) for module, name, _ in DEEPSPEED_GLOBALS]
+# Flat fp32 partitions with attributes are pickled through torch's own ``_rebuild_from_type_v2``.
+DEEPSPEED_FILE = TENSOR_FILE | Allowlist.of(
+    calls=[*_PAIRS, ("torch._tensor", "_rebuild_from_type_v2")],
+    classes=_PAIRS,
+    names=[("torch", "Tensor"), ("torch.nn.parameter", "Parameter")],
+)
+
+
 def load_deepspeed_file(path: Path) -> dict[str, Any]:
     """One DeepSpeed file, memory-mapped, ``weights_only`` with exactly :data:`DEEPSPEED_GLOBALS`.
 
@@ -93,8 +102,13 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
         CorruptCheckpointError: truncated or not a torch.save file.
     """
     pairs = [(cls, f"{module}.{name}") for module, name, cls in DEEPSPEED_GLOBALS]
+    # the policy scans the pickle first (stand-ins only); torch's unpickler then binds the names
+    # to the inert classes above
     with torch.serialization.safe_globals(pairs):
-        return load_rank_file(path)
+        state = torch_load(path, DEEPSPEED_FILE)
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{Path(path).name} holds a {type(state).__name__}, not a DeepSpeed state dict")
+    return state
 
 
 # ------------------------------------------------------------------------------------------
