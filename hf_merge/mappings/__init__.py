@@ -31,12 +31,14 @@ Table fields (``"megatron"`` source):
   (``num_experts``, ``n_routed_experts``, ``num_local_experts``); required when a layer entry
   uses ``{expert}``.
 
-Placeholders and stacked axes. A layer suffix (a key of ``layer_tensors`` / ``fused`` /
-``tensor_parallel``) may contain ``{expert}``: the expert index is then part of the source name
+Placeholders and stacked axes. A layer suffix (a key of ``layer_tensors`` / ``fused``) may
+contain ``{expert}``: the expert index is then part of the source name
 (``mlp.experts.local_experts.{expert}.linear_fc2.weight``, ``mlp.experts.linear_fc2.weight{expert}``).
 An HF target may contain ``{expert}`` where its source does not: the source then stacks the experts
 on an axis (after the layer axis when that is stacked too), e.g. ``[L, E, 2F, H]``. Every
-placeholder of a source suffix must appear in its target.
+placeholder of a source suffix must appear in its target. :func:`match_suffix` finds the entry a
+source name spells. (Legacy per-rank files of MoE tables are read at TP=1 only, so
+``tensor_parallel`` needs no expert entries.)
 """
 
 from __future__ import annotations

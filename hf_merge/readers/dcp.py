@@ -38,6 +38,7 @@ import math
 import os
 import re
 import threading
+from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -230,6 +231,7 @@ class DcpCheckpoint(LazyCheckpoint):
         self._specs: dict[str, TensorSpec] = {}
         self._byte_keys: list[str] = []
         self._chunks: dict[str, list[_Chunk]] = {}
+        self._chunk_index: dict[str, tuple[list[tuple[int, ...]], list[_Chunk], tuple[int, ...]]] = {}
         storage: dict[tuple[str, tuple[int, ...]], Any] = {}
         for idx, sinfo in md.storage_data.items():
             off = tuple(idx.offset) if idx.offset is not None else None
@@ -372,7 +374,7 @@ class DcpCheckpoint(LazyCheckpoint):
             raise ValueError(f"{name}: region {list(start)}+{list(size)} is outside shape {list(spec.shape)}")
         if out.numel() == 0:
             return
-        for chunk in self._chunks[name]:
+        for chunk in self._chunks_near(name, start, size):
             lo = [max(s, o) for s, o in zip(start, chunk.offsets)]
             hi = [min(s + n, o + z) for s, n, o, z in zip(start, size, chunk.offsets, chunk.sizes)]
             if any(a >= b for a, b in zip(lo, hi)):
@@ -381,6 +383,30 @@ class DcpCheckpoint(LazyCheckpoint):
             src_start = tuple(a - o for a, o in zip(lo, chunk.offsets))
             dst = out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))]
             self._copy_box(name, chunk, src_start, box_size, dst)
+
+    def _chunks_near(self, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> list[_Chunk]:
+        """The chunks that may overlap a box: a bisect on the chunks sorted by offsets, narrowed
+        dimension by dimension while the box and the chunks pin that dimension to one index (a
+        stacked ``[L, E, ...]`` tensor has L*E chunks or more; one expert must not scan them all)."""
+        index = self._chunk_index.get(name)
+        if index is None:
+            chunks = sorted(self._chunks[name], key=lambda c: c.offsets)
+            largest = tuple(max(c.sizes[d] for c in chunks) for d in range(len(start))) if chunks else ()
+            index = self._chunk_index[name] = ([c.offsets for c in chunks], chunks, largest)
+        offsets, chunks, largest = index
+        lo: list[int] = []
+        hi: list[int] = []
+        for d in range(len(start)):
+            first, last = max(0, start[d] - largest[d] + 1), start[d] + size[d] - 1
+            lo.append(first)
+            hi.append(last)
+            if first != last:
+                break
+        if not lo:
+            return chunks
+        i = bisect_left(offsets, tuple(lo))
+        j = bisect_left(offsets, tuple(hi[:-1]) + (hi[-1] + 1,))
+        return chunks[i:j]
 
     def _copy_box(
         self, name: str, chunk: _Chunk, src_start: tuple[int, ...], size: tuple[int, ...], dst: torch.Tensor
