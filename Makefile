@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# FUZZ_SECONDS=600 make fuzz: mutate every input format, run inspect + merge, print the outcome table
+fuzz: $(STAMP)
+	$(PY) fuzz/harness.py --seconds $${FUZZ_SECONDS:-60}
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_merge.py

@@ -6,6 +6,18 @@ itself must already say what is wrong *and* what to do about it.
 
 from __future__ import annotations
 
+import re
+
+_CREDENTIALS = re.compile(r"(?i)(://)[^/\s@]*@|\b(hf_[A-Za-z0-9]{8,})|((?:token|api_key|access_token)=)[^&\s]+")
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with credentials removed: URL user info (``https://user:TOKEN@host``),
+    ``?token=...`` parameters and ``hf_...`` tokens."""
+    return _CREDENTIALS.sub(
+        lambda m: (m.group(1) + "***@") if m.group(1) else ("hf_***" if m.group(2) else m.group(3) + "***"), text
+    )
+
 
 class HfMergeError(Exception):
     """Base class of all hf_merge errors."""

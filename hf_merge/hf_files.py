@@ -57,9 +57,18 @@ def find_config_dir(hf_dir: Path | None, source: Path) -> Path:
 def load_config(config_dir: Path) -> dict[str, Any]:
     path = Path(config_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MissingConfigError(f"{path} is not readable JSON ({e}); fix it or pass --config DIR") from None
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise MissingConfigError(f"{path} is not readable JSON ({str(e)[:120]}); fix it or pass --config DIR") from None
+    if not isinstance(config, dict):
+        raise MissingConfigError(f"{path} holds a JSON {type(config).__name__}, not an object; fix it or pass --config DIR")
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise MissingConfigError(f"{path}: \"architectures\" must be a list of class names; fix it or pass --config DIR")
+    for key in ("text_config", "quantization_config"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise MissingConfigError(f"{path}: \"{key}\" must be an object; fix it or pass --config DIR")
+    return config
 
 
 def checkpoint_config(info) -> tuple[Path, dict[str, Any]]:

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import HubError
+from .errors import HubError, redact_credentials
 from .output import PROVENANCE_FILE
 
 __all__ = ["push", "check_folder", "write_card", "PROVENANCE_FILE"]
@@ -184,6 +184,12 @@ def check_folder(folder: Path) -> str:
                 f"({_names(missing)}); re-run the merge"
             )
     return kind
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None = None) -> bool:
@@ -387,6 +393,7 @@ def _write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; a card is as readable as the rest
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -418,6 +425,7 @@ def _network_error_types() -> tuple[type[BaseException], ...]:
 @contextmanager
 def _hub_errors(repo_id: str, revision: str | None, endpoint: str) -> Iterator[None]:
     """Turn huggingface_hub and network failures into one-line HubErrors (original chained)."""
+    endpoint = redact_credentials(endpoint)  # a token in HF_ENDPOINT's user info is never echoed
     from huggingface_hub.errors import (
         HfHubHTTPError,
         OfflineModeIsEnabled,

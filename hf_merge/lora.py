@@ -150,10 +150,26 @@ def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """The file's object, its LoRA fields type-checked (``r`` a positive int, ``lora_alpha`` a
+    finite number, ``use_rslora`` a bool, ``task_type`` a string)."""
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except ValueError:
-        raise LoraError(f"{path} is not valid JSON") from None
+        data = json.loads(path.read_bytes()) if path.is_file() else None
+    except ValueError:  # also UnicodeDecodeError
+        raise LoraError(f"{path} is not valid JSON; fix it or delete it and pass --lora-alpha") from None
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise LoraError(f"{path} holds a JSON {type(data).__name__}, not an object; fix it or delete it and pass --lora-alpha")
+    checks = {
+        "r": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+        "lora_alpha": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+        "use_rslora": lambda v: isinstance(v, bool),
+        "task_type": lambda v: v is None or isinstance(v, str),
+    }
+    for key, ok in checks.items():
+        if key in data and not ok(data[key]):
+            raise LoraError(f"{path}: {key} is {str(data[key])[:40]!r}, which is not valid; fix it, or delete the file and pass --lora-alpha")
+    return data
 
 
 def resolve_settings(

@@ -180,9 +180,25 @@ def _worker(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sh
             digest = write_file(ckpt, plan, folder, progress=lambda n: queue.put(("bytes", n)), sha256=sha256)
             queue.put(("sha256", (plan.name, digest)))
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
-        queue.put(("error", e))
+        try:
+            queue.put(("error", e))
+        except Exception:  # an exception that does not pickle: its text then
+            queue.put(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+        queue.close()
+        queue.join_thread()  # flushed before _exit, so the parent gets the typed error (e.g. disk full)
         os._exit(1)
     queue.put(("done", None))
+
+
+def _raise_reported_error(queue) -> None:
+    """Re-raise the error a dead writer reported, if it is still in the queue."""
+    while True:
+        try:
+            kind, value = queue.get(timeout=0.5)
+        except Exception:  # queue.Empty
+            return
+        if kind == "error":
+            raise value
 
 
 def usable_cpus() -> int:
@@ -266,6 +282,7 @@ def _write_parallel(
             except Exception:  # queue.Empty: check nobody died
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
+                    _raise_reported_error(queue)
                     raise RuntimeError(f"a writer process exited with code {dead[0].exitcode}") from None
                 continue
             if kind == "error":

@@ -457,3 +457,143 @@ def test_symlinked_targets(fsdp_copy, tmp_path, capsys):
     assert cli(["merge", str(fsdp_copy), str(dangling)]) != 0
     assert "dangling symlink" in capsys.readouterr().err
     assert dangling.is_symlink() and not (tmp_path / "nowhere").exists() and _leftovers(dangling) == []
+
+
+# --------------------------------------------------------------------------------------------
+# 5. bounded work for what names and metadata claim; 6. typed one-line errors for bad input
+# --------------------------------------------------------------------------------------------
+
+
+def _cli_error(args: list[str], capsys) -> str:
+    assert cli(args) != 0
+    stderr = capsys.readouterr().err
+    err = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1 and "Traceback" not in stderr and "unexpected" not in err[0], stderr
+    assert len(err[0]) < 600, err[0]
+    return err[0]
+
+
+def test_huge_world_size_in_a_file_name_is_cheap_and_short(fsdp_copy, capsys):
+    import time
+
+    (fsdp_copy / "model_world_size_2_rank_1.pt").unlink()
+    (fsdp_copy / "fsdp_config.json").unlink()
+    (fsdp_copy / "model_world_size_2_rank_0.pt").rename(fsdp_copy / "model_world_size_1000000000_rank_0.pt")
+    t0 = time.perf_counter()
+    line = _cli_error(["inspect", str(fsdp_copy)], capsys)
+    assert time.perf_counter() - t0 < 5
+    assert "1 of 1000000000 present" in line and "model_world_size_1000000000_rank_1.pt" in line, line
+
+
+@pytest.mark.parametrize(
+    "name, content, needle",
+    [
+        ("huggingface/config.json", b"[1, 2]", "not an object"),
+        ("huggingface/config.json", b'{"architectures": "Qwen2ForCausalLM", "model_type": "qwen2"}', "architectures"),
+        ("huggingface/config.json", b"\xff\xfe{}", "not readable JSON"),
+        ("fsdp_config.json", b'{"world_size": Infinity}', "not a positive integer"),
+        ("fsdp_config.json", b'{"world_size": "2"}', "not a positive integer"),
+    ],
+)
+def test_bad_side_files_are_typed_errors(fsdp_copy, tmp_path, capsys, name, content, needle):
+    (fsdp_copy / name).write_bytes(content)
+    line = _cli_error(["merge", str(fsdp_copy), str(tmp_path / "out")], capsys)
+    assert needle in line and Path(name).name in line, line
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path / "out") == []
+
+
+def test_bad_latest_step_file_falls_back_to_the_highest_step(qwen2_fp32_ws2, tmp_path, capsys):
+    root = tmp_path / "ckpts"
+    shutil.copytree(qwen2_fp32_ws2.root, root, ignore=shutil.ignore_patterns("reference"))
+    for content in (b"\xff\xfe1", "\u00b2".encode(), b"999999999999999999999999"):
+        (root / "latest_checkpointed_iteration.txt").write_bytes(content)
+        assert cli(["inspect", str(root)]) == 0
+        assert "the highest of" in capsys.readouterr().out
+
+
+def test_malformed_megatron_manifest_is_a_typed_error(megatron_root, tmp_path, capsys):
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_root / "llama_v2_singleton" / "actor", src)
+    manifest = src / "ckpt_contents.json"
+    for bad in ('{"contents": []}', '{"contents": {"model": {"path": 3}}}', '{"contents": {"model": "x"}}'):
+        manifest.write_text(bad)
+        line = _cli_error(["inspect", str(src)], capsys)
+        assert "ckpt_contents.json" in line and "manifest" in line, line
+
+
+def _rewrite_safetensors_header(path: Path, edit) -> None:
+    import json
+
+    raw = path.read_bytes()
+    n = struct.unpack_from("<Q", raw)[0]
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n :])
+
+
+def test_bad_hf_folders_are_typed_errors(fsdp_copy, tmp_path, capsys):
+    merged = tmp_path / "merged"
+    assert cli(["merge", str(fsdp_copy), str(merged)]) == 0
+    ref = tmp_path / "ref"
+    shutil.copytree(merged, ref)
+    (ref / "model.safetensors.index.json").write_text('{"weight_map": ["model.safetensors"]}')
+    capsys.readouterr()
+    line = _cli_error(["verify", str(merged), "--against", str(ref)], capsys)
+    assert "model.safetensors.index.json is not a valid index" in line, line
+    (ref / "model.safetensors.index.json").unlink()
+
+    def to_u16(header):
+        t = header["model.norm.weight"]
+        t["shape"] = [t["shape"][0] * {"F32": 2, "BF16": 1, "F16": 1}[t["dtype"]]]  # same bytes
+        t["dtype"] = "U16"  # a dtype safetensors knows and torch 2.13 has no safetensors mapping for here
+
+    _rewrite_safetensors_header(ref / "model.safetensors", to_u16)
+    line = _cli_error(["verify", str(merged), "--against", str(ref)], capsys)
+    assert "model.norm.weight has dtype U16" in line, line
+
+
+def test_lora_meta_with_wrong_types_or_nan(lora_ckpt, tmp_path, capsys):
+    src = tmp_path / "actor"
+    shutil.copytree(lora_ckpt.actor, src)
+    for meta in ('{"r": 4, "lora_alpha": NaN}', '{"r": "four", "lora_alpha": 8}', "[8]", '{"lora_alpha": 8, "task_type": 3}'):
+        (src / "lora_train_meta.json").write_text(meta)
+        line = _cli_error(["merge", str(src), str(tmp_path / "out")], capsys)
+        assert "lora_train_meta.json" in line, line
+
+
+def test_disk_full_in_a_writer_process_reaches_the_user(fsdp_copy, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from hf_merge import writer
+
+    def full(ckpt, plan, folder, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / plan.name))
+
+    monkeypatch.setattr(writer, "write_file", full)  # inherited by the forked writers
+    line = _cli_error(["merge", str(fsdp_copy), str(tmp_path / "out"), "--workers", "2", "--max-shard-size", "100KB"], capsys)
+    assert "no space left on the device" in line and "model-0000" in line, line
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path / "out") == []
+
+
+def test_model_card_is_world_readable_and_endpoint_token_never_echoed(fsdp_copy, tmp_path):
+    import stat
+
+    from hf_merge.errors import HubError
+    from hf_merge.hub import _hub_errors
+
+    target = tmp_path / "out"
+    assert cli(["merge", str(fsdp_copy), str(target)]) == 0
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir() if p.is_file()}
+    assert modes["README.md"] == modes["config.json"] == 0o666 & ~_umask(), modes
+    with pytest.raises(HubError) as e:
+        with _hub_errors("org/model", None, "https://user:hf_SECRETTOKEN123@hub.internal"):
+            raise ConnectionError("refused")
+    assert "hf_SECRETTOKEN123" not in str(e.value) and "hub.internal" in str(e.value)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -196,10 +196,14 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
         raise CorruptCheckpointError(
             f"{where}: chunk at byte {chunk.start} holds shape {layout.size}, metadata says {chunk.sizes}"
         )
-    if layout.size and any(s > 0 for s in layout.size):
-        last = layout.storage_offset + sum((n - 1) * st for n, st in zip(layout.size, layout.stride))
-        if min(layout.stride, default=0) < 0 or last >= numel:
-            raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} points outside its storage")
+    # DCP saves each chunk as a tensor owning exactly its storage (torch clones views first), so
+    # the tensor is dense over the whole storage from offset 0; anything else is a damaged pickle.
+    if layout.storage_offset != 0 or math.prod(layout.size) != numel or not _dense(layout.size, layout.stride):
+        raise CorruptCheckpointError(
+            f"{where}: chunk at byte {chunk.start} has storage offset {layout.storage_offset}, strides "
+            f"{list(layout.stride)[:8]} for shape {list(layout.size)[:8]} over {numel} elements; not a dense DCP chunk, "
+            "the file is damaged"
+        )
     return layout
 
 
@@ -477,6 +481,19 @@ class DcpCheckpoint(LazyCheckpoint):
             self.close()
         except Exception:
             pass
+
+
+def _dense(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """True if ``size``/``stride`` covers a storage of ``prod(size)`` elements exactly once (C
+    order or any permutation of the dimensions)."""
+    if len(size) != len(stride) or any(s < 0 for s in stride):
+        return False
+    expect = 1
+    for n, st in sorted(((n, st) for n, st in zip(size, stride) if n != 1), key=lambda x: x[1]):
+        if st != expect:
+            return False
+        expect *= n
+    return True
 
 
 def _first_overlap(chunks: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:

@@ -68,8 +68,8 @@ def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
             latest_file = path / "latest_checkpointed_iteration.txt"
             chosen = None
             if latest_file.is_file():
-                text = latest_file.read_text().strip()
-                if text.isdigit() and int(text) in steps:
+                text = latest_file.read_bytes()[:64].decode("ascii", "replace").strip()
+                if re.fullmatch(r"[0-9]{1,18}", text) and int(text) in steps:
                     chosen = int(text)
                     notes.append(f"using global_step_{chosen} (from latest_checkpointed_iteration.txt)")
             if chosen is None:
@@ -105,9 +105,11 @@ def detect_world_size(folder: Path) -> tuple[int, list[str]]:
     config_path = folder / "fsdp_config.json"
     if config_path.is_file():
         try:
-            declared = int(json.loads(config_path.read_text())["world_size"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptCheckpointError(f"{config_path} is not valid ({e}); fix or delete it") from None
+            declared = json.loads(config_path.read_bytes())["world_size"]
+            if not isinstance(declared, int) or isinstance(declared, bool) or declared < 1:
+                raise ValueError(f"world_size is {str(declared)[:40]}, not a positive integer")
+        except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+            raise CorruptCheckpointError(f"{config_path} is not valid ({str(e)[:120]}); fix or delete it") from None
         if sizes != {declared}:
             found = ", ".join(str(s) for s in sorted(sizes))
             raise CorruptCheckpointError(
@@ -121,6 +123,27 @@ def detect_world_size(folder: Path) -> tuple[int, list[str]]:
     (size,) = sizes
     notes.append(f"no fsdp_config.json: world size {size} read from the rank file names")
     return size, notes
+
+
+def _check_rank_files_present(folder: Path, world_size: int) -> None:
+    """Every rank's file must be there; the world size a file name claims is bounded by the files
+    present (a name saying 1000000 ranks costs one directory listing, not a million look-ups)."""
+    present = {int(m.group(2)) for p in folder.iterdir() if (m := RANK_FILE.match(p.name)) and int(m.group(1)) == world_size}
+    present = {r for r in present if r < world_size}
+    if len(present) == world_size:
+        return
+    n_missing = world_size - len(present)
+    shown = []
+    for r in range(world_size):
+        if r not in present:
+            shown.append(rank_file_name(world_size, r))
+            if len(shown) == 3:
+                break
+    more = f" and {n_missing - len(shown)} more" if n_missing > len(shown) else ""
+    raise CorruptCheckpointError(
+        f"missing rank file{'s' if n_missing > 1 else ''} {', '.join(shown)}{more} in {folder} "
+        f"({len(present)} of {world_size} present); copy every rank's file of the checkpoint"
+    )
 
 
 @dataclass(frozen=True)
@@ -187,13 +210,7 @@ class FsdpCheckpoint(LazyCheckpoint):
     def __init__(self, folder: Path, *, hf_dir: Path | None = None, step: int | None = None, notes=()):
         self.folder = Path(folder)
         self.world_size, ws_warnings = detect_world_size(self.folder)
-        missing = [rank_file_name(self.world_size, r) for r in range(self.world_size)
-                   if not (self.folder / rank_file_name(self.world_size, r)).is_file()]
-        if missing:
-            raise CorruptCheckpointError(
-                f"missing rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} in {self.folder}; "
-                "copy every rank's file of the checkpoint"
-            )
+        _check_rank_files_present(self.folder, self.world_size)
         self._states: dict[int, dict[str, Any]] = {}
         self._mapped: list = []
         first = self._state(0)

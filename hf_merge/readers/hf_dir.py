@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
-from ..errors import CorruptCheckpointError, SourceNotFoundError
+from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
 from ..plan import INDEX_NAME
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
@@ -32,9 +32,11 @@ class HfDirCheckpoint(LazyCheckpoint):
         index = self.folder / INDEX_NAME
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CorruptCheckpointError(f"{index} is not a valid index ({e})") from None
+                weight_map = json.loads(index.read_bytes())["weight_map"]
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise ValueError('"weight_map" is not an object of file names')
+            except (ValueError, KeyError, TypeError) as e:
+                raise CorruptCheckpointError(f"{index} is not a valid index ({str(e)[:120]}); fix or delete it") from None
             files = sorted({_safe_member(self.folder, f) for f in weight_map.values()})
         else:
             files = sorted(self.folder.glob("*.safetensors"))
@@ -53,7 +55,13 @@ class HfDirCheckpoint(LazyCheckpoint):
             self._handles[path.name] = handle
             for name in handle.keys():
                 sl = handle.get_slice(name)
-                self._specs[name] = TensorSpec(name, tuple(sl.get_shape()), SAFETENSORS_TO_TORCH[sl.get_dtype()])
+                dtype = SAFETENSORS_TO_TORCH.get(sl.get_dtype())
+                if dtype is None:
+                    raise UnsupportedCheckpointError(
+                        f"{path.name}: {name[:80]} has dtype {sl.get_dtype()}, which hf_merge cannot read; "
+                        "convert that tensor to a torch dtype first"
+                    )
+                self._specs[name] = TensorSpec(name, tuple(sl.get_shape()), dtype)
                 self._where[name] = handle
         hf_dir = config_dir or (self.folder if (self.folder / "config.json").is_file() else None)
         self.info = CheckpointInfo(format="hf", path=self.folder, hf_dir=hf_dir, details={"files": len(files)})

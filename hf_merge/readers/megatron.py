@@ -91,12 +91,29 @@ class Layout:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable {what} ({e})") from e
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpointError(f"{path}: unreadable {what} ({str(e)[:120]})") from None
     if not isinstance(data, dict):
         raise CorruptCheckpointError(f"{path}: {what} is not a JSON object")
     return data
+
+
+def _check_manifest(manifest: dict[str, Any], where: Path) -> None:
+    """The manifest's shape: ``contents`` an object of objects whose ``path``/``format`` are strings."""
+    contents = manifest.get("contents")
+    bad = None
+    if contents is not None and not isinstance(contents, dict):
+        bad = '"contents" is not an object'
+    for key, entry in (contents or {}).items():
+        if entry is not None and not isinstance(entry, dict):
+            bad = f'"contents.{str(key)[:40]}" is not an object'
+        elif entry and any(entry.get(f) is not None and not isinstance(entry.get(f), str) for f in ("path", "format")):
+            bad = f'"contents.{str(key)[:40]}" has a path or format that is not a string'
+    if manifest.get("framework") is not None and not isinstance(manifest.get("framework"), str):
+        bad = '"framework" is not a string'
+    if bad:
+        raise CorruptCheckpointError(f"{where}: {bad}; fix the manifest or remove it (the layout is then read from the folders)")
 
 
 def _safe_rel(root: Path, rel: Any, what: str) -> Path:
@@ -133,6 +150,7 @@ def find_layout(path: Path) -> Layout | None:
         return None
     if (path / MANIFEST).is_file():
         manifest = _read_json(path / MANIFEST, "checkpoint manifest")
+        _check_manifest(manifest, path / MANIFEST)
         if manifest.get("framework", "megatron") != "megatron":
             return None
         contents = manifest.get("contents") or {}

@@ -94,7 +94,7 @@ def read_records(f: IO[bytes], where: str, *, base: int = 0) -> dict[str, Record
         zf = zipfile.ZipFile(f)
         infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
         start_dir = zf.start_dir
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error, UnicodeDecodeError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, OSError, ValueError, EOFError, struct.error) as e:
         raise CorruptCheckpointError(
             f"{where}: not a torch.save archive or truncated ({_first(e)}); re-copy it from the training run"
         ) from None
