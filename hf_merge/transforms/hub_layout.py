@@ -24,7 +24,6 @@ unchanged. Checked with transformers 5.24.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -351,19 +350,17 @@ def _view_of(recipe: Any, base_specs: dict[str, TensorSpec]):
     if isinstance(dim, int) and dim < 0:
         dim += len(shape) + (1 if recipe.func == "unsqueeze" else 0)
     if recipe.func in ("chunk", "split"):
-        n = shape[dim]
-        if recipe.func == "chunk":
-            step = math.ceil(n / params["chunks"]) if n else 0
-            bounds = [(i, min(i + step, n)) for i in range(0, n, step)] if step else []
-        elif isinstance(params["split_size"], int):
-            step = params["split_size"]
-            bounds = [(i, min(i + step, n)) for i in range(0, n, step)]
-        else:
-            edges = [0, *itertools.accumulate(params["split_size"])]
-            bounds = list(zip(edges, edges[1:]))
-        if recipe.index is None or recipe.index >= len(bounds):
+        n, i, size = shape[dim], recipe.index, params["split_size" if recipe.func == "split" else "chunks"]
+        if i is None:
             return None
-        lo, hi = bounds[recipe.index]
+        if recipe.func == "chunk" or isinstance(size, int):
+            step = size if recipe.func == "split" else (math.ceil(n / size) if n else 0)
+            lo, hi = i * step, min((i + 1) * step, n)
+        else:
+            lo = sum(size[:i])
+            hi = lo + size[i] if i < len(size) else lo
+        if lo >= hi:
+            return None
         offset += lo * strides[dim]
         shape[dim] = hi - lo
     elif recipe.func == "squeeze":
@@ -438,7 +435,15 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     if cls is None:
         return base, []
     arch = cls.__name__
-    model = _skeleton(cls, config)
+    try:
+        model = _skeleton(cls, config)
+    except MappingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' own error, re-raised typed with the architecture
+        raise MappingError(
+            f"{arch}: transformers cannot build the model from config.json to find the layout save_pretrained "
+            f"writes ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); fix config.json"
+        ) from e
     conversions = _reverse_conversions(model)
     if not conversions:
         return base, []
