@@ -37,6 +37,8 @@ def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path
             report["architecture"] = (cfg.get("architectures") or [None])[0]
             report["config_dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
             report["tied_embeddings"] = bool(tied_pairs(cfg))
+            report["family"] = model_family(cfg, specs)
+            report["output_layout"] = _output_layout(ckpt, cfg)
         else:
             report["hf_config"] = None
         report["lora"] = _lora_summary(ckpt)
@@ -53,6 +55,47 @@ def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path
         return report
     finally:
         ckpt.close()
+
+
+#: config keys holding the number of routed experts (MoE families name it differently)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def model_family(config: dict[str, Any], specs: dict) -> str:
+    """``dense``, ``MoE with E experts``, ``VLM`` or ``VLM, MoE with E experts`` (from config.json)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    experts = next((c[k] for c in (config, text) for k in EXPERT_COUNT_KEYS if isinstance(c.get(k), int) and c[k] > 1), None)
+    parts = []
+    if isinstance(config.get("vision_config"), dict):
+        parts.append("VLM")
+    if experts:
+        parts.append(f"MoE with {experts} experts")
+    return ", ".join(parts) or "dense"
+
+
+def _output_layout(ckpt, config: dict[str, Any]) -> str:
+    """What a merge writes: the names as stored, or transformers' saved layout (from specs only)."""
+    from .errors import HfMergeError
+    from .lora import find_lora
+    from .transforms import Renamed, drop_tied
+    from .transforms.hub_layout import HubLayout, hub_layout
+
+    lora = find_lora(ckpt.specs())
+    if lora is not None and lora.lora_only:
+        return "the base model's (--base-model), in its Hub layout"
+    base, _ = drop_tied(ckpt if lora is None else Renamed(ckpt, lora.base), tied_pairs(config))
+    try:
+        view, _ = hub_layout(base, config)
+    except HfMergeError as e:
+        return f"cannot be written in the Hub layout: {e}"
+    if not isinstance(view, HubLayout):
+        return "as stored (transformers saves this architecture with its in-memory names)"
+    changed = [n for n in view.specs() if view.source_names(n) != [n]]
+    example = changed[0]
+    return (
+        f"{view.architecture}.save_pretrained layout: {len(view.specs())} tensors from {len(base.specs())}, "
+        f"{len(changed)} renamed or split (e.g. {', '.join(view.source_names(example))} -> {example})"
+    )
 
 
 def _lora_summary(ckpt) -> Any:

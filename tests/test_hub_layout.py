@@ -187,3 +187,25 @@ def test_fixture_record(hub_root):
     info = json.loads((hub_root / "fixture.json").read_text())
     assert set(MODELS) <= set(info["models"])
     assert all(m["fsdp_forward_max_abs_diff"] == 0.0 for m in info["models"].values())
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "layout"),
+    [("qwen3_moe", "MoE with 4 experts", "Qwen3MoeForCausalLM.save_pretrained layout: 45 tensors from 25"),
+     ("qwen2_5_vl", "VLM", "Qwen2_5_VLForConditionalGeneration.save_pretrained layout: 57 tensors from 57"),
+     ("gemma3", "VLM", "Gemma3ForConditionalGeneration.save_pretrained layout: 62 tensors from 62")],
+)
+def test_inspect_shows_family_and_output_layout(hub_root, name, family, layout):
+    from hf_merge.inspect import describe
+
+    report = describe(hub_root / name)
+    assert report["family"] == family
+    assert report["output_layout"].startswith(layout), report["output_layout"]
+
+
+def test_inspect_dense(qwen2_fp32_ws2):
+    from hf_merge.inspect import describe
+
+    report = describe(qwen2_fp32_ws2.actor)
+    assert report["family"] == "dense"
+    assert report["output_layout"].startswith("as stored")
