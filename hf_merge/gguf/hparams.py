@@ -32,6 +32,12 @@ def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def head_counts(config: dict[str, Any]) -> dict[str, int]:
+    """``{"heads": query heads, "kv_heads": key/value heads}``: what the permute tables name."""
+    heads = config["num_attention_heads"]
+    return {"heads": heads, "kv_heads": config.get("num_key_value_heads") or heads}
+
+
 def head_dim(config: dict[str, Any]) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 

@@ -19,6 +19,7 @@ from ..errors import LoraError
 from ..lora import PEFT_PREFIX, LoraLayout, LoraSettings
 from . import quant
 from .arch import GgufArch, Piece, arch_for, map_names
+from .hparams import head_counts
 from .writer import PlannedTensor, write_file
 
 
@@ -41,7 +42,7 @@ def lora_alpha(layout: LoraLayout, settings: LoraSettings) -> float:
 
 def plan_lora(adapter: LazyCheckpoint, layout: LoraLayout, config: dict[str, Any], arch: GgufArch, ftype: quant.FileType) -> list[PlannedTensor]:
     specs = adapter.specs()
-    heads = {"heads": config["num_attention_heads"], "kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    heads = head_counts(config)
     planned: list[PlannedTensor] = []
     for module in layout.modules.values():
         (mapped,) = map_names(arch, [f"{module.name}.weight"])

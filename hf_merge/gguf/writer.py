@@ -23,7 +23,7 @@ from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
 from . import quant
 from .arch import GgufArch, Piece, arch_for, map_names
-from .hparams import add_hparams, rope_freqs
+from .hparams import add_hparams, head_counts, rope_freqs
 from .tokenizer import Vocab, add_to_writer
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class PlannedTensor:
 def plan_tensors(view: LazyCheckpoint, config: dict[str, Any], arch: GgufArch, ftype: quant.FileType) -> list[PlannedTensor]:
     """The GGUF tensors of ``view`` in file order, from specs only (nothing is read)."""
     specs = view.specs()
-    heads = {"heads": config["num_attention_heads"], "kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    heads = head_counts(config)
     planned: list[PlannedTensor] = []
     freqs = rope_freqs(config)
     if freqs is not None:
