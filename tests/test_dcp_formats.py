@@ -116,6 +116,7 @@ def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path):
     with hf_merge.open_checkpoint(tt / "dump", config=tt / "config") as ckpt:
         assert ckpt.info.step == 1 and ckpt.info.details["name_table"] == "torchtitan-llama3"
         assert any(n.startswith("optimizer.") for n in ckpt.dropped)  # a full training checkpoint
+    assert cli_main(["inspect", str(tt / "dump"), "--config", str(tt / "config")]) == 0
     out = tmp_path / "out"
     _merge(tt / "dump", out, "--config", tt / "config")
     # the reference is torchtitan's own Llama3StateDictAdapter.to_hf of the trained weights
@@ -212,3 +213,41 @@ def test_unstacking_reads_one_expert_at_a_time(tmp_path):
         assert list(view.specs()) == [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(3)]
         for e in range(3):
             assert torch.equal(view.read(f"model.layers.0.mlp.experts.{e}.gate_proj.weight"), grouped[e])
+
+
+# ---- transforms that pass a tensor through keep the row path ------------------------------
+
+
+def _rows(ckpt, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    runs = ckpt.read_rows(name, dtype)
+    if runs is None:
+        return None
+    out = torch.empty(ckpt.specs()[name].shape, dtype=dtype)
+    for first, rows in runs:
+        out[first : first + len(rows)] = rows
+    return out
+
+
+def test_quantized_passes_the_row_path_through(dcp_root):
+    pytest.importorskip("bitsandbytes")
+    from hf_merge.transforms.quantize import Quantized
+
+    cfg = read_json(dcp_root / "dcp_nested" / "config" / "config.json")
+    with hf_merge.open_checkpoint(dcp_root / "dcp_nested" / "ckpt", config=dcp_root / "dcp_nested" / "config") as ckpt:
+        q = Quantized(ckpt, cfg, "int8")
+        plain = "model.embed_tokens.weight"
+        assert plain in q.specs() and q.quantized
+        assert torch.equal(_rows(q, plain, torch.float32), ckpt.read(plain))
+        assert q.read_rows(f"{q.quantized[0]}.weight", torch.int8) is None  # computed: no row path
+
+
+def test_lora_adapter_passes_the_row_path_through(lora_ckpt):
+    from hf_merge.lora import find_lora
+    from hf_merge.transforms.lora import LoraAdapter
+
+    with hf_merge.open_checkpoint(lora_ckpt.root) as ckpt:
+        adapter = LoraAdapter(ckpt, find_lora(ckpt.specs()))
+        for name in list(adapter.specs())[:4]:
+            want = adapter.read(name)
+            assert ckpt.read_rows(adapter._table[name], want.dtype) is not None
+            assert torch.equal(_rows(adapter, name, want.dtype), want)

@@ -88,7 +88,8 @@ def open_dcp_model(path: Path, info: CheckpointInfo, *, strip: str | None, skip:
     dcp = DcpCheckpoint(path)
     if info.world_size is None:
         info.world_size = dcp.info.world_size
-    info.details.update(dcp.info.details)
+    # the folder's counts (not "tensors": inspect reports the model's tensors under that key)
+    info.details.update({k: dcp.info.details[k] for k in ("files", "byte_entries") if k in dcp.info.details})
     dcp.info = info
     try:
         return model_entries(dcp, strip=strip, skip=skip)
