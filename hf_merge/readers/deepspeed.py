@@ -111,6 +111,7 @@ class DeepSpeedLocation:
     save_dir: Path  # the folder engine.save_checkpoint wrote into (holds `latest` and the tag folders)
     tag_dir: Path
     notes: tuple[str, ...]
+    reopen: Path  # the folder that opens this same tag again (verify): the tag folder if given, else save_dir
 
 
 def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocation:
@@ -127,7 +128,7 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
     if _is_tag_dir(path):
         if tag is not None and tag != path.name:
             raise SourceNotFoundError(f"{path} is the tag folder {path.name}, not {tag}; pass its parent with --tag {tag}")
-        return DeepSpeedLocation(path.parent, path, ())
+        return DeepSpeedLocation(path.parent, path, (), path)
     trainer = {int(m.group(1)): p for p in path.iterdir() if (m := TRAINER_DIR.match(p.name)) and _tags(p)}
     if not _tags(path) and trainer:
         holding = [n for n, p in trainer.items() if tag in _tags(p)]
@@ -158,7 +159,7 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
             chosen = max(tags, key=lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t))
             why = f"`latest` names {text!r}, which is missing" if text else "no `latest` file"
             notes.append(f"using tag {chosen} ({why}; the highest of {len(tags)} tags; pass --tag to choose)")
-    return DeepSpeedLocation(path, path / chosen, tuple(notes))
+    return DeepSpeedLocation(path, path / chosen, tuple(notes), path)
 
 
 def _tags(folder: Path) -> set[str]:
@@ -279,7 +280,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             self._add_shared(ms)
         self.info = CheckpointInfo(
             format="deepspeed",
-            path=loc.save_dir,
+            path=loc.reopen,
             hf_dir=hf_dir or _find_config(loc),
             world_size=self.world_size,
             step=_step(loc.tag_dir.name),
@@ -301,7 +302,12 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     def _numbered(folder: Path, pattern: re.Pattern, rank_group: int) -> dict[int, Path]:
         found: dict[int, Path] = {}
         for p in folder.iterdir():
-            if m := pattern.match(p.name):
+            if (m := pattern.match(p.name)) and int(m.group(rank_group + 1)) != 0:
+                raise UnsupportedCheckpointError(
+                    f"{p.name}: model-parallel DeepSpeed checkpoints (mp_rank > 0: tensor or pipeline parallel) "
+                    "are not read yet; convert with ds_to_universal or merge an mp_rank_00-only run"
+                )
+            if m:
                 rank = int(m.group(rank_group) or 0)
                 if rank in found:
                     raise CorruptCheckpointError(f"{folder} holds both {found[rank].name} and {p.name}; keep one run's files")
