@@ -31,12 +31,14 @@ from __future__ import annotations
 import logging
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import filemap
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
@@ -232,6 +234,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         folder = loc.tag_dir
         self._files: dict[tuple, torch.Tensor] = {}
         self._states: list[dict[str, Any]] = []  # keep the mapped files alive
+        self._mapped: list[int] = []  # filemap tokens: tensors copied through their file, not their pages
         model_files = self._numbered(folder, MODEL_STATES, rank_group=1)
         optim_files = self._numbered(folder, OPTIM_STATES, rank_group=2)
         if not optim_files:
@@ -320,6 +323,17 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     def _load(self, path: Path) -> dict[str, Any]:
         state = load_deepspeed_file(path)
         self._states.append(state)
+        optim = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+        if isinstance(optim, dict):  # only the weights: the partitions (not Adam's moments)
+            tensors = [t for key in ("single_partition_of_fp32_groups", "fp32_flat_groups")
+                       for t in (optim.get(key) or []) if isinstance(t, torch.Tensor)]
+        else:
+            tensors = [t for key in ("module", "frozen_param_fragments")
+                       for t in (state.get(key) or {}).values() if isinstance(t, torch.Tensor)]
+        token = filemap.register(path, tensors)
+        if token is not None:
+            self._mapped.append(token)
+            weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
         return state
 
     # ---- layouts ------------------------------------------------------------------------
@@ -441,7 +455,10 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         check_out(lay.spec, out)
         flat = out.view(-1) if out.is_contiguous() else torch.empty(lay.spec.shape, dtype=out.dtype).view(-1)
         for p in lay.pieces:
-            flat[p.dst_start : p.dst_start + p.numel].copy_(self._files[p.source][p.src_start : p.src_start + p.numel])
+            src = self._files[p.source][p.src_start : p.src_start + p.numel]
+            dst = flat[p.dst_start : p.dst_start + p.numel]
+            if not filemap.read_into(src, dst):
+                dst.copy_(src)
         if not out.is_contiguous():
             out.copy_(flat.view(lay.spec.shape))
 
@@ -455,6 +472,9 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         return row_runs(rows, 0, dtype, max_bytes)
 
     def close(self) -> None:
+        for token in self._mapped:
+            filemap.unregister(token)
+        self._mapped.clear()
         self._files.clear()
         self._states.clear()
 
