@@ -129,6 +129,10 @@ def test_trainer_root_newest_checkpoint_and_tag(tmp_path, capsys):
     assert "using checkpoint-1 (it holds tag global_step1)" in capsys.readouterr().err
     with pytest.raises(SourceNotFoundError, match="global_step9"):
         open_checkpoint(root, tag="global_step9")
+    tag_dir = root / "checkpoint-1" / "global_step1"  # a tag folder given directly
+    with open_checkpoint(tag_dir) as ck:
+        assert ck.info.path == tag_dir and ck.info.details["tag"] == "global_step1"
+        assert torch.equal(ck.read("model.norm.weight"), load_file(reference("z2_bf16_trainer_ws2", 1) / "masters.safetensors")["model.norm.weight"])
 
 
 def test_merge_module_weights(tmp_path, capsys):

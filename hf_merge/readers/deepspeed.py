@@ -31,12 +31,14 @@ from __future__ import annotations
 import logging
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import filemap
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
@@ -125,6 +127,7 @@ class DeepSpeedLocation:
     save_dir: Path  # the folder engine.save_checkpoint wrote into (holds `latest` and the tag folders)
     tag_dir: Path
     notes: tuple[str, ...]
+    reopen: Path  # the folder that opens this same tag again (verify): the tag folder if given, else save_dir
 
 
 def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocation:
@@ -141,7 +144,7 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
     if _is_tag_dir(path):
         if tag is not None and tag != path.name:
             raise SourceNotFoundError(f"{path} is the tag folder {path.name}, not {tag}; pass its parent with --tag {tag}")
-        return DeepSpeedLocation(path.parent, path, ())
+        return DeepSpeedLocation(path.parent, path, (), path)
     trainer = {int(m.group(1)): p for p in path.iterdir() if (m := TRAINER_DIR.match(p.name)) and _tags(p)}
     if not _tags(path) and trainer:
         holding = [n for n, p in trainer.items() if tag in _tags(p)]
@@ -172,7 +175,7 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
             chosen = max(tags, key=lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t))
             why = f"`latest` names {text!r}, which is missing" if text else "no `latest` file"
             notes.append(f"using tag {chosen} ({why}; the highest of {len(tags)} tags; pass --tag to choose)")
-    return DeepSpeedLocation(path, path / chosen, tuple(notes))
+    return DeepSpeedLocation(path, path / chosen, tuple(notes), path)
 
 
 def _tags(folder: Path) -> set[str]:
@@ -245,6 +248,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         folder = loc.tag_dir
         self._files: dict[tuple, torch.Tensor] = {}
         self._states: list[dict[str, Any]] = []  # keep the mapped files alive
+        self._mapped: list[int] = []  # filemap tokens: tensors copied through their file, not their pages
         model_files = self._numbered(folder, MODEL_STATES, rank_group=1)
         optim_files = self._numbered(folder, OPTIM_STATES, rank_group=2)
         if not optim_files:
@@ -293,7 +297,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             self._add_shared(ms)
         self.info = CheckpointInfo(
             format="deepspeed",
-            path=loc.save_dir,
+            path=loc.reopen,
             hf_dir=hf_dir or _find_config(loc),
             world_size=self.world_size,
             step=_step(loc.tag_dir.name),
@@ -315,7 +319,12 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     def _numbered(folder: Path, pattern: re.Pattern, rank_group: int) -> dict[int, Path]:
         found: dict[int, Path] = {}
         for p in folder.iterdir():
-            if m := pattern.match(p.name):
+            if (m := pattern.match(p.name)) and int(m.group(rank_group + 1)) != 0:
+                raise UnsupportedCheckpointError(
+                    f"{p.name}: model-parallel DeepSpeed checkpoints (mp_rank > 0: tensor or pipeline parallel) "
+                    "are not read yet; convert with ds_to_universal or merge an mp_rank_00-only run"
+                )
+            if m:
                 rank = int(m.group(rank_group) or 0)
                 if rank in found:
                     raise CorruptCheckpointError(f"{folder} holds both {found[rank].name} and {p.name}; keep one run's files")
@@ -328,6 +337,17 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     def _load(self, path: Path) -> dict[str, Any]:
         state = load_deepspeed_file(path)
         self._states.append(state)
+        optim = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+        if isinstance(optim, dict):  # only the weights: the partitions (not Adam's moments)
+            tensors = [t for key in ("single_partition_of_fp32_groups", "fp32_flat_groups")
+                       for t in (optim.get(key) or []) if isinstance(t, torch.Tensor)]
+        else:
+            tensors = [t for key in ("module", "frozen_param_fragments")
+                       for t in (state.get(key) or {}).values() if isinstance(t, torch.Tensor)]
+        token = filemap.register(path, tensors)
+        if token is not None:
+            self._mapped.append(token)
+            weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
         return state
 
     # ---- layouts ------------------------------------------------------------------------
@@ -449,7 +469,10 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         check_out(lay.spec, out)
         flat = out.view(-1) if out.is_contiguous() else torch.empty(lay.spec.shape, dtype=out.dtype).view(-1)
         for p in lay.pieces:
-            flat[p.dst_start : p.dst_start + p.numel].copy_(self._files[p.source][p.src_start : p.src_start + p.numel])
+            src = self._files[p.source][p.src_start : p.src_start + p.numel]
+            dst = flat[p.dst_start : p.dst_start + p.numel]
+            if not filemap.read_into(src, dst):
+                dst.copy_(src)
         if not out.is_contiguous():
             out.copy_(flat.view(lay.spec.shape))
 
@@ -463,6 +486,9 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         return row_runs(rows, 0, dtype, max_bytes)
 
     def close(self) -> None:
+        for token in self._mapped:
+            filemap.unregister(token)
+        self._mapped.clear()
         self._files.clear()
         self._states.clear()
 
