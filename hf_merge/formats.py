@@ -162,7 +162,7 @@ def detect(path: "str | Path") -> Detection:
 def _probe(fmt: SourceFormat, path: Path) -> bool:
     try:
         return bool(fmt.probe(path))
-    except OSError:  # unreadable entries: not this format (its open() would say why)
+    except (OSError, ValueError):  # unreadable or undecodable files: not this format (its open() would say why)
         return False
 
 

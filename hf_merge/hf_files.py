@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from .errors import MissingConfigError, UnsafeCheckpointError
+from .output import WEIGHT_INDEXES, WEIGHT_SUFFIXES, holds_side_files_only  # noqa: F401 - holds_side_files_only re-exported
 from .spec import dtype_name, parse_dtype
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 logger = logging.getLogger(__name__)
@@ -191,12 +190,3 @@ def missing_side_files(config: dict[str, Any], files: list[str]) -> list[str]:
     return missing
 
 
-def holds_side_files_only(folder: Path) -> bool:
-    """True for a non-empty folder of config / tokenizer / generation files and no weights (verl's
-    ``actor/huggingface``), which a merge may fill in place."""
-    items = list(Path(folder).iterdir()) if Path(folder).is_dir() else []
-    return (Path(folder) / "config.json").is_file() and all(
-        item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in WEIGHT_INDEXES
-        and item.name != "hf_merge.json"
-        for item in items
-    )

@@ -37,7 +37,7 @@ def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path
             report["architecture"] = (cfg.get("architectures") or [None])[0]
             report["config_dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
             report["tied_embeddings"] = bool(tied_pairs(cfg))
-            report["family"] = model_family(cfg, specs)
+            report["model_kind"] = model_family(cfg, specs)  # dense / MoE / VLM (a reader may set "family" itself)
             report["output_layout"] = _output_layout(ckpt, cfg)
         else:
             report["hf_config"] = None

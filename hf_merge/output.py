@@ -25,6 +25,8 @@ from typing import Iterator
 
 from .errors import TargetExistsError
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 PROVENANCE_FILE = "hf_merge.json"  # the provenance record every merge writes (one name, used everywhere)
 
 _TMP_TAG = ".hf-merge-tmp-"
@@ -244,3 +246,14 @@ def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
         staged.discard()
         raise
     staged.commit()
+
+
+def holds_side_files_only(folder: Path) -> bool:
+    """True for a non-empty folder of config / tokenizer / generation files and no weights (verl's
+    ``actor/huggingface``), which a merge may fill in place."""
+    items = list(Path(folder).iterdir()) if Path(folder).is_dir() else []
+    return (Path(folder) / "config.json").is_file() and all(
+        item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in WEIGHT_INDEXES
+        and item.name != PROVENANCE_FILE
+        for item in items
+    )

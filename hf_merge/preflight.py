@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import QuantizationError, SourceNotFoundError
 from .formats import check_name
-from .output import check_target
+from .output import check_target, holds_side_files_only
 
 QUANTIZE_MODES = ("nf4", "fp4", "int8")
 INSTALL_HINT = "pip install 'hf-merge[quantize]' (or: pip install bitsandbytes)"
@@ -45,7 +45,8 @@ def check_merge(
         check_folder(config, "--config", "pass the folder holding config.json and the tokenizer")
     if base_model is not None:
         check_folder(base_model, "--base-model", "pass the base model's Hugging Face folder")
-    check_target(Path(target), overwrite=overwrite)
+    # verl scripts merge into actor/huggingface (config and tokenizer only): filled in place
+    check_target(Path(target), overwrite=overwrite or holds_side_files_only(Path(target)))
     if isinstance(quantize, str):
         if quantize not in QUANTIZE_MODES:
             raise QuantizationError(f"unknown --quantize mode {quantize!r}; use nf4, fp4 or int8")

@@ -199,7 +199,7 @@ def test_inspect_shows_family_and_output_layout(hub_root, name, family, layout):
     from hf_merge.inspect import describe
 
     report = describe(hub_root / name)
-    assert report["family"] == family
+    assert report["model_kind"] == family
     assert report["output_layout"].startswith(layout), report["output_layout"]
 
 
@@ -207,5 +207,5 @@ def test_inspect_dense(qwen2_fp32_ws2):
     from hf_merge.inspect import describe
 
     report = describe(qwen2_fp32_ws2.actor)
-    assert report["family"] == "dense"
+    assert report["model_kind"] == "dense"
     assert report["output_layout"].startswith("as stored")

@@ -102,8 +102,13 @@ def render(report: dict[str, Any]) -> str:
     for key in ("tp", "pp", "ep"):
         if report.get(key) is not None:
             rows.append((key.upper(), str(report[key])))
-    if report.get("family"):
+    if report.get("model_kind"):
+        rows.append(("model", str(report["model_kind"]) + (f" ({report['family']})" if report.get("family") else "")
+                     + (" (critic: value head)" if report.get("value_model") else "")))
+    elif report.get("family"):
         rows.append(("model family", str(report["family"]) + (" (critic: value head)" if report.get("value_model") else "")))
+    if report.get("moe"):
+        rows.append(("experts", str(report["moe"])))
     if mesh := _mesh(report):
         rows.append(("device mesh", mesh))
     if report.get("placements"):

@@ -111,7 +111,7 @@ def merge_gguf(
         for warning in ckpt.info.warnings:
             logger.warning(warning)
         name = model_name(cfg, base_model_name, ckpt.info.path if ckpt.info.format == "hf" else None, target)
-        provenance = merging._provenance(ckpt, cfg, views, base_model_name)
+        provenance = merging._provenance(ckpt, cfg, views, base_model_name, views.out_dtype, requested=dtype)
         record: dict[str, Any] = {"type": ftype.name, "architecture": arch_for(cfg).name}
         files: list[str] = []
         planned = []
