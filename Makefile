@@ -2,6 +2,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 torchdata==0.11.0 \
+	einops==0.8.2 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0
 
 .PHONY: venv demo test bench fuzz clean
 
@@ -9,6 +11,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[test]"
+	# torchtitan (tests write real torchtitan checkpoints) without its training-only dependencies
+	# (datasets, wandb, tensorboard): only what importing its models and CheckpointManager needs
+	$(PY) -m pip install -q --no-deps $(TORCHTITAN)
 	touch $(STAMP)
 
 venv: $(STAMP)
