@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+import make_fsdp_checkpoint as mk  # examples/ is on sys.path (conftest.py)
 import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only unpickling)
@@ -279,19 +280,9 @@ def test_run_cli_helper(run_cli):
     assert res.returncode == 0 and res.stdout == out
 
 
-def test_generator_cli(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "examples" / "make_fsdp_checkpoint.py"
-    p = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "c"), "--layout", "ws1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr
-    info = json.loads(p.stdout)
+def test_generator_cli(tmp_path, capsys):
+    """The generator's command line (in this process: its fork server is already warm)."""
+    assert mk.main([str(tmp_path / "c"), "--layout", "ws1"]) == 0
+    info = json.loads(capsys.readouterr().out)
     assert info["world_size"] == 1 and info["rank_files"][0].endswith("model_world_size_1_rank_0.pt")
     assert (tmp_path / "c" / "reference" / "logits.pt").is_file()

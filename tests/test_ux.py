@@ -418,3 +418,15 @@ def test_verify_checks_hsdp_replicas(hsdp_ckpt, tmp_path, capsys):
     assert rc == 1
     assert f"{name}: rank 2 holds other values than rank 0, its replica" in out
     assert re.search(r"^file checksums +ok", out, re.M) and "bit-exact" in out  # the merged group still matches
+
+
+# --- 11: packaging -------------------------------------------------------------------------------
+
+
+def test_pyproject_license_is_an_spdx_string():
+    """A TOML-table license makes setuptools >= 77 print a deprecation warning on every install."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    assert any(r.startswith("setuptools>=77") for r in project["build-system"]["requires"])
