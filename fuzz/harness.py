@@ -335,7 +335,7 @@ def classify(rc: int | None, stderr: str, status: str) -> str:
     if rc == 0:
         return "accepted"
     lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
-    if len(lines) != 1 or "unexpected" in lines[0]:
+    if len(lines) != 1 or lines[0].startswith("error: unexpected "):
         return "unexpected"
     return "typed-error"
 

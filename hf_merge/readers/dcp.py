@@ -236,38 +236,13 @@ class DcpCheckpoint(LazyCheckpoint):
         self._byte_keys: list[str] = []
         self._chunks: dict[str, list[_Chunk]] = {}
         self._chunk_index: dict[str, tuple[list[tuple[int, ...]], list[_Chunk], tuple[int, ...]]] = {}
-        storage: dict[tuple[str, tuple[int, ...]], Any] = {}
-        for idx, sinfo in md.storage_data.items():
-            off = tuple(idx.offset) if idx.offset is not None else None
-            storage[(idx.fqn, off)] = sinfo
-        files: set[str] = set()
-        for key, entry in md.state_dict_metadata.items():
-            if not hasattr(entry, "chunks"):
-                self._byte_keys.append(key)
-                continue
-            dtype = entry.properties.dtype
-            shape = tuple(int(s) for s in entry.size)
-            self._specs[key] = TensorSpec(key, shape, dtype)
-            chunks = []
-            for c in entry.chunks:
-                offsets, sizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
-                sinfo = storage.get((key, offsets))
-                if sinfo is None:
-                    raise CorruptCheckpointError(
-                        f"{self.path}: {key} chunk at {list(offsets)} has no storage entry in {METADATA_FILE}"
-                    )
-                if getattr(sinfo, "transform_descriptors", None):
-                    raise UnsupportedCheckpointError(
-                        f"{self.path}: {key} is stored with transforms {list(sinfo.transform_descriptors)} "
-                        "(e.g. compression); hf_merge reads untransformed DCP chunks only"
-                    )
-                rel = str(sinfo.relative_path)
-                if os.path.isabs(rel) or ".." in Path(rel).parts:
-                    raise UnsafeCheckpointError(f"{self.path}: storage path {rel!r} escapes the checkpoint folder")
-                files.add(rel)
-                chunks.append(_Chunk(offsets, sizes, rel, int(sinfo.offset), int(sinfo.length)))
-            self._check_cover(key, shape, chunks)
-            self._chunks[key] = chunks
+        try:
+            files = self._read_metadata(md)
+        except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as e:  # fields of the wrong kind
+            raise CorruptCheckpointError(
+                f"{self.path / METADATA_FILE}: malformed DCP metadata ({type(e).__name__}: {str(e)[:100]}); "
+                "the file is damaged, re-copy the checkpoint"
+            ) from None
         self._file_sizes = {}
         for rel in sorted(files):
             p = self.path / rel
@@ -292,6 +267,47 @@ class DcpCheckpoint(LazyCheckpoint):
         )
 
     # ---- metadata ---------------------------------------------------------------------------
+
+    def _read_metadata(self, md: Any) -> set[str]:
+        """Specs and chunks from the unpickled ``Metadata``; returns the data files it names."""
+        storage: dict[tuple[str, tuple[int, ...]], Any] = {}
+        for idx, sinfo in md.storage_data.items():
+            off = tuple(idx.offset) if idx.offset is not None else None
+            storage[(idx.fqn, off)] = sinfo
+        files: set[str] = set()
+        for key, entry in md.state_dict_metadata.items():
+            if not hasattr(entry, "chunks"):
+                self._byte_keys.append(key)
+                continue
+            dtype = entry.properties.dtype
+            if not isinstance(key, str) or not isinstance(dtype, torch.dtype):
+                raise TypeError(f"entry {str(key)[:60]} has dtype {str(dtype)[:40]}")
+            shape = tuple(int(s) for s in entry.size)
+            self._specs[key] = TensorSpec(key, shape, dtype)
+            chunks = []
+            for c in entry.chunks:
+                offsets, sizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+                sinfo = storage.get((key, offsets))
+                if sinfo is None:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: {key} chunk at {list(offsets)} has no storage entry in {METADATA_FILE}"
+                    )
+                if getattr(sinfo, "transform_descriptors", None):
+                    raise UnsupportedCheckpointError(
+                        f"{self.path}: {key} is stored with transforms {list(sinfo.transform_descriptors)} "
+                        "(e.g. compression); hf_merge reads untransformed DCP chunks only"
+                    )
+                rel = str(sinfo.relative_path)
+                if os.path.isabs(rel) or ".." in Path(rel).parts:
+                    raise UnsafeCheckpointError(f"{self.path}: storage path {rel!r} escapes the checkpoint folder")
+                files.add(rel)
+                if int(sinfo.offset) < 0 or int(sinfo.length) < 0:
+                    raise ValueError(f"{key} chunk has a negative byte range")
+                chunks.append(_Chunk(offsets, sizes, rel, int(sinfo.offset), int(sinfo.length)))
+            self._check_cover(key, shape, chunks)
+            self._chunks[key] = chunks
+        return files
+
 
     def _check_cover(self, key: str, shape: tuple[int, ...], chunks: list[_Chunk]) -> None:
         """The chunks must tile the tensor exactly (inside it, no overlap, no hole), from the

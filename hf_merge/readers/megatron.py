@@ -56,7 +56,7 @@ from ..formats import SourceFormat
 from ..spec import TensorSpec
 from ..transforms.fused import FusedSplit, SplitFusedView
 from .dcp import DcpCheckpoint, is_dcp_dir
-from ..hf_files import checkpoint_side_dir
+from ..hf_files import checkpoint_side_dir, load_config
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
 __all__ = ["probe", "open_megatron", "find_layout", "resolve_megatron_dir"]
@@ -285,7 +285,7 @@ def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -
             f"{where}: no Hugging Face config.json for this Megatron checkpoint{looked}; pass config_dir= "
             "(CLI: --hf_model_config_path) pointing at the base model's folder"
         )
-    return cdir, _read_json(cdir / "config.json", "config.json")
+    return cdir, load_config(cdir)  # a JSON object, with architectures / text_config shapes checked
 
 
 @dataclass(frozen=True)
