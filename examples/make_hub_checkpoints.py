@@ -65,13 +65,19 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str] | None]] = {
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4, image_token_index=5, boi_token_index=3, eoi_token_index=4,
         architectures=["Gemma3ForConditionalGeneration"]), None),
-    # PEFT LoRA on attention and on the MoE experts (PEFT targets the fused expert parameters)
+    # PEFT LoRA on a MoE model's attention
     "qwen3_moe_lora": ("Qwen3MoeConfig", dict(
         **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
         architectures=["Qwen3MoeForCausalLM"]), ["q_proj", "v_proj", "o_proj"]),
+    # PEFT LoRA on a VLM: the text model's and the vision tower's q/v projections
+    "gemma3_lora": ("Gemma3Config", dict(
+        text_config=dict(**_TEXT, head_dim=8, sliding_window=4),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=5, boi_token_index=3, eoi_token_index=4,
+        architectures=["Gemma3ForConditionalGeneration"]), ["q_proj", "v_proj"]),
 }
 
-VLMS = ("qwen2_5_vl", "gemma3")
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 

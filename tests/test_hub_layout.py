@@ -120,10 +120,12 @@ def test_vlm_processor_files_and_loader(hub_root, tmp_path, name):
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_lora_on_moe_equals_peft(hub_root, tmp_path):
-    """LoRA on a MoE model's attention: fused output = merge_and_unload() + save_pretrained (Hub
-    layout), adapter folder = PEFT's save_pretrained, names included."""
-    src, target = hub_root / "qwen3_moe_lora", tmp_path / "lora"
+@pytest.mark.parametrize("name", ["qwen3_moe_lora", "gemma3_lora"])
+def test_lora_equals_peft(hub_root, tmp_path, name):
+    """LoRA on a MoE model's attention / on a VLM's text and vision attention: fused output =
+    merge_and_unload() + save_pretrained (Hub layout); adapter folder = PEFT's save_pretrained,
+    names included (PEFT 0.21 keeps the in-memory names there: ``model.language_model...``)."""
+    src, target = hub_root / name, tmp_path / "lora"
     hf_merge.merge(src, target)
     assert_bytes_equal(folder_tensors(target), folder_tensors(src / "reference"))
     assert_bytes_equal(folder_tensors(target / "lora_adapter"), folder_tensors(src / "reference" / "adapter"))

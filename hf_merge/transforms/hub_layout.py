@@ -201,6 +201,16 @@ def _reverse_conversions(model) -> list:
     return [c for c in conversions if not isinstance(c, PrefixChange)]
 
 
+def _may_convert(config: dict[str, Any], arch: str) -> bool:
+    """Whether transformers declares a conversion for this class, its model type or a sub-model
+    (nested configs); False only for a plain model whose names save_pretrained keeps."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    nested = [v for v in config.values() if isinstance(v, dict) and "model_type" in v]
+    keys = [arch, config.get("model_type")]
+    return bool(nested) or any(k and get_checkpoint_conversion_mapping(k) for k in keys)
+
+
 def _check_operations(conversions: list, arch: str) -> None:
     for conversion in conversions:
         for op in getattr(conversion, "operations", None) or []:
@@ -440,6 +450,9 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     except MappingError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers' own error, re-raised typed with the architecture
+        if not _may_convert(config, arch):
+            logger.debug("%s: not built (%s); transformers declares no conversion for it", arch, e)
+            return base, []
         raise MappingError(
             f"{arch}: transformers cannot build the model from config.json to find the layout save_pretrained "
             f"writes ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); fix config.json"
