@@ -463,13 +463,22 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             out.copy_(flat.view(lay.spec.shape))
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        """A tensor that lies in one partition is a run of rows there (zero-copy in its own dtype)."""
+        """Pieces that hold whole rows (one partition, or rank slices cut at row boundaries, as
+        ZeRO-3's ``ceil(numel / world)`` usually is) are runs of rows: zero-copy in their own dtype."""
         lay = self._layouts[name]
-        if len(lay.pieces) != 1 or not lay.spec.shape or lay.spec.shape[0] == 0:
+        shape = lay.spec.shape
+        if not shape or shape[0] == 0:
             return None
-        p = lay.pieces[0]
-        rows = self._files[p.source][p.src_start : p.src_start + p.numel].view(lay.spec.shape)
-        return row_runs(rows, 0, dtype, max_bytes)
+        row = math.prod(shape[1:])
+        if row == 0 or any(p.dst_start % row or p.numel % row for p in lay.pieces):
+            return None
+
+        def runs():
+            for p in sorted(lay.pieces, key=lambda p: p.dst_start):
+                rows = self._files[p.source][p.src_start : p.src_start + p.numel].view((p.numel // row,) + shape[1:])
+                yield from row_runs(rows, p.dst_start // row, dtype, max_bytes)
+
+        return runs()
 
     def close(self) -> None:
         for token in self._mapped:
