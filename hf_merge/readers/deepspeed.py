@@ -153,7 +153,7 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
         chosen = tag
     else:
         latest = path / "latest"
-        text = latest.read_text().strip() if latest.is_file() else ""
+        text = latest.read_bytes()[:256].decode(errors="replace").strip() if latest.is_file() else ""  # a tag name
         if text in tags:
             chosen = text
             notes.append(f"using tag {chosen} (from {path.name}/latest)")
