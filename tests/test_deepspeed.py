@@ -150,7 +150,9 @@ def test_lora_trainer_adapter_and_base_model(tmp_path, capsys):
     base = DATA / name / "reference" / "base"
     out = tmp_path / "lora"
     rc = main(["merge", "--workers", "1", str(DATA / name), str(out), "--base-model", str(base), "--config", str(base), "--dtype", "float32"])
-    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "lora_alpha=8 (from adapter_config.json)" in err
     masters = load_file(reference(name) / "masters.safetensors")
     adapter = load_file(out / "lora_adapter" / "adapter_model.safetensors")
     want = {k.replace(".default", ""): v for k, v in masters.items() if "lora_" in k}
