@@ -185,10 +185,13 @@ def resolve_settings(
     meta = _read_json(Path(folder) / "lora_train_meta.json")
     # an adapter folder beside the weights: older verl's lora_adapter/, or PEFT's own save in the
     # checkpoint folder itself (HF Trainer checkpoint-N/ of a PEFT run)
-    old = _read_json(Path(folder) / "lora_adapter" / "adapter_config.json") or _read_json(Path(folder) / "adapter_config.json")
+    old_name = "lora_adapter/adapter_config.json"
+    old = _read_json(Path(folder) / old_name)
+    if old is None and (Path(folder) / "adapter_config.json").is_file():
+        old_name, old = "adapter_config.json", _read_json(Path(folder) / "adapter_config.json")
     ranks = Counter(m.r for m in layout.modules.values())
     r = ranks.most_common(1)[0][0]
-    for source_name, source in (("lora_train_meta.json", meta), ("lora_adapter/adapter_config.json", old)):
+    for source_name, source in (("lora_train_meta.json", meta), (old_name, old)):
         if source and "r" in source and int(source["r"]) != r and int(source["r"]) in ranks:
             r = int(source["r"])
     rank_pattern = {m.name: m.r for m in layout.modules.values() if m.r != r}
@@ -197,7 +200,7 @@ def resolve_settings(
     elif meta and meta.get("lora_alpha") is not None:
         alpha, alpha_source = float(meta["lora_alpha"]), "lora_train_meta.json"
     elif old and old.get("lora_alpha") is not None:
-        alpha, alpha_source = float(old["lora_alpha"]), "lora_adapter/adapter_config.json"
+        alpha, alpha_source = float(old["lora_alpha"]), old_name
     else:
         raise LoraError(
             "this checkpoint has LoRA weights but no lora_alpha is recorded (no lora_train_meta.json or "

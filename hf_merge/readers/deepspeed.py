@@ -167,7 +167,7 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
         chosen = tag
     else:
         latest = path / "latest"
-        text = latest.read_text().strip() if latest.is_file() else ""
+        text = latest.read_bytes()[:256].decode(errors="replace").strip() if latest.is_file() else ""  # a tag name
         if text in tags:
             chosen = text
             notes.append(f"using tag {chosen} (from {path.name}/latest)")
@@ -477,13 +477,22 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             out.copy_(flat.view(lay.spec.shape))
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        """A tensor that lies in one partition is a run of rows there (zero-copy in its own dtype)."""
+        """Pieces that hold whole rows (one partition, or rank slices cut at row boundaries, as
+        ZeRO-3's ``ceil(numel / world)`` usually is) are runs of rows: zero-copy in their own dtype."""
         lay = self._layouts[name]
-        if len(lay.pieces) != 1 or not lay.spec.shape or lay.spec.shape[0] == 0:
+        shape = lay.spec.shape
+        if not shape or shape[0] == 0:
             return None
-        p = lay.pieces[0]
-        rows = self._files[p.source][p.src_start : p.src_start + p.numel].view(lay.spec.shape)
-        return row_runs(rows, 0, dtype, max_bytes)
+        row = math.prod(shape[1:])
+        if row == 0 or any(p.dst_start % row or p.numel % row for p in lay.pieces):
+            return None
+
+        def runs():
+            for p in sorted(lay.pieces, key=lambda p: p.dst_start):
+                rows = self._files[p.source][p.src_start : p.src_start + p.numel].view((p.numel // row,) + shape[1:])
+                yield from row_runs(rows, p.dst_start // row, dtype, max_bytes)
+
+        return runs()
 
     def close(self) -> None:
         for token in self._mapped:
