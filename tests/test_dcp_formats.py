@@ -107,21 +107,23 @@ def test_accelerate_config_beside_and_newest_checkpoint(dcp_root, tmp_path):
 # ---- torchtitan ---------------------------------------------------------------------------
 
 
-def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path):
-    tt = dcp_root / "torchtitan"
+@pytest.mark.parametrize("family, table", [("torchtitan", "torchtitan-llama3"), ("torchtitan_qwen3", "torchtitan-qwen3")])
+def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path, family, table):
+    tt = dcp_root / family
     step = tt / "dump" / "checkpoint" / "step-1"
     assert formats.detect(tt / "dump").chosen.name == "torchtitan"
     with pytest.raises(MissingConfigError, match="--config"):
         hf_merge.open_checkpoint(step)
     with hf_merge.open_checkpoint(tt / "dump", config=tt / "config") as ckpt:
-        assert ckpt.info.step == 1 and ckpt.info.details["name_table"] == "torchtitan-llama3"
+        assert ckpt.info.step == 1 and ckpt.info.details["name_table"] == table
         assert any(n.startswith("optimizer.") for n in ckpt.dropped)  # a full training checkpoint
     assert cli_main(["inspect", str(tt / "dump"), "--config", str(tt / "config")]) == 0
     out = tmp_path / "out"
     _merge(tt / "dump", out, "--config", tt / "config")
-    # the reference is torchtitan's own Llama3StateDictAdapter.to_hf of the trained weights
+    # the reference is torchtitan's own state-dict adapter's to_hf of the trained weights
+    # (Qwen3 is tied: neither has lm_head.weight)
     assert_tensors_equal(folder_tensors(out), folder_tensors(tt / "reference"))
-    # transformers' Llama on the merged folder vs torchtitan's own forward (flex attention)
+    # transformers' model on the merged folder vs torchtitan's own forward (flex attention)
     _check_logits(out, tt / "reference", exact=False)
 
 
