@@ -82,9 +82,10 @@ def test_accelerate_full_training_folder_merges_bit_exact(dcp_root, tmp_path, mo
     monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
     monkeypatch.setattr(os, "open", lambda f, *a, **k: (opened.append(str(f)), real_os_open(f, *a, **k))[1])
     out = tmp_path / "out"
-    _merge(src, out, "--config", dcp_root / "accelerate" / "config")
+    _merge(src, out, "--config", dcp_root / "accelerate" / "config", "--verify")
     monkeypatch.undo()
     assert not [f for f in opened if f.endswith(".pkl") or "optimizer_0" in f], opened
+    assert any(f.endswith(".distcp") for f in opened)  # the recorder saw the reads
     assert_tensors_equal(folder_tensors(out), folder_tensors(dcp_root / "accelerate" / "reference"))
     _check_logits(out, dcp_root / "accelerate" / "reference", exact=True)
     prov = read_json(out / "hf_merge.json")["source"]
@@ -119,10 +120,11 @@ def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path, family, t
         assert any(n.startswith("optimizer.") for n in ckpt.dropped)  # a full training checkpoint
     assert cli_main(["inspect", str(tt / "dump"), "--config", str(tt / "config")]) == 0
     out = tmp_path / "out"
-    _merge(tt / "dump", out, "--config", tt / "config")
+    _merge(tt / "dump", out, "--config", tt / "config", "--verify")
     # the reference is torchtitan's own state-dict adapter's to_hf of the trained weights
     # (Qwen3 is tied: neither has lm_head.weight)
     assert_tensors_equal(folder_tensors(out), folder_tensors(tt / "reference"))
+    assert read_json(out / "hf_merge.json")["verification"]["passed"]
     # transformers' model on the merged folder vs torchtitan's own forward (flex attention)
     _check_logits(out, tt / "reference", exact=False)
 
