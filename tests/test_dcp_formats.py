@@ -124,7 +124,9 @@ def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path, family, t
     # the reference is torchtitan's own state-dict adapter's to_hf of the trained weights
     # (Qwen3 is tied: neither has lm_head.weight)
     assert_tensors_equal(folder_tensors(out), folder_tensors(tt / "reference"))
-    assert read_json(out / "hf_merge.json")["verification"]["passed"]
+    prov = read_json(out / "hf_merge.json")
+    assert prov["verification"]["passed"] and prov["source"]["format"] == "torchtitan-dcp"
+    assert "from a torchtitan dcp training checkpoint" in (out / "README.md").read_text()
     # transformers' model on the merged folder vs torchtitan's own forward (flex attention)
     _check_logits(out, tt / "reference", exact=False)
 
