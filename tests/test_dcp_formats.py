@@ -21,6 +21,7 @@ import hf_merge
 from hf_merge import formats
 from hf_merge.cli.app import main as cli_main
 from hf_merge.errors import MappingError, MissingConfigError
+from hf_merge.provenance import Provenance
 from hf_merge.transforms.name_table import NameRule, NameTable, NameTableView, rope_source_rows
 
 from helpers import assert_tensors_equal, folder_tensors, model_logits, read_json
@@ -126,6 +127,8 @@ def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path, family, t
     assert_tensors_equal(folder_tensors(out), folder_tensors(tt / "reference"))
     prov = read_json(out / "hf_merge.json")
     assert prov["verification"]["passed"] and prov["source"]["format"] == "torchtitan-dcp"
+    record = Provenance.read(out)  # the typed record reads back what merge wrote, key for key
+    assert record.source.framework == "torchtitan" and record.source.step == 1 and record.to_dict() == prov
     assert "from a torchtitan dcp training checkpoint" in (out / "README.md").read_text()
     # transformers' model on the merged folder vs torchtitan's own forward (flex attention)
     _check_logits(out, tt / "reference", exact=False)
