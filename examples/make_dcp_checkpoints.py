@@ -15,6 +15,8 @@ HF names, plus ``logits.pt``) beside the checkpoint:
   ``CheckpointManager`` (model, optimizer, train state). The reference weights are torchtitan's own
   ``Llama3StateDictAdapter.to_hf`` of the full state dict; ``config/config.json`` is the matching
   HF LlamaConfig; logits are torchtitan's forward (flex attention, no grad) on 128-token sequences.
+- ``OUT/torchtitan_qwen3/...``: the same with torchtitan's Qwen3 model (tied embeddings, q/k norms,
+  cos/sin rotary: no permutation) and its ``Qwen3StateDictAdapter``.
 - ``OUT/dcp_plain/ckpt``: ``dcp.save(model.state_dict())`` of an FSDP2-sharded tied bf16 Llama (HF
   names at the top level), config.json beside it.
 - ``OUT/dcp_nested/ckpt``: ``dcp.save({"model": ..., "optimizer": ...})`` (get_state_dict) of an
@@ -163,49 +165,61 @@ def _torchtitan_stand_ins() -> None:
     sys.modules[name] = mod
 
 
-def _torchtitan_model():
+def _torchtitan_model(family: str):
+    """torchtitan's own model class for ``family`` (llama3: untied, complex rotary; qwen3: tied,
+    cos/sin rotary, q/k norms, head_dim 32), with a seeded init of every weight (norms too)."""
     _torchtitan_stand_ins()
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 
     c = TT
-    cfg = Llama3Model.Config(
-        dim=c["dim"], vocab_size=c["vocab"],
+    common = dict(n_layers=c["n_layers"], dim=c["dim"], n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"],
+                  hidden_dim=c["hidden"], fuse_qkv=True, attn_backend="flex")
+    if family == "llama3":
+        from torchtitan.models.llama3 import Llama3Model as Model, Llama3StateDictAdapter as Adapter, _build_llama3_layers
+
+        layers = _build_llama3_layers(**common, rope=ComplexRoPE.Config(dim=c["dim"] // c["n_heads"], max_seq_len=c["max_seq"], theta=c["theta"]))
+        tied = False
+    else:
+        from torchtitan.models.qwen3 import Qwen3Model as Model, Qwen3StateDictAdapter as Adapter, _build_qwen3_layers
+
+        layers = _build_qwen3_layers(**common, head_dim=32, rope=CosSinRoPE.Config(dim=32, max_seq_len=c["max_seq"], theta=c["theta"]))
+        tied = True
+    cfg = Model.Config(
+        dim=c["dim"], vocab_size=c["vocab"], enable_weight_tying=tied,
         tok_embeddings=Embedding.Config(num_embeddings=c["vocab"], embedding_dim=c["dim"]),
-        norm=RMSNorm.Config(normalized_shape=c["dim"]),
+        norm=RMSNorm.Config(normalized_shape=c["dim"], eps=1e-5 if family == "llama3" else 1e-6),  # as its layers
         lm_head=Linear.Config(in_features=c["dim"], out_features=c["vocab"]),
-        layers=_build_llama3_layers(
-            n_layers=c["n_layers"], dim=c["dim"], n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"],
-            hidden_dim=c["hidden"], fuse_qkv=True, attn_backend="flex",
-            rope=ComplexRoPE.Config(dim=c["dim"] // c["n_heads"], max_seq_len=c["max_seq"], theta=c["theta"]),
-        ),
+        layers=layers,
     )
     torch.manual_seed(SEED)
     model = cfg.build()
-    with torch.no_grad():  # a visible, seeded init for every weight (norms too)
+    with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
-    return cfg, model
+    return cfg, model, Adapter
 
 
-def _torchtitan_hf_config():
-    from transformers import LlamaConfig
+def _torchtitan_hf_config(family: str):
+    from transformers import AutoConfig
 
     c = TT
-    return LlamaConfig(
-        vocab_size=c["vocab"], hidden_size=c["dim"], intermediate_size=c["hidden"], num_hidden_layers=c["n_layers"],
-        num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"], max_position_embeddings=c["max_seq"],
-        rope_theta=c["theta"], rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32",
+    extra = dict(head_dim=32, tie_word_embeddings=True) if family == "qwen3" else dict(tie_word_embeddings=False)
+    arch = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}[family]
+    # rms_norm_eps: torchtitan's RMSNorm default 1e-5 (llama3 layers), qwen3's builder 1e-6
+    return AutoConfig.for_model(
+        arch[0], architectures=[arch[1]], vocab_size=c["vocab"], hidden_size=c["dim"], intermediate_size=c["hidden"],
+        num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"],
+        max_position_embeddings=c["max_seq"], rope_theta=c["theta"], rms_norm_eps=1e-5 if family == "llama3" else 1e-6,
+        dtype="float32", **extra,
     )
 
 
-def _torchtitan(out: Path, rank: int, input_ids: torch.Tensor) -> None:
+def _torchtitan(out: Path, rank: int, input_ids: torch.Tensor, family: str = "llama3") -> None:
     from torch.distributed.fsdp import fully_shard
 
-    cfg, model = _torchtitan_model()
+    cfg, model, Adapter = _torchtitan_model(family)
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import default_adamw
-    from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     for layer in model.layers.values():
         fully_shard(layer)
@@ -229,13 +243,13 @@ def _torchtitan(out: Path, rank: int, input_ids: torch.Tensor) -> None:
 
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
-        hf = Llama3StateDictAdapter(cfg, None).to_hf(full)
+        hf = Adapter(cfg, None).to_hf(full)
         from safetensors.torch import save_file
 
         (out / "reference").mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "reference" / "model.safetensors"))
-        _torchtitan_hf_config().save_pretrained(out / "config")
-        _, ref_model = _torchtitan_model()
+        _torchtitan_hf_config(family).save_pretrained(out / "config")
+        _, ref_model, _ = _torchtitan_model(family)
         ref_model.load_state_dict(full)
         ref_model.eval()
         # flex attention on CPU reads garbage for sequences shorter than its 128-token block
@@ -245,6 +259,10 @@ def _torchtitan(out: Path, rank: int, input_ids: torch.Tensor) -> None:
         with torch.no_grad():
             logits = ref_model(input_ids, pos, ref_model.get_attention_masks(pos)).float()
         torch.save({"input_ids": input_ids, "logits": logits}, out / "reference" / "logits.pt")
+
+
+def _torchtitan_qwen3(out: Path, rank: int, input_ids: torch.Tensor) -> None:
+    _torchtitan(out, rank, input_ids, family="qwen3")
 
 
 class _TrainState:
@@ -260,7 +278,10 @@ class _TrainState:
         self.step = int(sd["step"])
 
 
-WRITERS = {"accelerate": _accelerate, "torchtitan": _torchtitan, "dcp_plain": _dcp_plain, "dcp_nested": _dcp_nested}
+WRITERS = {
+    "accelerate": _accelerate, "torchtitan": _torchtitan, "torchtitan_qwen3": _torchtitan_qwen3,
+    "dcp_plain": _dcp_plain, "dcp_nested": _dcp_nested,
+}
 
 
 def _worker(rank: int, root: str, port: int, only: list[str]) -> None:

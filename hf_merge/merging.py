@@ -468,6 +468,9 @@ def _provenance(
     ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base_model_name: str | None, written: torch.dtype | None,
     *, requested: "str | torch.dtype | None" = None,
 ) -> dict[str, Any]:
+    """The :class:`~hf_merge.provenance.Provenance` record, as the JSON object merge() completes."""
+    from .provenance import Provenance, SourceRecord
+
     info = ckpt.info
     out_dtype = views.out_dtype
     lora = views.lora
@@ -480,23 +483,21 @@ def _provenance(
         shown = dtype_name(written) if written is not None else (dtype_name(out_dtype) if out_dtype else "auto")
     else:  # an adapter folder alone
         shown = lora["adapter_dtype"] if lora and lora.get("adapter_dtype") else "auto"
-    return {
-        "hf_merge_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": {
-            "format": info.format,
-            "framework": _framework(info),
-            "path": "/".join(Path(info.path).parts[-3:]),  # no local home paths in uploaded files
-            "world_size": info.world_size,
-            "step": info.step,
-            **{k: v for k, v in info.details.items() if k in ("mesh", "mesh_dim_names", "fsdp_version", "placements")},
-        },
-        "dtype": shown,  # of the written (floating, unquantized) weights, as config.json says
-        # what was asked for ("config", "auto" or a dtype): verify rebuilds the expected tensors with it
-        "dtype_option": _dtype_option(requested),
-        "architecture": (config.get("architectures") or [None])[0],
-        "base_model": base_model_name or config.get("_name_or_path") or None,
-        "lora": lora,
-        "quantization": None,
-        "verification": None,
-    }
+    source = SourceRecord(
+        format=info.format,
+        framework=_framework(info),
+        path="/".join(Path(info.path).parts[-3:]),  # no local home paths in uploaded files
+        world_size=info.world_size,
+        step=info.step,
+        details={k: v for k, v in info.details.items() if k in ("mesh", "mesh_dim_names", "fsdp_version", "placements")},
+    )
+    return Provenance(
+        hf_merge_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        source=source,
+        dtype=shown,
+        dtype_option=_dtype_option(requested),
+        architecture=(config.get("architectures") or [None])[0],
+        base_model=base_model_name or config.get("_name_or_path") or None,
+        lora=lora,
+    ).to_dict()

@@ -21,6 +21,7 @@ import hf_merge
 from hf_merge import formats
 from hf_merge.cli.app import main as cli_main
 from hf_merge.errors import MappingError, MissingConfigError
+from hf_merge.provenance import Provenance
 from hf_merge.transforms.name_table import NameRule, NameTable, NameTableView, rope_source_rows
 
 from helpers import assert_tensors_equal, folder_tensors, model_logits, read_json
@@ -82,9 +83,10 @@ def test_accelerate_full_training_folder_merges_bit_exact(dcp_root, tmp_path, mo
     monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
     monkeypatch.setattr(os, "open", lambda f, *a, **k: (opened.append(str(f)), real_os_open(f, *a, **k))[1])
     out = tmp_path / "out"
-    _merge(src, out, "--config", dcp_root / "accelerate" / "config")
+    _merge(src, out, "--config", dcp_root / "accelerate" / "config", "--verify")
     monkeypatch.undo()
     assert not [f for f in opened if f.endswith(".pkl") or "optimizer_0" in f], opened
+    assert any(f.endswith(".distcp") for f in opened)  # the recorder saw the reads
     assert_tensors_equal(folder_tensors(out), folder_tensors(dcp_root / "accelerate" / "reference"))
     _check_logits(out, dcp_root / "accelerate" / "reference", exact=True)
     prov = read_json(out / "hf_merge.json")["source"]
@@ -107,21 +109,28 @@ def test_accelerate_config_beside_and_newest_checkpoint(dcp_root, tmp_path):
 # ---- torchtitan ---------------------------------------------------------------------------
 
 
-def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path):
-    tt = dcp_root / "torchtitan"
+@pytest.mark.parametrize("family, table", [("torchtitan", "torchtitan-llama3"), ("torchtitan_qwen3", "torchtitan-qwen3")])
+def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path, family, table):
+    tt = dcp_root / family
     step = tt / "dump" / "checkpoint" / "step-1"
     assert formats.detect(tt / "dump").chosen.name == "torchtitan"
     with pytest.raises(MissingConfigError, match="--config"):
         hf_merge.open_checkpoint(step)
     with hf_merge.open_checkpoint(tt / "dump", config=tt / "config") as ckpt:
-        assert ckpt.info.step == 1 and ckpt.info.details["name_table"] == "torchtitan-llama3"
+        assert ckpt.info.step == 1 and ckpt.info.details["name_table"] == table
         assert any(n.startswith("optimizer.") for n in ckpt.dropped)  # a full training checkpoint
     assert cli_main(["inspect", str(tt / "dump"), "--config", str(tt / "config")]) == 0
     out = tmp_path / "out"
-    _merge(tt / "dump", out, "--config", tt / "config")
-    # the reference is torchtitan's own Llama3StateDictAdapter.to_hf of the trained weights
+    _merge(tt / "dump", out, "--config", tt / "config", "--verify")
+    # the reference is torchtitan's own state-dict adapter's to_hf of the trained weights
+    # (Qwen3 is tied: neither has lm_head.weight)
     assert_tensors_equal(folder_tensors(out), folder_tensors(tt / "reference"))
-    # transformers' Llama on the merged folder vs torchtitan's own forward (flex attention)
+    prov = read_json(out / "hf_merge.json")
+    assert prov["verification"]["passed"] and prov["source"]["format"] == "torchtitan-dcp"
+    record = Provenance.read(out)  # the typed record reads back what merge wrote, key for key
+    assert record.source.framework == "torchtitan" and record.source.step == 1 and record.to_dict() == prov
+    assert "from a torchtitan dcp training checkpoint" in (out / "README.md").read_text()
+    # transformers' model on the merged folder vs torchtitan's own forward (flex attention)
     _check_logits(out, tt / "reference", exact=False)
 
 

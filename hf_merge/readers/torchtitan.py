@@ -43,7 +43,7 @@ def open_torchtitan(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
     hf_dir = config_beside(folder, config_dir)
     config = load_config(hf_dir)
     table = find_table("torchtitan", config)
-    info = CheckpointInfo(format="torchtitan", path=folder, hf_dir=hf_dir, step=step, notes=notes)
+    info = CheckpointInfo(format="torchtitan-dcp", path=folder, hf_dir=hf_dir, step=step, notes=notes)
     info.details["name_table"] = table.name
     source = open_dcp_model(folder, info, strip=None, skip=())
     view = NameTableView(source, table, config)
