@@ -80,8 +80,8 @@ def main() -> int:
     load = os.getloadavg()[0]
     for _ in range(args.repeat):
         copy_out = args.workdir / "copy"
-        copy_out.mkdir(exist_ok=True)
-        runs["copy"].append(timed(["sh", "-c", f"cat {' '.join(map(str, files))} > {copy_out / 'all.bin'}"], copy_out, env))
+        cat = f"mkdir -p {copy_out} && cat {' '.join(map(str, files))} > {copy_out / 'all.bin'}"
+        runs["copy"].append(timed(["sh", "-c", cat], copy_out, env))
         shutil.rmtree(copy_out, ignore_errors=True)
         for n in procs:
             out = args.workdir / f"merged-{n}"

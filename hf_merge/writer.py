@@ -10,7 +10,9 @@ small tensors whole, and large tensors with no row runs through a memory-mapped 
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
 (the plan is deterministic and partitions by file). Each file's sha256 is computed on a second
 thread that follows the writer through the file (tensors are written in offset order), so hashing
-overlaps with writing instead of re-reading the output afterwards.
+overlaps with writing instead of re-reading the output afterwards. Across machines the same
+partition is used by :mod:`hf_merge.distributed`: each rank calls :func:`write_shards` with its
+share of the files (``files=``) and no index, reporting bytes through ``progress=``.
 """
 
 from __future__ import annotations
