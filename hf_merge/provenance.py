@@ -56,13 +56,15 @@ class Provenance:
     quantization: dict[str, Any] | None = None
     verification: dict[str, Any] | None = None
     files: dict[str, str] | None = None  # file name -> sha256, when checksums were recorded
+    # keys other writers add (missing_files, distributed, gguf, ...): kept as they are
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         out["source"] = self.source.to_dict()
         if self.files is None:
             del out["files"]
-        return out
+        return {**out, **{k: v for k, v in self.extra.items() if k not in out}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Provenance":
@@ -71,10 +73,10 @@ class Provenance:
         missing = [k for k in ("hf_merge_version", "source", "dtype") if k not in data]
         if missing:
             raise ValueError(f"{PROVENANCE_FILE} lacks {', '.join(missing)}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"extra"}
         values = {k: data[k] for k in known if k in data}
         values["source"] = SourceRecord.from_dict(data["source"])
-        return cls(**values)
+        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / PROVENANCE_FILE

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         reject_unknown(parser, getattr(args, "command", None), extra)
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    bars_were_off = are_progress_bars_disabled()
     _setup_logging(args.quiet)
     try:
         return int(args.run(args) or 0)
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, SystemExit):
             raise
         return _errors.report(e)
+    finally:
+        if args.quiet and not bars_were_off:  # -q is for this command only (main() may run again in-process)
+            from huggingface_hub.utils import enable_progress_bars
+
+            enable_progress_bars()
 
 
 if __name__ == "__main__":
