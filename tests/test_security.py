@@ -622,3 +622,16 @@ def test_fuzz_findings_are_typed_errors(megatron_copy, capsys):
     cfg = megatron_copy / "huggingface" / "config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "architectures": 1.5}))
     assert '"architectures" must be a list' in _cli_error(["inspect", str(megatron_copy)], capsys)
+
+
+def test_second_fuzz_run_findings_are_typed_errors(megatron_root, tmp_path, capsys):
+    """Found by the second 10-minute run: Megatron config sizes of the wrong type (legacy layout)."""
+    import json
+
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_root / "qwen2_legacy_tied" / "actor", src)
+    cfg = src / "huggingface" / "config.json"
+    base = json.loads(cfg.read_text())
+    for bad in ({}, [2], "x" * 50):
+        cfg.write_text(json.dumps({**base, "num_key_value_heads": bad}))
+        assert "num_key_value_heads is" in _cli_error(["inspect", str(src)], capsys)

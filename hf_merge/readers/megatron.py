@@ -285,7 +285,19 @@ def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -
             f"{where}: no Hugging Face config.json for this Megatron checkpoint{looked}; pass config_dir= "
             "(CLI: --hf_model_config_path) pointing at the base model's folder"
         )
-    return cdir, load_config(cdir)  # a JSON object, with architectures / text_config shapes checked
+    config = load_config(cdir)  # a JSON object, with architectures / text_config shapes checked
+    for key in _INT_FIELDS:  # the sizes the name mapping and the QKV split compute with
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise MissingConfigError(
+                f"{cdir / 'config.json'}: {key} is {str(value)[:40]!r}, not a non-negative integer; fix it or pass config_dir= "
+                "(CLI: --hf_model_config_path) with the base model's config"
+            )
+    return cdir, config
+
+
+_INT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers",
+               "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)
