@@ -207,7 +207,8 @@ def _may_convert(config: dict[str, Any], arch: str) -> bool:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     nested = [v for v in config.values() if isinstance(v, dict) and "model_type" in v]
-    keys = [arch, config.get("model_type")]
+    base = arch.split("For")[0]
+    keys = [arch, config.get("model_type"), f"{base}Model"]  # sub-models are looked up by class name too
     return bool(nested) or any(k and get_checkpoint_conversion_mapping(k) for k in keys)
 
 
@@ -441,6 +442,11 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     """
     from transformers.core_model_loading import revert_weight_conversion
 
+    names = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    if not names or not _may_convert(config, names[0]):
+        # transformers declares no conversion for this class, its model type or a sub-model:
+        # save_pretrained keeps the in-memory names (dense models); no need to build the model
+        return base, []
     cls = model_class_for(config)
     if cls is None:
         return base, []
