@@ -515,7 +515,7 @@ def test_malformed_megatron_manifest_is_a_typed_error(megatron_root, tmp_path, c
     src = tmp_path / "actor"
     shutil.copytree(megatron_root / "llama_v2_singleton" / "actor", src)
     manifest = src / "ckpt_contents.json"
-    for bad in ('{"contents": []}', '{"contents": {"model": {"path": 3}}}', '{"contents": {"model": "x"}}'):
+    for bad in ('{"contents": []}', '{"contents": 1.5}', '{"contents": {"model": {"path": 3}}}', '{"contents": {"model": "x"}}'):
         manifest.write_text(bad)
         line = _cli_error(["inspect", str(src)], capsys)
         assert "ckpt_contents.json" in line and "manifest" in line, line

@@ -105,7 +105,7 @@ def _check_manifest(manifest: dict[str, Any], where: Path) -> None:
     bad = None
     if contents is not None and not isinstance(contents, dict):
         bad = '"contents" is not an object'
-    for key, entry in (contents or {}).items():
+    for key, entry in (contents.items() if isinstance(contents, dict) else ()):
         if entry is not None and not isinstance(entry, dict):
             bad = f'"contents.{str(key)[:40]}" is not an object'
         elif entry and any(entry.get(f) is not None and not isinstance(entry.get(f), str) for f in ("path", "format")):
