@@ -635,3 +635,30 @@ def test_second_fuzz_run_findings_are_typed_errors(megatron_root, tmp_path, caps
     for bad in ({}, [2], "x" * 50):
         cfg.write_text(json.dumps({**base, "num_key_value_heads": bad}))
         assert "num_key_value_heads is" in _cli_error(["inspect", str(src)], capsys)
+
+
+@pytest.mark.parametrize("damage", ["strided", "offset", "dtype"])
+def test_rank_file_shard_that_reads_other_bytes_is_refused(qwen2_fp32_ws2, tmp_path, damage):
+    # A damaged data.pkl can keep every shape right while its stride, storage offset or storage type
+    # make the view read other bytes: torch.save of a DTensor shard is always dense at offset 0 and
+    # in the dtype rank 0 declares, so anything else is refused instead of merged silently.
+    import torch.distributed.tensor  # noqa: F401 - DTensor classes for torch.load
+
+    actor = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, actor)
+    path = actor / "model_world_size_2_rank_1.pt"
+    state = torch.load(path, weights_only=False)
+    name = "model.layers.0.mlp.up_proj.weight"
+    dt = state[name]
+    local = dt._local_tensor
+    if damage == "strided":
+        bigger = torch.zeros((local.shape[0], local.shape[1] * 2), dtype=local.dtype)
+        bad = bigger[:, ::2]
+    elif damage == "offset":
+        bad = torch.zeros(local.numel() + 3, dtype=local.dtype)[3:].view(local.shape)
+    else:
+        bad = local.to(torch.float16)
+    dt._local_tensor = bad
+    torch.save(state, path)
+    with pytest.raises(CorruptCheckpointError, match=r"model_world_size_2_rank_1\.pt"):
+        hf_merge.open_checkpoint(actor)

@@ -13,6 +13,7 @@ HSDP checkpoint reads one replica group (``verify`` compares the other groups wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -187,6 +188,10 @@ def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piec
             f"{name}: device mesh {tuple(ranks.shape)} has {ranks.numel()} ranks but the world size is {world_size}"
         )
     shape = tuple(value.shape)
+    if len(placements) != ranks.dim() or any(isinstance(p, Shard) and not 0 <= p.dim < len(shape) for p in placements):
+        raise CorruptCheckpointError(
+            f"{name}: placements {placements} do not fit its {len(shape)}-D shape on a {ranks.dim()}-D device mesh"
+        )
     pieces, replicas = [], []
     for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape]).reshape(-1, ranks.dim()).tolist():
         if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord)):
@@ -217,11 +222,13 @@ class FsdpCheckpoint(LazyCheckpoint):
         self._layouts: dict[str, _Layout] = {}
         mesh_info: dict[str, Any] = {}
         for name, value in first.items():
-            self._layouts[name] = self._layout(name, value, mesh_info)
+            with _malformed(rank_file_name(self.world_size, 0), name):
+                self._layouts[name] = self._layout(name, value, mesh_info)
         # Load (and so validate) every rank file a piece comes from, and check it agrees with rank 0.
         needed = sorted({p.rank for lay in self._layouts.values() for p in lay.pieces} | {0})
         for rank in needed:
-            self._check_rank(rank)
+            with _malformed(rank_file_name(self.world_size, rank), None):
+                self._check_rank(rank)
         fsdp_version = None
         cfg = self.folder / "fsdp_config.json"
         if cfg.is_file():
@@ -296,6 +303,18 @@ class FsdpCheckpoint(LazyCheckpoint):
             )
         for name, lay in self._layouts.items():
             local = _local(state[name])
+            if not isinstance(local, torch.Tensor) or local.dtype != lay.spec.dtype:
+                raise CorruptCheckpointError(
+                    f"{name} in {fname} is {getattr(local, 'dtype', type(local).__name__)}, rank 0 declares {lay.spec.dtype}; "
+                    "the file is damaged or from another run"
+                )
+            if lay.placements != "plain" and local.numel() and (not local.is_contiguous() or local.storage_offset()):
+                # torch.save of a DTensor shard writes a dense local tensor at the start of its storage;
+                # anything else is a damaged data.pkl whose view would silently read other bytes
+                raise CorruptCheckpointError(
+                    f"{name} in {fname} is a strided view (stride {tuple(local.stride())}, offset "
+                    f"{local.storage_offset()}) of its storage; the file is damaged: re-copy it"
+                )
             for piece in lay.pieces:
                 if piece.rank == rank:
                     expected = tuple(s.stop - s.start for s in piece.index)
@@ -368,6 +387,19 @@ class FsdpCheckpoint(LazyCheckpoint):
             filemap.unregister(key)
         self._mapped.clear()
         self._states.clear()
+
+
+@contextlib.contextmanager
+def _malformed(fname: str, name: str | None):
+    """Turn what a damaged rank file's metadata makes torch raise into one typed line."""
+    try:
+        yield
+    except (IndexError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:150]
+        where = f"{name} in {fname}" if name else fname
+        raise CorruptCheckpointError(
+            f"{where}: inconsistent tensor metadata ({type(e).__name__}: {first}); the file is damaged, re-copy it"
+        ) from None
 
 
 def _local(value: Any) -> torch.Tensor:
