@@ -34,6 +34,12 @@ Two more modes (same method, same table; results in WORKDIR/results_lora.json / 
               `hf-merge merge --backend megatron`, and a byte comparison of the output with the
               fused source as torch's DCP reader loads it (first and last layer + globals).
 
+  --moe qwen3_30b_a3b
+              a Qwen3-30B-A3B-shaped FSDP checkpoint (real widths, 128 experts, fused experts in
+              transformers 5's in-memory layout, `make_synthetic_checkpoint.py --moe`; --sizes
+              default 3 = 4.98 GB): cat, hf-merge, verl 0.9.1, outputs compared tensor by tensor;
+              targets printed (wall <= 0.3x verl's, hf-merge peak anon <= 512 MB).
+
 --repeat N runs every measurement N times and keeps the fastest (memory: the largest peak).
 """
 from __future__ import annotations
@@ -344,11 +350,13 @@ def check_against_source(out: Path, layers: int) -> tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------- driver
-KINDS = ("fsdp", "lora", "megatron")
+KINDS = ("fsdp", "lora", "megatron", "moe")
+MOE_SHAPE = "qwen3_30b_a3b"
 
 
 def ckpt_dir(workdir: Path, layers: int, kind: str = "fsdp") -> Path:
     name = {"fsdp": f"qwen2-7b-shaped-L{layers}-ws{WORLD}",
+            "moe": f"qwen3-30b-a3b-shaped-L{layers}-ws{WORLD}",
             "lora": f"qwen2-7b-shaped-lora-L{layers}-ws{WORLD}",
             "megatron": f"qwen2-7b-shaped-megatron-L{layers}-tp{WORLD}"}[kind]
     return workdir / "ckpt" / name
@@ -362,7 +370,8 @@ def ensure_checkpoint(workdir: Path, layers: int, kind: str = "fsdp") -> tuple[P
     if meta.exists():
         info = json.loads(meta.read_text())
         if (info.get("layers") == layers and info.get("world_size") == WORLD
-                and (kind != "lora" or info.get("lora_r") == synth.LORA_R)):
+                and (kind != "lora" or info.get("lora_r") == synth.LORA_R)
+                and (kind != "moe" or info.get("moe") == MOE_SHAPE)):
             info["cached"] = True
             return ckpt, info
     print(f"  creating checkpoint {ckpt} ...", flush=True)
@@ -372,6 +381,8 @@ def ensure_checkpoint(workdir: Path, layers: int, kind: str = "fsdp") -> tuple[P
     else:
         cmd = [sys.executable, str(BENCH_DIR / "make_synthetic_checkpoint.py"), str(ckpt),
                "--layers", str(layers), "--world-size", str(WORLD)] + (["--lora"] if kind == "lora" else [])
+        if kind == "moe":
+            cmd += ["--moe", MOE_SHAPE]
     subprocess.run(cmd, check=True, cwd=REPO)
     info = json.loads(meta.read_text())
     info["cached"] = False
@@ -599,6 +610,55 @@ def bench_fsdp(b: Bench, layers: int) -> None:
     b.drop(*outs.values())
 
 
+def bench_moe(b: Bench, layers: int) -> None:
+    """--moe: copy, hf-merge and verl on a Qwen3-30B-A3B-shaped FSDP checkpoint (fused experts in
+    the rank files; both tools write one tensor per expert, the Hub layout)."""
+    args = b.args
+    ckpt, info = ensure_checkpoint(b.workdir, layers, "moe")
+    size = f"L{layers} {info['rank_file_bytes'] / 1e9:.2f} GB"
+    b.ckpt_info[size] = info
+    print(f"== {size}: {ckpt} (Qwen3-30B-A3B widths, 128 experts; {'cached' if info['cached'] else 'created'}; "
+          f"creation took {info['create_seconds']} s)", flush=True)
+    inputs = input_files(ckpt)
+    stem = f"L{layers}-moe"
+    res: dict[str, Result] = {}
+    outs: dict[str, Path] = {}
+    if not args.skip_copy:
+        b.copy(size, "copy (cat)", inputs, stem)
+    if b.run_hfmerge:
+        r, out = b.hfmerge(size, "hf-merge", ckpt, stem, inputs)
+        res["hf-merge"] = r
+        if r.ok:
+            outs["hf-merge"] = out
+    if b.run_verl:
+        r, out = b.verl(size, "verl 0.9.1", ckpt, stem, inputs)
+        res["verl"] = r
+        if r.ok:
+            outs["verl"] = out
+    for tool, out in outs.items():
+        m = safetensors_map(out)
+        experts = [n for n in m if ".mlp.experts." in n]
+        b.check(f"{size}: {tool} wrote {len(m)} tensors, {len(experts)} of them per-expert "
+                f"(e.g. {min(experts) if experts else 'none'}), fused left: "
+                f"{sorted(n for n in m if n.endswith(('gate_up_proj', 'experts.down_proj')))[:2]}")
+    if "hf-merge" in outs and "verl" in outs:
+        t0 = time.perf_counter()
+        same, msg = compare_outputs(outs["hf-merge"], outs["verl"])
+        b.check(f"{size}: hf-merge vs verl outputs {'EQUAL' if same else 'DIFFER'}: {msg} "
+                f"({time.perf_counter() - t0:.0f} s)")
+    h, v = res.get("hf-merge"), res.get("verl")
+    if h and h.ok:
+        b.summary_title = "MoE: targets (wall <= 0.3x verl's, hf-merge peak anon <= 512 MB)"
+        if v and v.ok:
+            ratio = h.wall_s / v.wall_s
+            b.summary.append(f"{size}: wall {h.wall_s:.1f} s / {v.wall_s:.1f} s = {ratio:.2f}x verl's "
+                             f"({'met' if ratio <= 0.3 else 'NOT met'})")
+        b.summary.append(f"{size}: hf-merge peak anon {h.peak_anon_mb:,.0f} MB "
+                         f"({'met' if h.peak_anon_mb <= 512 else 'NOT met'}; {h.max_procs} process(es))"
+                         + (f"; verl {v.peak_anon_mb:,.0f} MB" if v and v.ok else ""))
+    b.drop(*outs.values())
+
+
 def bench_lora(b: Bench, layers: int) -> None:
     """--lora: plain merge of the plain checkpoint vs `--lora fuse` of the PEFT one (same model
     plus LoRA on every linear), and verl's merger on the PEFT one."""
@@ -737,9 +797,9 @@ def table(results: list[Result], copy_walls: dict[str, float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="2,8",
+    ap.add_argument("--sizes", default=None,
                     help="comma-separated decoder-layer counts of the Qwen2-7B-shaped model "
-                         "(2 ~3.1 GB, 8 ~5.9 GB; default 2,8)")
+                         "(2 ~3.1 GB, 8 ~5.9 GB; default 2,8; --moe: 3 = 4.98 GB)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--lora", action="store_true",
                       help="LoRA mode: plain merge of the plain checkpoint vs `--lora fuse` of a PEFT-wrapped one "
@@ -747,6 +807,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--megatron", action="store_true",
                       help="Megatron mode: `--backend megatron` on a synthetic torch_dist checkpoint (verl v2 "
                            "layout, TP=4) vs cat of its .distcp files; verl is not run")
+    mode.add_argument("--moe", choices=[MOE_SHAPE], default=None,
+                      help="MoE mode: a Qwen3-30B-A3B-shaped FSDP checkpoint (128 experts, fused in the rank "
+                           "files); copy, hf-merge and verl, outputs compared; --sizes defaults to 3 (4.98 GB)")
     ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
                     help=f"checkpoints (cached), outputs, logs (default {DEFAULT_WORKDIR.relative_to(REPO)})")
     ap.add_argument("--skip-verl", action="store_true", help="do not run verl's merger")
@@ -772,7 +835,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="write results here (default WORKDIR/results.json; results_lora.json / "
                          "results_megatron.json in those modes)")
     args = ap.parse_args(argv)
-    kind = "lora" if args.lora else "megatron" if args.megatron else "fsdp"
+    kind = "lora" if args.lora else "megatron" if args.megatron else "moe" if args.moe else "fsdp"
+    if args.sizes is None:
+        args.sizes = "3" if kind == "moe" else "2,8"
     if args.hfmerge_cmd and kind != "fsdp":
         ap.error("--hfmerge-cmd is for the default mode only")
 
@@ -809,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
           "(peak anon = RssAnon, mmapped file pages excluded; peak RSS = VmRSS, includes them; MB = 10^6 bytes)\n", flush=True)
 
     b = Bench(args, workdir, python, fsync, run_hfmerge, run_verl, verl_python)
-    run = {"fsdp": bench_fsdp, "lora": bench_lora, "megatron": bench_megatron}[kind]
+    run = {"fsdp": bench_fsdp, "lora": bench_lora, "megatron": bench_megatron, "moe": bench_moe}[kind]
     for layers in sizes:
         run(b, layers)
     results, checks = b.results, b.checks
@@ -836,7 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\n(no output comparison: hf-merge and verl did not both run)")
 
-    default_json = {"fsdp": "results.json", "lora": "results_lora.json", "megatron": "results_megatron.json"}[kind]
+    default_json = {"fsdp": "results.json", "lora": "results_lora.json", "megatron": "results_megatron.json",
+                    "moe": "results_moe.json"}[kind]
     json_path = args.json or workdir / default_json
     payload = {"results": [asdict(r) for r in results], "checks": checks,
                "checkpoints": b.ckpt_info, "fsync": fsync}

@@ -25,6 +25,12 @@ The base weights get exactly the values of the plain checkpoint (same seeds, by 
 merge that ignores LoRA reproduces the plain checkpoint's merge bit for bit. Beside the rank
 files, ``lora_train_meta.json`` records ``{"r": 16, "lora_alpha": 32, "task_type": "CAUSAL_LM"}``
 as verl does.
+
+``--moe qwen3_30b_a3b``: a Qwen3-30B-A3B-shaped model instead (hidden 2048, 32 q heads / 4 KV
+heads, head_dim 128, q/k norms, 128 experts, moe_intermediate_size 768, router ``mlp.gate``,
+vocab 151936, untied lm_head), experts in transformers 5's in-memory layout
+(``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``) as verl's FSDP
+rank files hold them: 1.25 GB of embeddings + lm_head plus 1.25 GB per layer (3 layers ~4.98 GB).
 """
 from __future__ import annotations
 
@@ -51,8 +57,79 @@ LORA_ALPHA = 32
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
 
+# --moe qwen3_30b_a3b: the real widths of Qwen/Qwen3-30B-A3B (only the layer count differs)
+MOE_SHAPES = {
+    "qwen3_30b_a3b": {"hidden": 2048, "intermediate": 6144, "moe_intermediate": 768, "heads": 32,
+                      "kv_heads": 4, "head_dim": 128, "experts": 128, "experts_per_tok": 8, "vocab": 151936},
+}
 
-def hf_config(layers: int) -> dict:
+
+def moe_hf_config(layers: int, moe: str) -> dict:
+    m = MOE_SHAPES[moe]
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": m["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": m["hidden"],
+        "initializer_range": 0.02,
+        "intermediate_size": m["intermediate"],
+        "max_position_embeddings": 40960,
+        "max_window_layers": layers,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": m["moe_intermediate"],
+        "norm_topk_prob": True,
+        "num_attention_heads": m["heads"],
+        "num_experts": m["experts"],
+        "num_experts_per_tok": m["experts_per_tok"],
+        "num_hidden_layers": layers,
+        "num_key_value_heads": m["kv_heads"],
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": m["vocab"],
+    }
+
+
+def moe_param_shapes(layers: int, moe: str) -> dict[str, tuple[int, ...]]:
+    """In-memory names and shapes of transformers 5's Qwen3MoeForCausalLM, in state_dict order."""
+    m = MOE_SHAPES[moe]
+    h, hd, e, f = m["hidden"], m["head_dim"], m["experts"], m["moe_intermediate"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (m["vocab"], h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (m["heads"] * hd, h),
+            p + "self_attn.k_proj.weight": (m["kv_heads"] * hd, h),
+            p + "self_attn.v_proj.weight": (m["kv_heads"] * hd, h),
+            p + "self_attn.o_proj.weight": (h, m["heads"] * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.experts.gate_up_proj": (e, 2 * f, h),
+            p + "mlp.experts.down_proj": (e, h, f),
+            p + "mlp.gate.weight": (e, h),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (m["vocab"], h)
+    return shapes
+
+
+def hf_config(layers: int, moe: str | None = None) -> dict:
+    if moe:
+        return moe_hf_config(layers, moe)
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
@@ -79,11 +156,15 @@ def hf_config(layers: int) -> dict:
     }
 
 
-def param_shapes(layers: int, lora_r: int = 0) -> dict[str, tuple[int, ...]]:
+def param_shapes(layers: int, lora_r: int = 0, moe: str | None = None) -> dict[str, tuple[int, ...]]:
     """HF parameter names and global shapes, in Qwen2ForCausalLM's state_dict order.
 
     ``lora_r > 0``: the names and shapes of the PEFT-wrapped model (see the module docstring),
-    in PEFT's state_dict order."""
+    in PEFT's state_dict order. ``moe``: the MoE model of that shape (MOE_SHAPES) instead."""
+    if moe:
+        if lora_r:
+            raise ValueError("--moe and --lora cannot be combined")
+        return moe_param_shapes(layers, moe)
     if lora_r:
         return peft_shapes(param_shapes(layers), lora_r)
     kv = KV_HEADS * HEAD_DIM
@@ -142,10 +223,11 @@ def hf_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def expected_bytes(layers: int, dtype: torch.dtype = torch.bfloat16, lora_r: int = 0) -> int:
+def expected_bytes(layers: int, dtype: torch.dtype = torch.bfloat16, lora_r: int = 0,
+                   moe: str | None = None) -> int:
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for shape in param_shapes(layers, lora_r).values():
+    for shape in param_shapes(layers, lora_r, moe).values():
         n = 1
         for d in shape:
             n *= d
@@ -178,7 +260,8 @@ def local_shard(name: str, shape: tuple[int, ...], rank: int, world: int) -> tor
     return torch.randn(local_shape, generator=gen, dtype=torch.bfloat16).mul_(0.02)
 
 
-def _worker(rank: int, world: int, port: int, out: str, layers: int, lora_r: int = 0) -> None:
+def _worker(rank: int, world: int, port: int, out: str, layers: int, lora_r: int = 0,
+            moe: str | None = None) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -190,7 +273,7 @@ def _worker(rank: int, world: int, port: int, out: str, layers: int, lora_r: int
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         sd = {}
-        for name, shape in param_shapes(layers, lora_r).items():
+        for name, shape in param_shapes(layers, lora_r, moe).items():
             local = local_shard(name, shape, rank, world)
             sd[name] = DTensor.from_local(
                 local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
@@ -231,7 +314,7 @@ def write_tokenizer(hf_dir: Path) -> None:
     }, indent=2) + "\n")
 
 
-def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0) -> dict:
+def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0, moe: str | None = None) -> dict:
     """Write the checkpoint into ``out`` (replaced atomically). Returns a summary dict.
 
     ``lora_r > 0``: the PEFT-wrapped model with LoRA of that rank (see the module docstring)."""
@@ -243,12 +326,13 @@ def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0) -> 
     t0 = time.perf_counter()
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp), layers, lora_r), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp), layers, lora_r, moe), nprocs=world, join=True)
     (tmp / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
     hf = tmp / "huggingface"
-    (hf / "config.json").write_text(json.dumps(hf_config(layers), indent=2) + "\n")
+    (hf / "config.json").write_text(json.dumps(hf_config(layers, moe), indent=2) + "\n")
+    eos = hf_config(layers, moe)["eos_token_id"]
     (hf / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 151643, "eos_token_id": 151643, "max_new_tokens": 2048}, indent=2) + "\n")
+        {"bos_token_id": 151643, "eos_token_id": eos, "max_new_tokens": 2048}, indent=2) + "\n")
     write_tokenizer(hf)
     if lora_r:
         (tmp / "lora_train_meta.json").write_text(json.dumps(
@@ -258,10 +342,12 @@ def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0) -> 
     summary = {
         "layers": layers,
         "world_size": world,
-        "param_bytes": expected_bytes(layers, lora_r=lora_r),
+        "param_bytes": expected_bytes(layers, lora_r=lora_r, moe=moe),
         "rank_file_bytes": rank_bytes,
         "create_seconds": round(elapsed, 2),
     }
+    if moe:
+        summary["moe"] = moe
     if lora_r:
         summary.update(lora_r=lora_r, lora_alpha=LORA_ALPHA, lora_targets=list(LORA_TARGETS),
                        base_param_bytes=expected_bytes(layers))
@@ -279,12 +365,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=4, help="number of FSDP ranks / gloo processes")
     ap.add_argument("--lora", action="store_true",
                     help=f"PEFT-wrapped model, LoRA r={LORA_R} alpha={LORA_ALPHA} on q,k,v,o,gate,up,down")
+    ap.add_argument("--moe", choices=sorted(MOE_SHAPES), default=None,
+                    help="an MoE model of that shape (fused experts, transformers 5 in-memory layout) "
+                         "instead of Qwen2-7B; qwen3_30b_a3b: 3 layers ~4.98 GB")
     args = ap.parse_args(argv)
+    if args.moe and args.lora:
+        ap.error("--moe and --lora cannot be combined")
     lora_r = LORA_R if args.lora else 0
-    print(f"writing {args.layers}-layer Qwen2-7B-shaped {'LoRA (PEFT) ' if lora_r else ''}checkpoint "
-          f"({expected_bytes(args.layers, lora_r=lora_r) / 1e9:.2f} GB bf16) with {args.world_size} ranks "
+    shape = f"{args.moe}-shaped" if args.moe else "Qwen2-7B-shaped"
+    print(f"writing {args.layers}-layer {shape} {'LoRA (PEFT) ' if lora_r else ''}checkpoint "
+          f"({expected_bytes(args.layers, lora_r=lora_r, moe=args.moe) / 1e9:.2f} GB bf16) with {args.world_size} ranks "
           f"to {args.out}", file=sys.stderr)
-    summary = make_checkpoint(args.out, args.layers, args.world_size, lora_r)
+    summary = make_checkpoint(args.out, args.layers, args.world_size, lora_r, args.moe)
     print(json.dumps(summary))
     return 0
 
