@@ -662,3 +662,16 @@ def test_rank_file_shard_that_reads_other_bytes_is_refused(qwen2_fp32_ws2, tmp_p
     torch.save(state, path)
     with pytest.raises(CorruptCheckpointError, match=r"model_world_size_2_rank_1\.pt"):
         hf_merge.open_checkpoint(actor)
+
+
+def test_rank_file_storage_that_torch_cannot_use_is_a_typed_error(qwen2_fp32_ws2, monkeypatch):
+    # fuzzing found a data.pkl whose storage record torch loads but then refuses to point at
+    # ("invalid python storage"): that must be the rank file's typed error, not an unexpected one
+    from hf_merge import filemap
+
+    def refuse(path, tensors):
+        raise RuntimeError("Attempted to access the data pointer on an invalid python storage.")
+
+    monkeypatch.setattr(filemap, "register", refuse)
+    with pytest.raises(CorruptCheckpointError, match=r"model_world_size_2_rank_0\.pt: inconsistent tensor metadata"):
+        hf_merge.open_checkpoint(qwen2_fp32_ws2.actor)

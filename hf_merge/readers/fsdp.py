@@ -259,8 +259,9 @@ class FsdpCheckpoint(LazyCheckpoint):
             path = self.folder / rank_file_name(self.world_size, rank)
             self._states[rank] = load_rank_file(path)
             # copy its tensors through the file, not its pages (the states keep the mapping alive)
-            tensors = [t for t in map(_local, self._states[rank].values()) if isinstance(t, torch.Tensor)]
-            token = filemap.register(path, tensors)
+            with _malformed(path.name, None):  # a damaged storage record fails here, not later
+                tensors = [t for t in map(_local, self._states[rank].values()) if isinstance(t, torch.Tensor)]
+                token = filemap.register(path, tensors)
             if token is not None:
                 self._mapped.append(token)
                 weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
