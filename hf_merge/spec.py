@@ -71,3 +71,13 @@ class TensorSpec:
 
     def renamed(self, name: str) -> "TensorSpec":
         return TensorSpec(name, self.shape, self.dtype)
+
+
+def c_contiguous(size: "tuple[int, ...] | list[int]", stride: "tuple[int, ...] | list[int]") -> bool:
+    """True if a box of ``size`` with element ``stride`` is one C-ordered run of elements."""
+    expect = 1
+    for n, st in zip(reversed(size), reversed(stride)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True

@@ -52,7 +52,7 @@ from ..errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
-from ..spec import TensorSpec
+from ..spec import TensorSpec, c_contiguous
 from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, torch_names
 from .torch_zip import Window, read_records
 
@@ -438,7 +438,7 @@ class DcpCheckpoint(LazyCheckpoint):
         span = 1 + sum((n - 1) * st for n, st in zip(size, lay.stride))
         fd = self._fd(chunk.file)
         where = lay.data_start + first * item
-        if dst.dtype == lay.dtype and dst.is_contiguous() and _c_contiguous(size, lay.stride):
+        if dst.dtype == lay.dtype and dst.is_contiguous() and c_contiguous(size, lay.stride):
             # The box is one contiguous byte range and dst can take it as is: read straight into
             # dst (e.g. a view into the memory-mapped output file), no intermediate buffer.
             target = _writable_bytes(dst)
@@ -524,16 +524,6 @@ def _first_overlap(chunks: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
                 return a, c
         active.append(c)
     return None
-
-
-def _c_contiguous(size: Sequence[int], stride: Sequence[int]) -> bool:
-    """True if a box of ``size`` with element ``stride`` is one C-ordered run of elements."""
-    expect = 1
-    for n, st in zip(reversed(size), reversed(stride)):
-        if n != 1 and st != expect:
-            return False
-        expect *= n
-    return True
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview | None:

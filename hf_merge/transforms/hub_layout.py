@@ -34,7 +34,7 @@ import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
 from ..errors import MappingError
-from ..spec import TensorSpec
+from ..spec import TensorSpec, c_contiguous
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ def _span(recipe: Any, base_specs: dict[str, TensorSpec]) -> _Span | None:
     if isinstance(recipe, _Leaf):
         return None
     view = _view_of(recipe, base_specs)
-    if view is None or not _is_contiguous(view[0], view[1]):
+    if view is None or not c_contiguous(view[0], view[1]):
         return None
     return _Span(view[3], view[2])
 
@@ -388,15 +388,6 @@ def _view_of(recipe: Any, base_specs: dict[str, TensorSpec]):
         offset += params["start"] * strides[dim]
         shape[dim] = params["length"]
     return shape, strides, offset, source
-
-
-def _is_contiguous(shape: list[int], strides: list[int]) -> bool:
-    expected = 1
-    for n, st in zip(reversed(shape), reversed(strides)):
-        if n != 1 and st != expected:
-            return False
-        expected *= n
-    return True
 
 
 def _span_runs(runs, span: _Span, source: TensorSpec, spec: TensorSpec, dtype: torch.dtype, max_bytes: int):
