@@ -140,9 +140,12 @@ def plan_fingerprint(plan: Any) -> str:
 class Job:
     """This process's place in a distributed merge: rank, world size and the gloo group."""
 
+    consequence = "no target was written"  # what a failure means, in every rank's error line
+
     def __init__(self, *, group: Any, owns_group: bool, timeout: _dt.timedelta):
         import torch.distributed as dist
 
+        self.failed = False  # an exchange reported a failure: every rank knows, none waits for more
         self.group = group
         self.owns_group = owns_group
         self.timeout = timeout
@@ -166,6 +169,10 @@ class Job:
             logging.getLogger("hf_merge").setLevel(self._log_level)
         if self.owns_group and dist.is_initialized():
             try:
+                if exc[0] is None and not self.failed:
+                    # leave together: no rank tears down its end of the group (or the launcher's store)
+                    # while another still talks to it
+                    dist.barrier(group=self.group)
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group is already reported
                 pass
@@ -180,22 +187,49 @@ class Job:
         try:
             dist.all_gather_object(gathered, mine, group=self.group)
         except Exception as e:  # noqa: BLE001 - a dead or hung rank breaks the group
+            self.failed = True
             if error is not None:
                 raise error
             raise DistributedError(
                 f"lost contact with the other ranks ({_first_line(e)}): a rank died or did not answer within "
-                f"{self.timeout.total_seconds():.0f} s ({TIMEOUT_VAR}); no target was written"
+                f"{self.timeout.total_seconds():.0f} s ({TIMEOUT_VAR}); {self.consequence}"
             ) from None
-        if error is not None:
-            raise error
         self.hosts = [g["host"] for g in gathered]
         failed = [g for g in gathered if g["error"]]
+        self.failed = bool(failed)
+        if error is not None:
+            raise error
         if failed:
             first = failed[0]
             raise DistributedError(
-                f"rank {first['rank']} of {self.world_size} (on {first['host']}) failed: {first['error']}; no target was written"
+                f"rank {first['rank']} of {self.world_size} (on {first['host']}) failed: {first['error']}; {self.consequence}"
             )
         return [g["payload"] for g in gathered]
+
+    def share(self, sizes: list[int], work: Callable[[list[int]], Any]) -> list[Any]:
+        """``work(indices)`` on this rank's share of the items (balanced by ``sizes``, as the merge shares
+        its files); every rank's result, in rank order, on every rank. A failure anywhere fails all."""
+        mine = assign_by_bytes(sizes, self.world_size)[self.rank]
+        result = error = None
+        try:
+            result = work(mine)
+        except BaseException as e:  # noqa: BLE001 - reported to every rank
+            error = e
+        return self.exchange(error, result)
+
+    def run(self, job: Callable[[], Any]) -> Any:
+        """``job()`` on every rank, whose :meth:`share` calls are its only collectives; ends with an
+        exchange, so an error a rank raises between shares reaches the others too (at their next
+        share or at the end: every exchange is the same gather)."""
+        try:
+            result = job()
+        except BaseException as e:  # noqa: BLE001 - told to the others unless they know already
+            if self.failed:
+                raise
+            self.exchange(e)
+            raise
+        self.exchange(None)
+        return result
 
     # -- the merge ---------------------------------------------------------------------------
     def merge(

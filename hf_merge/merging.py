@@ -380,7 +380,7 @@ def _finish(p: Prepared, tmp: Path, digests: "dict[str, str | None] | None", *, 
         _write_provenance(tmp, provenance)
         report = verify_or_raise(
             tmp, p.ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
-            use_rslora=use_rslora, base_model=base_model, source_options=source_options,
+            use_rslora=use_rslora, base_model=base_model, source_options=source_options, distributed=False,
         )
         provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
     _write_provenance(tmp, provenance)

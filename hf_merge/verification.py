@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,6 +41,7 @@ class VerifyReport:
     checks: list[Check] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # shown before the table (e.g. the dtypes differ)
+    rank: int = 0  # a distributed verification's rank: every rank holds the same report, rank 0 prints it
 
     @property
     def ok(self) -> bool:
@@ -61,6 +63,24 @@ class VerifyReport:
     def summary(self) -> str:
         failed = [c.name for c in self.checks if not c.ok]
         return "all checks passed" if not failed else f"failed: {', '.join(failed)}"
+
+
+class OneProcess:
+    """The sharing of a plain verification: this process does every item. (A distributed one shares
+    them with :meth:`hf_merge.distributed.Job.share`, which has the same signature.)"""
+
+    rank = 0
+
+    def share(self, sizes: list[int], work: Callable[[list[int]], Any]) -> list[Any]:
+        return [work(list(range(len(sizes))))]
+
+
+ONE_PROCESS = OneProcess()
+
+
+def _on_one_rank(sharer: Any, work: Callable[[], Any]) -> Any:
+    """``work()`` on one rank (rank 0); its result on every rank."""
+    return next(r for r in sharer.share([1], lambda mine: (work(),) if mine else None) if r is not None)[0]
 
 
 def file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
@@ -90,21 +110,52 @@ def _compare_specs(report: VerifyReport, got: LazyCheckpoint, want: LazyCheckpoi
     return [n for n in common if n not in bad_shape]
 
 
+def _units(got: LazyCheckpoint, names: list[str]) -> tuple[list[int], list[list[str]]]:
+    """What a distributed verification shares out: the target's files (sizes on disk, as the merge
+    shared them; each rank checks whole files), or single tensors when ``got`` is no folder."""
+    wanted = set(names)
+    if callable(getattr(got, "tensor_files", None)):
+        folder = Path(got.info.path)
+        groups = [(f, [n for n in held if n in wanted]) for f, held in got.tensor_files().items()]
+        return [(folder / f).stat().st_size for f, _ in groups], [g for _, g in groups]
+    specs = got.specs()
+    return [specs[n].nbytes for n in names], [[n] for n in names]
+
+
 def _compare_values(
-    report: VerifyReport, got, want, names, *, exact: bool, atol: float, rtol: float, cast: bool = False
+    report: VerifyReport, got, want, names, *, exact: bool, atol: float, rtol: float, cast: bool = False,
+    sharer: Any = ONE_PROCESS,
 ) -> None:
-    """``cast``: read ``got`` in ``want``'s dtype first (verl's ``test``: one rounding, then tolerances)."""
+    """``cast``: read ``got`` in ``want``'s dtype first (verl's ``test``: one rounding, then tolerances).
+    ``sharer``: who compares which files (see :class:`OneProcess`); the report sums every rank's."""
+    sizes, groups = _units(got, names)
+    order = {n: i for i, n in enumerate(names)}
+    parts = sharer.share(sizes, lambda mine: _value_stats(
+        got, want, [n for i in mine for n in groups[i]], exact=exact, atol=atol, rtol=rtol, cast=cast,
+        show=sharer.rank == 0,
+    ))
+    bad = sorted((b for part in parts for b in part["bad"]), key=lambda b: order[b[0]])
+    nonfinite = sorted((n for part in parts for n in part["nonfinite"]), key=order.__getitem__)
+    worst = max([part["worst"] for part in parts] + [0.0])
+    report.mismatches += [m for _, m in bad] + [f"{n}: has inf/nan" for n in nonfinite]
+    detail = "bit-exact" if exact else f"max abs diff {worst:.3g}"
+    report.add("values", not bad, f"{len(bad)} of {len(names)} differ" if bad else f"{len(names)} tensors, {detail}")
+    report.add("finite", not nonfinite, f"{len(nonfinite)} tensors with inf/nan" if nonfinite else "")
+
+
+def _value_stats(got, want, names, *, exact: bool, atol: float, rtol: float, cast: bool, show: bool) -> dict[str, Any]:
+    """Compare ``names``: ``{"bad": [(name, line)], "worst": max abs diff, "nonfinite": [name]}``."""
     from .progress import progress_bar
 
     bad, worst, nonfinite = [], 0.0, []
-    for name in progress_bar(names, desc="Verifying", unit="tensor"):
+    for name in progress_bar(names, desc="Verifying", unit="tensor") if show else names:
         spec = got.specs()[name]
         a = got.read(name, dtype=want.specs()[name].dtype) if cast and spec.dtype.is_floating_point else got.read(name)
         if exact:
             b = want.read(name, dtype=spec.dtype)
             if not torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b):
                 diff = (a.double() - b.double()).abs().max().item() if a.numel() and a.is_floating_point() else float("nan")
-                bad.append(f"{name}: not bit-identical (max abs diff {diff:.3g})")
+                bad.append((name, f"{name}: not bit-identical (max abs diff {diff:.3g})"))
         else:
             b = want.read(name)
             fa, fb = a.float(), b.float()
@@ -112,14 +163,11 @@ def _compare_values(
                 diff = (fa - fb).abs()
                 worst = max(worst, diff.max().item())
                 if not torch.allclose(fa, fb, atol=atol, rtol=rtol, equal_nan=True):
-                    bad.append(f"{name}: max abs diff {diff.max().item():.3g} > atol {atol} / rtol {rtol}")
+                    bad.append((name, f"{name}: max abs diff {diff.max().item():.3g} > atol {atol} / rtol {rtol}"))
         if a.is_floating_point() and a.numel() and not torch.isfinite(a).all():
             nonfinite.append(name)
         del a, b
-    report.mismatches += bad + [f"{n}: has inf/nan" for n in nonfinite]
-    detail = "bit-exact" if exact else f"max abs diff {worst:.3g}"
-    report.add("values", not bad, f"{len(bad)} of {len(names)} differ" if bad else f"{len(names)} tensors, {detail}")
-    report.add("finite", not nonfinite, f"{len(nonfinite)} tensors with inf/nan" if nonfinite else "")
+    return {"bad": bad, "worst": worst, "nonfinite": nonfinite}
 
 
 def verify(
@@ -136,6 +184,7 @@ def verify(
     use_rslora: bool | None = None,
     base_model: "str | Path | None" = None,
     source_options: dict | None = None,
+    distributed: bool | None = None,
 ) -> VerifyReport:
     """Compare a merged folder with its source checkpoint or a reference HF folder.
 
@@ -143,7 +192,30 @@ def verify(
     folder with its adapter in ``lora_adapter/`` (``--lora both``: both are checked). Against an
     HSDP source, the replica groups that a merge does not read are compared with the one it does.
     Returns a report; does not raise on mismatches (see :func:`verify_or_raise`).
+
+    ``distributed``: as for :func:`hf_merge.merge` (None: yes under torchrun). Each rank then checks
+    a share of the target's files, balanced by bytes (their tensors and checksums) and of the source
+    archives' CRCs; the results are gathered over gloo, and every rank returns the same report
+    (``report.rank`` says which rank this is; rank 0 prints it). A rank's error fails every rank.
     """
+    from .distributed import join_job
+
+    job = join_job(distributed)
+    if job is None:
+        return _verify(target, against, atol, rtol, logits, logits_atol, backend, ONE_PROCESS, config=config,
+                       lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, source_options=source_options)
+    job.consequence = "the verification did not finish"
+    with job:
+        report = job.run(lambda: _verify(
+            target, against, atol, rtol, logits, logits_atol, backend, job, config=config, lora_alpha=lora_alpha,
+            use_rslora=use_rslora, base_model=base_model, source_options=source_options,
+        ))
+    report.rank = job.rank
+    return report
+
+
+def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *, config, lora_alpha, use_rslora,
+            base_model, source_options) -> VerifyReport:
     target, against_path = Path(target), Path(against)
     report = VerifyReport(target, str(against))
     kind = backend if backend != "auto" else detect_backend(against_path)
@@ -152,19 +224,21 @@ def verify(
     )
     adapter_only = (target / ADAPTER_CONFIG).is_file() and not (target / "config.json").is_file()
     provenance = _read_provenance(target)
-    _check_checksums(report, target, provenance)
-    _verify_folder(report, target, against_path, kind, atol, rtol, provenance, adapter=adapter_only, **options)
+    _check_checksums(report, target, provenance, sharer)
+    _verify_folder(report, target, against_path, kind, atol, rtol, provenance, sharer, adapter=adapter_only, **options)
     sub = target / "lora_adapter"
     if not adapter_only and (sub / ADAPTER_CONFIG).is_file() and kind != "hf":
-        _verify_folder(report, sub, against_path, kind, atol, rtol, provenance, adapter=True, prefix="adapter: ", **options)
+        _verify_folder(report, sub, against_path, kind, atol, rtol, provenance, sharer, adapter=True, prefix="adapter: ",
+                       **options)
     if logits and not adapter_only:
-        _check_logits(report, target, against_path if kind == "hf" else None, logits_atol)
+        for check in _on_one_rank(sharer, lambda: _check_logits(target, against_path if kind == "hf" else None, logits_atol)):
+            report.add(*check)
     return report
 
 
 def _verify_folder(
     report: VerifyReport, folder: Path, against: Path, kind: str, atol: float, rtol: float, provenance: dict[str, Any],
-    *, adapter: bool, prefix: str = "", config=None, lora_alpha=None, use_rslora=None, base_model=None, source_options=None,
+    sharer: Any, *, adapter: bool, prefix: str = "", config=None, lora_alpha=None, use_rslora=None, base_model=None, source_options=None,
 ) -> None:
     """Add the checks of one folder (a model, or an adapter) to ``report``; names get ``prefix``."""
     from .readers.hf_dir import open_hf_dir
@@ -176,11 +250,11 @@ def _verify_folder(
             want = open_hf_dir(against)
             _note_dtypes(sub, got, want)
             names = _compare_specs(sub, got, want, check_dtype=False)
-            _compare_values(sub, got, want, names, exact=False, atol=atol, rtol=rtol)
+            _compare_values(sub, got, want, names, exact=False, atol=atol, rtol=rtol, sharer=sharer)
             want.close()
         else:
             _compare_with_source(
-                sub, got, folder, against, kind, provenance, adapter=adapter, config=config,
+                sub, got, folder, against, kind, provenance, sharer, adapter=adapter, config=config,
                 lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, source_options=source_options,
             )
     finally:
@@ -191,8 +265,8 @@ def _verify_folder(
 
 
 def _compare_with_source(
-    report: VerifyReport, got: LazyCheckpoint, folder: Path, against: Path, kind: str, provenance: dict[str, Any], *,
-    adapter: bool, config, lora_alpha, use_rslora, base_model, source_options=None,
+    report: VerifyReport, got: LazyCheckpoint, folder: Path, against: Path, kind: str, provenance: dict[str, Any],
+    sharer: Any, *, adapter: bool, config, lora_alpha, use_rslora, base_model, source_options=None,
 ) -> None:
     """Exact check: the expected tensors are rebuilt through the merge's own transform stack."""
     from .hf_files import checkpoint_config
@@ -216,19 +290,19 @@ def _compare_with_source(
             expected = _requantized(expected, cfg, provenance["quantization"])
             report.add("quantization", True, f"re-quantized: {provenance['quantization'].get('mode')}")
         names = _compare_specs(report, got, expected, check_dtype=True)
-        _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0)
+        _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0, sharer=sharer)
         if not adapter:
-            _check_replicas(report, source)
-        _check_source_crcs(report, source)
+            _check_replicas(report, source, sharer)
+        _check_source_crcs(report, source, sharer)
     finally:
         source.close()
 
 
-def _check_replicas(report: VerifyReport, source: LazyCheckpoint) -> None:
+def _check_replicas(report: VerifyReport, source: LazyCheckpoint, sharer: Any = ONE_PROCESS) -> None:
     """HSDP (and buffers every rank saved): the copies a merge does not read must equal those it does."""
     if not hasattr(source, "replica_differences"):
         return
-    compared, differ = source.replica_differences()
+    compared, differ = _on_one_rank(sharer, source.replica_differences)
     if compared:
         report.mismatches += differ
         report.add("replicas", not differ, f"{len(differ)} of {compared} replica copies differ" if differ
@@ -316,7 +390,7 @@ def _zip_archives(view: Any, depth: int = 0) -> list:
     return sorted(set(found), key=str)
 
 
-def _check_source_crcs(report: VerifyReport, source: LazyCheckpoint) -> None:
+def _check_source_crcs(report: VerifyReport, source: LazyCheckpoint, sharer: Any = ONE_PROCESS) -> None:
     """Every record of every source torch.save archive against the CRC-32 in its zip directory:
     corruption in a source (which the merge copied faithfully) is found here."""
     from .readers.torch_zip import archive_crc_mismatches
@@ -324,7 +398,9 @@ def _check_source_crcs(report: VerifyReport, source: LazyCheckpoint) -> None:
     archives = _zip_archives(source)
     if not archives:
         return
-    checked, bad = archive_crc_mismatches(archives)
+    sizes = [length if length is not None else os.path.getsize(path) - start for path, start, length in archives]
+    parts = sharer.share(sizes, lambda mine: archive_crc_mismatches([archives[i] for i in mine]))
+    checked, bad = sum(c for c, _ in parts), [b for _, part in parts for b in part]
     report.mismatches += bad
     report.add("source CRC-32", not bad, f"{checked} records in {len(archives)} archives" + (f", {len(bad)} bad" if bad else ""))
 
@@ -362,19 +438,23 @@ def _read_provenance(target: Path) -> dict[str, Any]:
         return {}
 
 
-def _check_checksums(report: VerifyReport, target: Path, provenance: dict[str, Any]) -> None:
+def _check_checksums(report: VerifyReport, target: Path, provenance: dict[str, Any], sharer: Any = ONE_PROCESS) -> None:
     recorded = provenance.get("files") or {}
     if not recorded:
         return
     missing = [n for n in recorded if not (target / n).is_file()]
-    actual = file_checksums(target, [n for n in recorded if n not in missing])
+    present = sorted(n for n in recorded if n not in missing)  # the order and sizes the values check shares
+    parts = sharer.share([(target / n).stat().st_size for n in present],
+                         lambda mine: file_checksums(target, [present[i] for i in mine]))
+    actual = {n: h for part in parts for n, h in part.items()}
     bad = [n for n, h in actual.items() if h != recorded[n]]
     report.mismatches += [f"{n}: sha256 differs from the one recorded at merge time" for n in bad]
     report.mismatches += [f"{n}: recorded at merge time but missing" for n in missing]
     report.add("file checksums", not bad and not missing, f"{len(recorded)} files" if not bad else f"{len(bad)} changed")
 
 
-def _check_logits(report: VerifyReport, target: Path, reference: Path | None, atol: float) -> None:
+def _check_logits(target: Path, reference: Path | None, atol: float) -> list[tuple[str, bool, str]]:
+    """The logits checks, as ``(name, ok, detail)``."""
     from transformers import AutoModelForCausalLM
 
     from ._quiet import quiet_bitsandbytes
@@ -390,8 +470,9 @@ def _check_logits(report: VerifyReport, target: Path, reference: Path | None, at
 
     got = run(target)
     finite = bool(torch.isfinite(got).all())
-    report.add("logits finite", finite, f"shape {tuple(got.shape)}")
+    checks = [("logits finite", finite, f"shape {tuple(got.shape)}")]
     if reference is not None:
         diff = (got - run(reference)).abs().max().item()
         hint = "" if diff <= atol else "; a larger --logits-atol allows it"
-        report.add("logits vs reference", diff <= atol, f"max abs diff {diff:.3g} (limit {atol}{hint})")
+        checks.append(("logits vs reference", diff <= atol, f"max abs diff {diff:.3g} (limit {atol}{hint})"))
+    return checks

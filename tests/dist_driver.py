@@ -2,7 +2,7 @@
 
 ``python dist_driver.py JOBS.json OUT_DIR`` (under torchrun, or with RANK/WORLD_SIZE/MASTER_ADDR/
 MASTER_PORT set by hand). JOBS is a list of ``{"argv": [...], "missing_source_on_rank": r,
-"die_on_rank": r}``; each job's exit code and stderr go to
+"die_on_rank": r}``; each job's exit code, stdout and stderr go to
 ``OUT_DIR/<job>.rank<r>.json``.
 
 - ``--own-group`` (first argument): the driver initialises torch.distributed (gloo) itself once,
@@ -11,7 +11,7 @@ MASTER_PORT set by hand). JOBS is a list of ``{"argv": [...], "missing_source_on
   destroys the default group from the environment, as ``torchrun -m hf_merge`` does (one job
   per process then: torch does not re-initialise a destroyed default group reliably).
 - ``missing_source_on_rank``: that rank is given a source path that does not exist (a node that
-  does not see the checkpoint).
+  does not see the checkpoint; for ``verify``, the target).
 - ``die_on_rank``: that rank SIGKILLs itself when it starts writing its first output file.
 """
 
@@ -49,13 +49,14 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
         hf_merge.writer.write_file = dying_write_file if job.get("die_on_rank") == rank else real_write_file
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
+        err, std = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
             try:
                 code = cli(argv)
             except SystemExit as e:
                 code = e.code
-        (out / f"{i}.rank{rank}.json").write_text(json.dumps({"code": code, "stderr": err.getvalue()}))
+        result = {"code": code, "stderr": err.getvalue(), "stdout": std.getvalue()}
+        (out / f"{i}.rank{rank}.json").write_text(json.dumps(result))
     return 0
 
 

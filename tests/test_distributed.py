@@ -58,6 +58,18 @@ def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.Popen:
     return proc
 
 
+def _run_jobs(jobs: list[dict], tmp_path: Path, *, ranks: int) -> dict[tuple[int, int], dict]:
+    """``jobs`` (see dist_driver.py) in one torchrun job of ``ranks`` processes that initialised
+    torch.distributed itself; ``{(job, rank): {"code", "stdout", "stderr"}}``."""
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    results = tmp_path / "results"
+    results.mkdir()
+    proc = _run(_torchrun("--nproc-per-node", str(ranks), str(DRIVER), "--own-group", str(tmp_path / "jobs.json"),
+                          str(results)), timeout=600)
+    assert proc.returncode == 0, proc.output
+    return {(i, r): json.loads((results / f"{i}.rank{r}.json").read_text()) for i in range(len(jobs)) for r in range(ranks)}
+
+
 def assert_same_folder(got: Path, want: Path) -> None:
     """Byte-identical files; hf_merge.json equal but for "created" and the "distributed" record."""
     names = sorted(p.name for p in want.iterdir())
@@ -134,13 +146,7 @@ def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatr
         {"argv": ["merge", str(fsdp_src), str(out / "blind"), "--max-shard-size", SHARD], "missing_source_on_rank": 1},
         {"argv": ["merge", str(fsdp_src), str(out / "fsdp"), "--max-shard-size", SHARD]},
     ]
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    results = tmp_path / "results"
-    results.mkdir()
-    proc = _run(_torchrun("--nproc-per-node", "3", str(DRIVER), "--own-group", str(tmp_path / "jobs.json"), str(results)),
-                timeout=600)
-    assert proc.returncode == 0, proc.output
-    outcome = {(i, r): json.loads((results / f"{i}.rank{r}.json").read_text()) for i in range(4) for r in range(3)}
+    outcome = _run_jobs(jobs, tmp_path, ranks=3)
     for i in (0, 1, 3):
         assert [outcome[i, r]["code"] for r in range(3)] == [0, 0, 0], outcome
     assert_same_folder(out / "fsdp", fsdp_single)
@@ -181,3 +187,60 @@ def test_killed_rank_fails_every_rank_and_leaves_no_target(qwen2_fp32_ws2, tmp_p
     assert rank0["code"] != 0 and "error: lost contact with the other ranks" in rank0["stderr"], rank0
     assert time.monotonic() - t0 < int(TIMEOUT_S) + 240  # rank 0 did not hang: it noticed, or timed out
     assert not target.exists() and no_leftovers(target)
+
+
+def _corrupt_file_of_rank(folder: Path, rank: int, ranks: int) -> str:
+    """Flip one byte in the tensor data of a file that ``rank`` checks (the merge's balancing by bytes)."""
+    import struct
+
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    share = assign_by_bytes([(folder / f).stat().st_size for f in files], ranks)[rank]
+    name = files[share[0]]
+    data = bytearray((folder / name).read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    data[start + (len(data) - start) // 2] ^= 0x40
+    (folder / name).write_bytes(bytes(data))
+    return name
+
+
+def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, tmp_path):
+    """`hf-merge verify` on 3 ranks: a sound folder passes, a byte flipped in a file that rank 2 checks
+    fails every rank with rank 0's one report, and a rank that cannot see the target fails every rank."""
+    import shutil
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    shutil.copytree(fsdp_single, good)
+    shutil.copytree(fsdp_single, bad)
+    corrupted = _corrupt_file_of_rank(bad, 2, 3)
+    src = str(qwen2_fp32_ws2.actor)
+    jobs = [{"argv": ["verify", str(good), "--against", src]}, {"argv": ["verify", str(bad), "--against", src]},
+            {"argv": ["verify", str(good), "--against", src], "missing_source_on_rank": 1}]
+    outcome = _run_jobs(jobs, tmp_path, ranks=3)
+    n_files = len(list(good.glob("*.safetensors")))
+    assert n_files >= 3
+    assert [outcome[0, r]["code"] for r in range(3)] == [0, 0, 0], outcome
+    table = outcome[0, 0]["stdout"]
+    assert "file checksums  ok" in table and f"{n_files} files" in table and "bit-exact" in table, table
+    assert not outcome[0, 1]["stdout"] and not outcome[0, 2]["stdout"]  # one report, from rank 0
+    # the corrupted file is checked by rank 2 alone; every rank fails, rank 0 says which file
+    assert [outcome[1, r]["code"] for r in range(3)] == [1, 1, 1], outcome
+    assert f"{corrupted}: sha256 differs" in outcome[1, 0]["stdout"] and "not bit-identical" in outcome[1, 0]["stdout"]
+    assert "error: " in outcome[1, 0]["stderr"] and not outcome[1, 2]["stdout"]
+    for r in range(3):
+        lines = [ln for ln in outcome[2, r]["stderr"].splitlines() if ln.startswith("error: ")]
+        assert outcome[2, r]["code"] == 2 and len(lines) == 1 and "not-mounted-here" in lines[0], outcome[2, r]
+        if r != 1:
+            assert lines[0].startswith("error: rank 1 of 3 ") and "the verification did not finish" in lines[0], lines
+
+
+def test_torchrun_verify_cli_exits_non_zero_on_every_rank(qwen2_fp32_ws2, fsdp_single, tmp_path):
+    """`torchrun --nproc-per-node 2 -m hf_merge verify` on a corrupted folder: torchrun (every rank) fails."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fsdp_single, bad)
+    corrupted = _corrupt_file_of_rank(bad, 1, 2)
+    proc = _run(_torchrun("--nproc-per-node", "2", "-m", "hf_merge", "verify", str(bad), "--against",
+                          str(qwen2_fp32_ws2.actor)), timeout=600)
+    assert proc.returncode != 0, proc.output
+    assert proc.output.count("file checksums  FAIL") == 1 and f"{corrupted}: sha256 differs" in proc.output, proc.output

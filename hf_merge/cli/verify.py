@@ -65,15 +65,19 @@ def _source_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..distributed import launched_by_torchrun
     from ..preflight import check_verify
 
-    check_verify(args.target, args.against, config=args.config, base_model=args.base_model)  # before torch is imported
+    if not launched_by_torchrun():  # a rank of a distributed verification reports to the others instead
+        check_verify(args.target, args.against, config=args.config, base_model=args.base_model)  # before torch is imported
     from ..verification import verify
 
     report = verify(
         args.target, args.against, atol=args.atol, rtol=args.rtol, logits=args.logits, logits_atol=args.logits_atol,
         backend=args.backend, config=args.config, lora_alpha=args.lora_alpha, base_model=args.base_model,
     )
+    if report.rank != 0:  # a distributed verification: rank 0 prints the one report; every rank's exit code
+        return 0 if report.ok else 1
     return _print(report, f"{args.target} does not match {args.against}")
 
 

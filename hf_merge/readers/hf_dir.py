@@ -69,6 +69,14 @@ class HfDirCheckpoint(LazyCheckpoint):
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
 
+    def tensor_files(self) -> dict[str, list[str]]:
+        """Each safetensors file's name (in the folder) -> the tensors it holds, files in name order."""
+        by_file: dict[str, list[str]] = {name: [] for name in sorted(self._handles)}
+        names = {id(h): n for n, h in self._handles.items()}
+        for tensor, handle in self._where.items():
+            by_file[names[id(handle)]].append(tensor)
+        return by_file
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
         out.copy_(self._where[name].get_tensor(name))
