@@ -2,13 +2,17 @@
 """Throughput of a merge on 1, 2, 4 ... processes (torchrun on one machine) against the copy floor.
 
     python benchmarks/bench_distributed.py CKPT WORKDIR [--procs 1,2,4] [--repeat 3] [--max-shard-size 1GB]
+        [--variants "--workers 1;--workers 2;--no-checksums"]
 
 CKPT is a verl FSDP checkpoint (``benchmarks/make_synthetic_checkpoint.py`` makes one). Per
 repetition, in turn: the copy floor (``cat`` of the rank files into one file in WORKDIR, then
 fsync), and for each process count a merge into WORKDIR (1 process: ``python -m hf_merge merge``;
 N > 1: ``torchrun --nproc-per-node N -m hf_merge merge``), wall time including an fsync of every
 output file. The page cache is warmed once by reading the rank files. Prints a markdown table of
-medians (and every run), with GB/s of checkpoint bytes; ``--json`` saves the runs.
+medians (and every run), with GB/s of checkpoint bytes, user and system CPU seconds of the run
+(children included); ``--json`` saves the runs. ``--variants``: more single-process merges, one
+per ``;``-separated set of extra arguments (``--workers 1`` / ``--workers 2``: one or two writer
+processes; ``--no-checksums``: without the sha256 thread), each a row of its own.
 """
 
 from __future__ import annotations
@@ -43,16 +47,20 @@ def fsync_tree(folder: Path) -> None:
                 os.close(fd)
 
 
-def timed(cmd: list[str], out: Path, env: dict[str, str]) -> float:
+def timed(cmd: list[str], out: Path, env: dict[str, str]) -> tuple[float, float, float]:
+    """Wall seconds (the command, then an fsync of its output), and its user and system CPU seconds."""
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
+    before = os.times()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     if out.is_dir():
         fsync_tree(out)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = os.times()
+    return wall, after.children_user - before.children_user, after.children_system - before.children_system
 
 
 def main() -> int:
@@ -63,6 +71,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-shard-size", default="1GB")
     ap.add_argument("--extra", default="", help="more hf-merge merge arguments, e.g. '--no-checksums'")
+    ap.add_argument("--variants", default="", help="';'-separated extra arguments, one single-process row each")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     files = rank_files(args.ckpt)
@@ -73,34 +82,39 @@ def main() -> int:
         with open(p, "rb") as f:
             while f.read(64 << 20):
                 pass
-    procs = [int(n) for n in args.procs.split(",")]
-    runs: dict[str, list[float]] = {"copy": []}
-    for n in procs:
-        runs[f"hf-merge, {n} process{'es' if n > 1 else ''}"] = []
+    commands: dict[str, tuple[list[str], Path]] = {}
+    copy_out = args.workdir / "copy"
+    commands["copy"] = (["sh", "-c", f"mkdir -p {copy_out} && cat {' '.join(map(str, files))} > {copy_out / 'all.bin'}"],
+                        copy_out)
+    runs_of = [(f"hf-merge, {n} process{'es' if n > 1 else ''}", n, "") for n in (int(n) for n in args.procs.split(","))]
+    runs_of += [(f"hf-merge, 1 process, {v.strip()}", 1, v.strip()) for v in args.variants.split(";") if v.strip()]
+    for i, (name, n, more) in enumerate(runs_of):
+        out = args.workdir / f"merged-{i}"
+        tail = ["merge", str(args.ckpt), str(out), "--max-shard-size", args.max_shard_size, *args.extra.split(),
+                *more.split()]
+        if n == 1:
+            cmd = [sys.executable, "-m", "hf_merge", *tail]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--monitor-interval",
+                   "0.1", "-m", "hf_merge", *tail]
+        commands[name] = (cmd, out)
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
     for _ in range(args.repeat):
-        copy_out = args.workdir / "copy"
-        cat = f"mkdir -p {copy_out} && cat {' '.join(map(str, files))} > {copy_out / 'all.bin'}"
-        runs["copy"].append(timed(["sh", "-c", cat], copy_out, env))
-        shutil.rmtree(copy_out, ignore_errors=True)
-        for n in procs:
-            out = args.workdir / f"merged-{n}"
-            tail = ["merge", str(args.ckpt), str(out), "--max-shard-size", args.max_shard_size, *args.extra.split()]
-            if n == 1:
-                cmd = [sys.executable, "-m", "hf_merge", *tail]
-            else:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--monitor-interval",
-                       "0.1", "-m", "hf_merge", *tail]
-            runs[f"hf-merge, {n} process{'es' if n > 1 else ''}"].append(timed(cmd, out, env))
+        for name, (cmd, out) in commands.items():
+            runs[name].append(timed(cmd, out, env))
             shutil.rmtree(out, ignore_errors=True)
-    floor = statistics.median(runs["copy"])
-    print(f"checkpoint {args.ckpt} ({size / 1e9:.2f} GB, {len(files)} rank files); load average before: {load:.1f}; "
-          f"medians of {args.repeat}")
-    print("| run | wall s (median) | GB/s | ratio to copy | runs s |")
-    print("|---|---:|---:|---:|---|")
-    for name, walls in runs.items():
-        med = statistics.median(walls)
-        print(f"| {name} | {med:.1f} | {size / 1e9 / med:.2f} | {med / floor:.2f}x | {', '.join(f'{w:.1f}' for w in walls)} |")
+    floor = statistics.median(w for w, _, _ in runs["copy"])
+    print(f"checkpoint {args.ckpt} ({size / 1e9:.2f} GB, {len(files)} rank files); load average before: {load:.1f}, "
+          f"after: {os.getloadavg()[0]:.1f}; {os.cpu_count()} CPUs; medians of {args.repeat}")
+    print("| run | wall s (median) | GB/s | ratio to copy | user s | sys s | runs s |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, timings in runs.items():
+        med = statistics.median(w for w, _, _ in timings)
+        user = statistics.median(u for _, u, _ in timings)
+        system = statistics.median(s for _, _, s in timings)
+        print(f"| {name} | {med:.1f} | {size / 1e9 / med:.2f} | {med / floor:.2f}x | {user:.1f} | {system:.1f} | "
+              f"{', '.join(f'{w:.1f}' for w, _, _ in timings)} |")
     if args.json:
         args.json.write_text(json.dumps({"bytes": size, "runs": runs}, indent=2))
     return 0

@@ -102,10 +102,20 @@ def test_assign_by_bytes_balances_and_agrees():
 
 
 def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
-    """`torchrun --nnodes 2 --nproc-per-node 1 -m hf_merge merge` twice, rendezvous on localhost."""
+    """`torchrun --nnodes 2 --nproc-per-node 1 -m hf_merge merge` twice, rendezvous on localhost.
+
+    The rendezvous store is hosted here, as on a cluster where it outlives every node's agent:
+    when one of the two agents hosts it (torchrun's default on the endpoint's machine), that agent
+    may leave torchelastic's exit barrier and take the store down while the other agent still
+    waits on it; that agent then fails after the 300 s barrier timeout (torch's race, pytorch#69520),
+    after a complete merge."""
+    from torch.distributed import TCPStore
+
     target = tmp_path / "merged"
-    endpoint = f"localhost:{_free_port()}"
-    cmd = _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+    port = _free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    cmd = _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false,join_timeout=120,close_timeout=30",
                     "--rdzv-id", "hf-merge-test", "-m", "hf_merge", "merge", str(qwen2_fp32_ws2.actor), str(target),
                     "--max-shard-size", SHARD)
     nodes = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -116,16 +126,12 @@ def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
         for p in nodes:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    codes = [p.returncode for p in nodes]
-    if codes != [0, 0] and all(c == 0 or "terminal_state/last_member" in log for c, log in zip(codes, logs)):
-        # torchelastic's own exit barrier (after every worker returned) timed out on one agent; seen
-        # once on a loaded machine. The merge itself must still be complete and exact.
-        assert_same_folder(target, fsdp_single)
-        pytest.xfail(f"torchrun agents' exit barrier timed out after a complete merge: {codes}")
-    assert codes == [0, 0], logs
+        del store
+    assert [p.returncode for p in nodes] == [0, 0], logs
     assert_same_folder(target, fsdp_single)
     assert json.loads((target / "hf_merge.json").read_text())["distributed"]["world_size"] == 2
     assert sum(log.count("wrote ") for log in logs) == 1, logs  # one report, from rank 0
+    assert not any("exit barrier" in log.lower() and "error" in log.lower() for log in logs), logs
 
 
 def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatron_root, tmp_path):
