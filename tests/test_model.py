@@ -154,6 +154,41 @@ def test_each_tensor_is_read_once_straight_into_the_model(qwen2_fp32_ws2, monkey
         assert filled.get(tensor.data_ptr()) == tensor.dtype == torch.bfloat16, name
 
 
+def test_weights_are_read_while_the_model_class_is_resolved(qwen2_fp32_ws2, monkeypatch):
+    """The prefetch: tensors are read before the model exists (while its code is imported), each
+    once, into the buffer the model then holds; the logits stay exact."""
+    import time
+
+    import hf_merge.model as loader
+    import hf_merge.prefetch
+
+    read_early = []
+    real_resolve, real_read = loader._resolve_model_class, hf_merge.prefetch.Prefetch._read
+    reads = []
+
+    def counting_read(self, name):
+        reads.append(name)
+        return real_read(self, name)
+
+    def resolve(*args, **kwargs):
+        deadline = time.monotonic() + 30
+        while not reads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        read_early.append(len(reads))
+        return real_resolve(*args, **kwargs)
+
+    monkeypatch.setattr(hf_merge.prefetch.Prefetch, "_read", counting_read)
+    monkeypatch.setattr(loader, "_resolve_model_class", resolve)
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
+    assert read_early and read_early[0] >= 1
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == len(model.state_dict())
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+    reads.clear()
+    base = AutoModel.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")  # skips heads: no read ahead
+    assert reads == [] and _no_meta(base) == []
+
+
 def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_fp32_ws2):
     assert json.loads((qwen2_fp32_ws2.hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor)  # dtype: the config's
