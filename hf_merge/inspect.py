@@ -9,8 +9,17 @@ from .checkpoint import open_checkpoint
 from .hf_files import load_config, tied_pairs
 
 
-def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path | None" = None, tensors: bool = False) -> dict[str, Any]:
-    ckpt = open_checkpoint(source, backend=backend, config=config)
+def describe(
+    source: "str | Path",
+    *,
+    backend: str = "auto",
+    config: "str | Path | None" = None,
+    tensors: bool = False,
+    source_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``source_options``: format-specific reader options, as :func:`hf_merge.merge` takes them
+    (DeepSpeed: ``{"tag": "global_step100", "source_weights": "module"}``)."""
+    ckpt = open_checkpoint(source, backend=backend, config=config, **(source_options or {}))
     try:
         info = ckpt.info
         specs = ckpt.specs()

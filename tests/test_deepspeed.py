@@ -135,6 +135,17 @@ def test_trainer_root_newest_checkpoint_and_tag(tmp_path, capsys):
         assert torch.equal(ck.read("model.norm.weight"), load_file(reference("z2_bf16_trainer_ws2", 1) / "masters.safetensors")["model.norm.weight"])
 
 
+def test_inspect_tag_and_source_weights(capsys):
+    """inspect takes merge's --tag and --source-weights: it describes the tag that merge would read."""
+    root = DATA / "z2_bf16_trainer_ws2"
+    assert main(["inspect", str(root), "--tag", "global_step1", "--source-weights", "module", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tag"] == "global_step1" and report["step"] == 1 and report["source_weights"] == "module"
+    assert report["dtypes"] == {"bfloat16": report["parameters"]}
+    assert main(["inspect", str(root)]) == 0
+    assert "global_step2" in capsys.readouterr().out
+
+
 def test_merge_module_weights(tmp_path, capsys):
     out = tmp_path / "module"
     rc = main(["merge", "--workers", "1", str(DATA / "z2_bf16_trainer_ws2"), str(out), "--source-weights", "module", "--dtype", "auto", "--verify"])
