@@ -480,22 +480,49 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             out.copy_(flat.view(lay.spec.shape))
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        """Pieces that hold whole rows (one partition, or rank slices cut at row boundaries, as
-        ZeRO-3's ``ceil(numel / world)`` usually is) are runs of rows: zero-copy in their own dtype."""
+        """The rows that lie whole in one partition are zero-copy runs in their own dtype (copied
+        file to file by the writer); a row cut by a partition boundary (a parameter spanning two
+        ranks at stage 1/2, or slices not cut at a row at stage 3) is assembled alone in a small buffer."""
         lay = self._layouts[name]
         shape = lay.spec.shape
         if not shape or shape[0] == 0:
             return None
         row = math.prod(shape[1:])
-        if row == 0 or any(p.dst_start % row or p.numel % row for p in lay.pieces):
+        if row == 0:
             return None
+        pieces = sorted(lay.pieces, key=lambda p: p.dst_start)
+        segments: list[tuple[int, int, _Piece | None]] = []  # (first row, end row, piece or None: a cut row)
+        for p in pieces:
+            lo, hi = -(-p.dst_start // row), (p.dst_start + p.numel) // row
+            if lo < hi:
+                segments.append((lo, hi, p))
+            if (p.dst_start + p.numel) % row and (p.dst_start + p.numel) < math.prod(shape):
+                cut = (p.dst_start + p.numel) // row
+                if not segments or segments[-1][:2] != (cut, cut + 1):
+                    segments.append((cut, cut + 1, None))
+        segments.sort(key=lambda s: s[0])
+        if [s[0] for s in segments] != [0] + [s[1] for s in segments[:-1]] or segments[-1][1] != shape[0]:
+            return None  # not a tiling of the rows: the whole-tensor path checks and reports it
 
         def runs():
-            for p in sorted(lay.pieces, key=lambda p: p.dst_start):
-                rows = self._files[p.source][p.src_start : p.src_start + p.numel].view((p.numel // row,) + shape[1:])
-                yield from row_runs(rows, p.dst_start // row, dtype, max_bytes)
+            for lo, hi, p in segments:
+                if p is None:  # a row cut by a partition boundary
+                    rows = torch.empty((1,) + shape[1:], dtype=lay.spec.dtype)
+                    self._read_range(lay, lo * row, rows.view(-1))
+                else:
+                    start = p.src_start + lo * row - p.dst_start
+                    rows = self._files[p.source][start : start + (hi - lo) * row].view((hi - lo,) + shape[1:])
+                yield from row_runs(rows, lo, dtype, max_bytes)
 
         return runs()
+
+    def _read_range(self, lay: _Layout, first: int, out: torch.Tensor) -> None:
+        """Elements ``first .. first + len(out)`` of the flattened tensor into the 1-D ``out``."""
+        end = first + out.numel()
+        for p in lay.pieces:
+            a, b = max(p.dst_start, first), min(p.dst_start + p.numel, end)
+            if a < b:
+                out[a - first : b - first].copy_(self._files[p.source][p.src_start + a - p.dst_start : p.src_start + b - p.dst_start])
 
     def close(self) -> None:
         for token in self._mapped:
