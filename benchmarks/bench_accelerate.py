@@ -10,7 +10,7 @@ accelerate falls back to DDP, so the state's distributed type is set to FSDP bef
 as ``examples/make_dcp_checkpoints.py`` does) with ``Accelerator.save_state`` right after
 ``prepare`` (``pytorch_model_fsdp_0/`` + ``optimizer_0/``), cached under --workdir. Then, on the same
 checkpoint and with the same method as bench_merge.py (warm page cache, fsync of the outputs,
-RssAnon of the process tree sampled every 20 ms):
+RssAnon of the process tree sampled every 20 ms, CPU seconds of the process tree):
 
   accelerate  `accelerate merge-weights CKPT/pytorch_model_fsdp_0 OUT` (it refuses the save_state
               folder itself and writes one model.safetensors, no config)
@@ -82,7 +82,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=bm.REPO / "bench_out" / "accelerate")
     ap.add_argument("--layers", type=int, default=18, help="decoder layers (18: 1.07 GB fp32; 2: 0.33 GB)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per tool (the fastest is reported)")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = args.workdir / f"layers{args.layers}"
@@ -94,18 +93,19 @@ def main() -> None:
     bindir = Path(sys.executable).parent
     peer_cmd = [str(bindir / "accelerate"), "merge-weights", str(model_dir)]
     peer_out, ours_out = args.workdir / "out_accelerate", args.workdir / "out_hfm"
-    peer = bm.measure_best(args.repeat, size, "accelerate merge-weights", [*peer_cmd, str(peer_out)], peer_out,
-                           args.workdir / "accelerate.log", inputs)
+    peer, peer_cpu = bm.measure_cpu(size, "accelerate merge-weights", [*peer_cmd, str(peer_out)], peer_out,
+                                    args.workdir / "accelerate.log", inputs)
     env = dict(os.environ, PYTHONPATH=str(bm.REPO), HF_HUB_DISABLE_PROGRESS_BARS="1")
-    ours = bm.measure_best(args.repeat, size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(ckpt), str(ours_out),
-                                                           "--config", str(src / "config"), "--dtype", "float32"],
-                           ours_out, args.workdir / "hfm.log", inputs, env=env)
+    ours, ours_cpu = bm.measure_cpu(size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(ckpt), str(ours_out),
+                                                       "--config", str(src / "config"), "--dtype", "float32"],
+                                    ours_out, args.workdir / "hfm.log", inputs, env=env)
     same, detail = bm.compare_outputs(peer_out, ours_out) if peer.ok and ours.ok else (False, "a run failed")
     ratio = ours.wall_s / peer.wall_s if peer.ok and ours.ok and peer.wall_s else None
     print(f"  {size}: outputs {'identical' if same else 'DIFFER'} ({detail}); "
           f"wall ratio hf-merge / accelerate = {ratio:.2f}" if ratio else f"  {size}: {detail}", flush=True)
     result = {"layers": args.layers, "input_bytes": sum(p.stat().st_size for p in inputs), "same": same, "detail": detail,
-              "wall_ratio": ratio, "load_avg": os.getloadavg(), "accelerate": asdict(peer), "hf_merge": asdict(ours)}
+              "wall_ratio": ratio, "load_avg": os.getloadavg(),
+              "cpu_s": {"accelerate": peer_cpu, "hf_merge": ours_cpu}, "accelerate": asdict(peer), "hf_merge": asdict(ours)}
     (args.workdir / "results.json").write_text(json.dumps(result, indent=1))
 
 
