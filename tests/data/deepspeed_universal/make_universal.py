@@ -15,8 +15,8 @@ only Megatron-DeepSpeed clients save. The tests compare what hf-merge reads from
 with the trained masters of the source variant (``../deepspeed/V/reference/step2/masters.safetensors``).
 
 Seen with 0.19.8 and left out: the stage-2 round-robin variant (``z2_fp32_rr_tied_ws3``, gradients
-partitioned in round-robin order) converts without error but 23 of its 26 fp32.pt hold other
-parameters' values (ds_to_universal assumes the module order).
+partitioned in round-robin order) converts without error but 23 of its 26 fp32.pt differ from the
+trained masters.
 """
 
 from __future__ import annotations
