@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark `hf-merge merge` on DeepSpeed ZeRO-2 / ZeRO-3 checkpoints against DeepSpeed's `zero_to_fp32.py`.
 
+    bash benchmarks/setup_deepspeed.sh /work/venv-ds      # once: deepspeed 0.19.8 + CPU torch 2.13.0
     DS_VENV=/work/venv-ds .venv/bin/python benchmarks/bench_deepspeed.py --workdir bench_out/deepspeed
 
 A Qwen2.5-0.5B-shaped model (untied, ~0.63 B parameters, bf16) is saved by REAL DeepSpeed on CPU
