@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark `hf-merge merge` on DeepSpeed ZeRO-2 / ZeRO-3 checkpoints against DeepSpeed's `zero_to_fp32.py`.
 
+    bash benchmarks/setup_deepspeed.sh /work/venv-ds      # once: deepspeed 0.19.8 + CPU torch 2.13.0
     DS_VENV=/work/venv-ds .venv/bin/python benchmarks/bench_deepspeed.py --workdir bench_out/deepspeed
 
 A Qwen2.5-0.5B-shaped model (untied, ~0.63 B parameters, bf16) is saved by REAL DeepSpeed on CPU
@@ -12,7 +13,9 @@ bench_merge.py (warm page cache, fsync of the outputs, RssAnon of the process tr
   zero_to_fp32  `python zero_to_fp32.py SAVE_DIR OUT --safe_serialization` (DeepSpeed's script, fp32 output)
   hf-merge      `python -m hf_merge.cli.app merge SAVE_DIR OUT --config CFG --dtype float32` (same fp32 output)
 
-and the two outputs are compared tensor by tensor (names, dtype, shape, bytes).
+and the two outputs are compared tensor by tensor (names, dtype, shape, bytes). Besides wall time
+and memory, the CPU seconds (user + system) of each tool's process tree are reported: on a busy
+machine they compare the tools where wall times do not.
 """
 
 from __future__ import annotations
@@ -88,17 +91,18 @@ def main() -> None:
         inputs = [p for p in (src / "global_step1").iterdir() if p.is_file()]
         size = f"zero{stage}"
         peer_out, ours_out = args.workdir / f"out_z2f_{stage}", args.workdir / f"out_hfm_{stage}"
-        peer = bm.measure(size, "zero_to_fp32", [ds_python, str(src / "zero_to_fp32.py"), str(src), str(peer_out),
+        peer, peer_cpu = bm.measure_cpu(size, "zero_to_fp32", [ds_python, str(src / "zero_to_fp32.py"), str(src), str(peer_out),
                                                  "--safe_serialization"], peer_out, args.workdir / f"z2f_{stage}.log",
                           inputs, env=dict(os.environ, DS_ACCELERATOR="cpu"))
         env = dict(os.environ, PYTHONPATH=str(bm.REPO), HF_HUB_DISABLE_PROGRESS_BARS="1")
-        ours = bm.measure(size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(src), str(ours_out),
+        ours, ours_cpu = bm.measure_cpu(size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(src), str(ours_out),
                                              "--config", str(src / "config"), "--dtype", "float32"],
                           ours_out, args.workdir / f"hfm_{stage}.log", inputs, env=env)
         same, detail = bm.compare_outputs(peer_out, ours_out) if peer.ok and ours.ok else (False, "a run failed")
         print(f"  zero{stage}: outputs {'identical' if same else 'DIFFER'} ({detail})", flush=True)
         results.append({"stage": stage, "input_bytes": sum(p.stat().st_size for p in inputs), "same": same,
-                        "detail": detail, "zero_to_fp32": asdict(peer), "hf_merge": asdict(ours)})
+                        "detail": detail, "load_avg": os.getloadavg(), "cpu_s": {"zero_to_fp32": peer_cpu, "hf_merge": ours_cpu},
+                        "zero_to_fp32": asdict(peer), "hf_merge": asdict(ours)})
     (args.workdir / "results.json").write_text(json.dumps(results, indent=1))
 
 

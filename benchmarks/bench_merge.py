@@ -264,6 +264,20 @@ def measure(size: str, tool: str, argv: list[str], output: Path, log_path: Path,
     return res
 
 
+def measure_cpu(*args, **kwargs) -> tuple[Result, float]:
+    """:func:`measure`, plus the CPU seconds (user + system) of the measured process tree: the
+    resource usage of the children reaped during the run. Unlike wall time it barely depends on
+    how busy the machine is, so it compares tools run on a loaded machine."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = measure(*args, **kwargs)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"  [{res.tool}] CPU {cpu:.1f} s (user + system of the process tree)", flush=True)
+    return res, cpu
+
+
 def measure_best(repeat: int, size: str, tool: str, argv: list[str], output: Path, log_path: Path,
                  inputs: list[Path], env: dict | None = None, fsync: bool = True) -> Result:
     """``measure`` ``repeat`` times: the fastest successful run's times, the largest memory peaks."""

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .config_overrides import ConfigOverrides
 from .spec import TensorSpec
 
 ROW_CHUNK_BYTES = 32 << 20  # converted / computed runs of rows are at most about this big
@@ -27,6 +28,8 @@ class CheckpointInfo:
     ``hf_dir`` is the folder holding config.json / tokenizer files (None when unknown).
     ``details`` is free-form, JSON-serialisable and format specific (mesh, placements, step...).
     ``notes`` say what was chosen (which step, which role); ``warnings`` what the user should fix.
+    ``config_overrides``: config.json values the checkpoint itself decides (a critic's value head,
+    ties), applied on top of config.json by every consumer.
     """
 
     format: str
@@ -38,6 +41,7 @@ class CheckpointInfo:
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    config_overrides: ConfigOverrides = field(default_factory=ConfigOverrides)
 
 
 class LazyCheckpoint:

@@ -72,10 +72,10 @@ def load_config(config_dir: Path) -> dict[str, Any]:
 
 def checkpoint_config(info) -> tuple[Path, dict[str, Any]]:
     """``(config folder, config.json content)`` for a checkpoint, with what the checkpoint itself
-    shows (``info.details["config_overrides"]``: a critic's value head, ties) applied on top."""
+    shows (``info.config_overrides``: a critic's value head, ties) applied on top."""
     config_dir = find_config_dir(info.hf_dir, info.path)
     config = load_config(config_dir)
-    config.update(info.details.get("config_overrides") or {})
+    info.config_overrides.apply(config)
     return config_dir, config
 
 

@@ -9,8 +9,17 @@ from .checkpoint import open_checkpoint
 from .hf_files import load_config, tied_pairs
 
 
-def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path | None" = None, tensors: bool = False) -> dict[str, Any]:
-    ckpt = open_checkpoint(source, backend=backend, config=config)
+def describe(
+    source: "str | Path",
+    *,
+    backend: str = "auto",
+    config: "str | Path | None" = None,
+    tensors: bool = False,
+    source_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``source_options``: format-specific reader options, as :func:`hf_merge.merge` takes them
+    (DeepSpeed: ``{"tag": "global_step100", "source_weights": "module"}``)."""
+    ckpt = open_checkpoint(source, backend=backend, config=config, **(source_options or {}))
     try:
         info = ckpt.info
         specs = ckpt.specs()
@@ -25,6 +34,8 @@ def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path
             "world_size": info.world_size,
         }
         report.update({k: v for k, v in info.details.items() if v is not None})
+        if info.config_overrides:
+            report["config_overrides"] = info.config_overrides.as_dict()
         report["tensors_count"] = len(specs)
         report["parameters"] = sum(s.numel for s in specs.values())
         report["size_bytes"] = sum(s.nbytes for s in specs.values())
@@ -32,7 +43,7 @@ def describe(source: "str | Path", *, backend: str = "auto", config: "str | Path
         hf_dir = Path(config) if config else info.hf_dir
         if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
             cfg = load_config(Path(hf_dir))
-            cfg.update(info.details.get("config_overrides") or {})
+            info.config_overrides.apply(cfg)
             report["hf_config"] = str(hf_dir)
             report["architecture"] = (cfg.get("architectures") or [None])[0]
             report["config_dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")

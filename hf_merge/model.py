@@ -170,7 +170,7 @@ def from_sharded_pretrained(
             config_obj, model_kwargs = _load_config(hf_dir, trust_remote_code, kwargs)
         # What the checkpoint itself shows (a critic's value head, ties) wins over config.json, as
         # in merge; what the caller passed wins over both.
-        for key, value in (ckpt.info.details.get("config_overrides") or {}).items():
+        for key, value in ckpt.info.config_overrides.as_dict().items():
             config_dict[key] = value
             if key not in kwargs:
                 setattr(config_obj, key, value)

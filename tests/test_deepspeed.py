@@ -98,6 +98,27 @@ def test_bf16_optimizer_and_alignment_layouts():
         assert len(subs) > 2, subs
 
 
+@pytest.mark.parametrize("name", ["z1_bf16_tied_ws2", "z2_bf16_align_ws3", "z3_fp32_ws3"])
+def test_row_runs_across_partition_boundaries(name):
+    """Every tensor streams as runs of rows (the writer's file-to-file path), also those whose rows
+    are cut by a rank partition boundary: those rows alone are assembled; values as read()."""
+    cut = 0
+    with open_checkpoint(DATA / name) as ck:
+        for tensor, spec in ck.specs().items():
+            row = spec.numel // spec.shape[0] if spec.shape and spec.shape[0] else 0
+            cut += any(p.dst_start % row or p.numel % row for p in ck._layouts[tensor].pieces) if row else 0
+            for dtype in (spec.dtype, torch.bfloat16):
+                runs = ck.read_rows(tensor, dtype, max_bytes=256)
+                assert runs is not None, tensor
+                out, rows_seen = torch.empty(spec.shape, dtype=dtype), 0
+                for first, rows in runs:
+                    assert first == rows_seen
+                    out[first : first + len(rows)] = rows
+                    rows_seen += len(rows)
+                assert rows_seen == spec.shape[0] and torch.equal(out, ck.read(tensor).to(dtype)), tensor
+    assert cut >= 1  # the fixture really has rows cut by a partition boundary
+
+
 @pytest.mark.parametrize("name,dtype", [("z3_bf16_tied_ws2", "bfloat16"), ("z2_fp32_rr_tied_ws3", "float32"),
                                         ("z1_bf16_tied_ws2", "float32")])
 def test_merge_cli_weights_and_logits(name, dtype, tmp_path, capsys):
@@ -133,6 +154,17 @@ def test_trainer_root_newest_checkpoint_and_tag(tmp_path, capsys):
     with open_checkpoint(tag_dir) as ck:
         assert ck.info.path == tag_dir and ck.info.details["tag"] == "global_step1"
         assert torch.equal(ck.read("model.norm.weight"), load_file(reference("z2_bf16_trainer_ws2", 1) / "masters.safetensors")["model.norm.weight"])
+
+
+def test_inspect_tag_and_source_weights(capsys):
+    """inspect takes merge's --tag and --source-weights: it describes the tag that merge would read."""
+    root = DATA / "z2_bf16_trainer_ws2"
+    assert main(["inspect", str(root), "--tag", "global_step1", "--source-weights", "module", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tag"] == "global_step1" and report["step"] == 1 and report["source_weights"] == "module"
+    assert report["dtypes"] == {"bfloat16": report["parameters"]}
+    assert main(["inspect", str(root)]) == 0
+    assert "global_step2" in capsys.readouterr().out
 
 
 def test_merge_module_weights(tmp_path, capsys):

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import run_cli
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from hf_merge.config_overrides import ConfigOverrides
 from hf_merge.errors import (
     CorruptCheckpointError,
     MappingError,
@@ -56,7 +57,7 @@ def hf_model_from(ckpt):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     cfg = json.loads((ckpt.info.hf_dir / "config.json").read_text())
-    cfg.update(ckpt.info.details["config_overrides"])
+    ckpt.info.config_overrides.apply(cfg)
     config = AutoConfig.for_model(**cfg)
     cls = AutoModelForTokenClassification if ckpt.info.details["value_model"] else AutoModelForCausalLM
     model = cls.from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -263,11 +264,11 @@ def test_unknown_tensor_is_an_error_naming_it(tmp_path):
 def test_tied_embeddings_follow_the_checkpoint(tmp_path):
     ckpt = open_megatron(synthetic(tmp_path / "a", _tensors(**{"output_layer.weight": None}), _config()))
     assert ckpt.info.details["tied"] and "lm_head.weight" not in ckpt.specs()
-    assert ckpt.info.details["config_overrides"] == {"tie_word_embeddings": True}
+    assert ckpt.info.config_overrides == ConfigOverrides(tie_word_embeddings=True)
     assert ckpt.info.warnings
     ckpt = open_megatron(synthetic(tmp_path / "b", _tensors(), _config(tie_word_embeddings=True)))
     assert not ckpt.info.details["tied"] and "lm_head.weight" in ckpt.specs()
-    assert ckpt.info.details["config_overrides"] == {"tie_word_embeddings": False}
+    assert ckpt.info.config_overrides.as_dict() == {"tie_word_embeddings": False}
 
 
 def test_config_problems_are_named(tmp_path):
@@ -405,7 +406,7 @@ def test_legacy_rank_files_tp_vpp_and_value_head(tmp_path):
     ckpt = open_megatron(role)
     d = ckpt.info.details
     assert (d["layout"], d["tp"], d["pp"], d["vpp"], d["value_model"]) == ("legacy", 2, 2, 2, True)
-    assert d["config_overrides"]["architectures"] == ["LlamaForTokenClassification"]
+    assert ckpt.info.config_overrides.as_dict()["architectures"] == ["LlamaForTokenClassification"]
     assert torch.equal(ckpt.read("model.embed_tokens.weight"), glob["embedding.word_embeddings.weight"])
     assert torch.equal(ckpt.read("score.weight"), glob["output_layer.weight"])
     for i in range(layers):

@@ -9,12 +9,13 @@ import argparse
 import json
 from typing import Any
 
-from ._formats import add_backend_argument
+from ._formats import add_backend_argument, add_source_option_arguments, source_options
 
 EXAMPLES = """examples:
   hf-merge inspect checkpoints/                    # the newest step's actor/
   hf-merge inspect checkpoints/global_step_100/actor --tensors
   hf-merge inspect checkpoints/ --json | jq .world_size
+  hf-merge inspect ds_run/ --tag global_step200     # a DeepSpeed tag other than `latest`
 """
 
 
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", help="checkpoint folder: actor/, global_step_N/, or the checkpoints root")
     add_backend_argument(p)
     p.add_argument("--config", "--hf_model_path", dest="config", help="folder with config.json, if the checkpoint has no huggingface/ folder")
+    add_source_option_arguments(p)
     p.add_argument("--json", action="store_true", help="print the description as JSON (for scripts)")
     p.add_argument("--tensors", action="store_true", help="also list every tensor (name, shape, dtype, placement)")
     p.set_defaults(run=run)
@@ -38,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..inspect import describe
 
-    report = describe(args.source, backend=args.backend, config=args.config, tensors=args.tensors)
+    report = describe(args.source, backend=args.backend, config=args.config, tensors=args.tensors,
+                      source_options=source_options(args))
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

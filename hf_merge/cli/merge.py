@@ -9,7 +9,7 @@ import sys
 from ..progress import human_bytes
 from ._args import dtype_arg, float_dtype_arg, size_arg
 
-from ._formats import add_backend_argument
+from ._formats import add_backend_argument, add_source_option_arguments, source_options
 
 logger = logging.getLogger("hf_merge.cli")
 
@@ -62,9 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tie-word-embedding", action="store_true", help="verl compatibility; changes nothing: ties follow config.json")
     p.add_argument("--use_cpu_initialization", "--use-cpu-initialization", action="store_true",
                    help="verl compatibility; changes nothing: hf-merge never builds the model")
-    p.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag to read (default: the one named in `latest`)")
-    p.add_argument("--source-weights", choices=["master", "module"], default=None,
-                   help="DeepSpeed: master (default): the fp32 master weights; module: the 16-bit module weights (ZeRO 1/2)")
+    add_source_option_arguments(p)
     lora = p.add_argument_group("LoRA (PEFT checkpoints)")
     lora.add_argument("--lora", default="both", choices=["fuse", "adapter", "both"],
                       help="fuse: model with LoRA folded in; adapter: a PEFT adapter folder; both (default): fused model + TARGET/lora_adapter/")
@@ -134,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         push_to_hub=args.push_to_hub,
         private=args.private,
         is_value_model=args.is_value_model,
-        source_options={"tag": args.tag, "source_weights": args.source_weights},
+        source_options=source_options(args),
         gguf=args.gguf,
         gguf_pre_tokenizer=args.gguf_pre_tokenizer,
     )

@@ -43,6 +43,8 @@ from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
 from ..spec import TensorSpec
+from .deepspeed_universal import LATEST as LATEST_UNIVERSAL
+from .deepspeed_universal import UniversalCheckpoint, is_universal_tag_dir
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
 logger = logging.getLogger(__name__)
@@ -166,11 +168,12 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
             raise SourceNotFoundError(f"no tag {tag!r} in {path} (it has {', '.join(sorted(tags))}); pass one of those to --tag")
         chosen = tag
     else:
-        latest = path / "latest"
+        # `latest` names the training tag; a folder holding only ds_to_universal output has `latest_universal`
+        latest = next((path / n for n in ("latest", LATEST_UNIVERSAL) if (path / n).is_file()), path / "latest")
         text = latest.read_bytes()[:256].decode(errors="replace").strip() if latest.is_file() else ""  # a tag name
         if text in tags:
             chosen = text
-            notes.append(f"using tag {chosen} (from {path.name}/latest)")
+            notes.append(f"using tag {chosen} (from {path.name}/{latest.name})")
         else:
             chosen = max(tags, key=lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t))
             why = f"`latest` names {text!r}, which is missing" if text else "no `latest` file"
@@ -477,22 +480,49 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
             out.copy_(flat.view(lay.spec.shape))
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        """Pieces that hold whole rows (one partition, or rank slices cut at row boundaries, as
-        ZeRO-3's ``ceil(numel / world)`` usually is) are runs of rows: zero-copy in their own dtype."""
+        """The rows that lie whole in one partition are zero-copy runs in their own dtype (copied
+        file to file by the writer); a row cut by a partition boundary (a parameter spanning two
+        ranks at stage 1/2, or slices not cut at a row at stage 3) is assembled alone in a small buffer."""
         lay = self._layouts[name]
         shape = lay.spec.shape
         if not shape or shape[0] == 0:
             return None
         row = math.prod(shape[1:])
-        if row == 0 or any(p.dst_start % row or p.numel % row for p in lay.pieces):
+        if row == 0:
             return None
+        pieces = sorted(lay.pieces, key=lambda p: p.dst_start)
+        segments: list[tuple[int, int, _Piece | None]] = []  # (first row, end row, piece or None: a cut row)
+        for p in pieces:
+            lo, hi = -(-p.dst_start // row), (p.dst_start + p.numel) // row
+            if lo < hi:
+                segments.append((lo, hi, p))
+            if (p.dst_start + p.numel) % row and (p.dst_start + p.numel) < math.prod(shape):
+                cut = (p.dst_start + p.numel) // row
+                if not segments or segments[-1][:2] != (cut, cut + 1):
+                    segments.append((cut, cut + 1, None))
+        segments.sort(key=lambda s: s[0])
+        if [s[0] for s in segments] != [0] + [s[1] for s in segments[:-1]] or segments[-1][1] != shape[0]:
+            return None  # not a tiling of the rows: the whole-tensor path checks and reports it
 
         def runs():
-            for p in sorted(lay.pieces, key=lambda p: p.dst_start):
-                rows = self._files[p.source][p.src_start : p.src_start + p.numel].view((p.numel // row,) + shape[1:])
-                yield from row_runs(rows, p.dst_start // row, dtype, max_bytes)
+            for lo, hi, p in segments:
+                if p is None:  # a row cut by a partition boundary
+                    rows = torch.empty((1,) + shape[1:], dtype=lay.spec.dtype)
+                    self._read_range(lay, lo * row, rows.view(-1))
+                else:
+                    start = p.src_start + lo * row - p.dst_start
+                    rows = self._files[p.source][start : start + (hi - lo) * row].view((hi - lo,) + shape[1:])
+                yield from row_runs(rows, lo, dtype, max_bytes)
 
         return runs()
+
+    def _read_range(self, lay: _Layout, first: int, out: torch.Tensor) -> None:
+        """Elements ``first .. first + len(out)`` of the flattened tensor into the 1-D ``out``."""
+        end = first + out.numel()
+        for p in lay.pieces:
+            a, b = max(p.dst_start, first), min(p.dst_start + p.numel, end)
+            if a < b:
+                out[a - first : b - first].copy_(self._files[p.source][p.src_start + a - p.dst_start : p.src_start + b - p.dst_start])
 
     def close(self) -> None:
         for token in self._mapped:
@@ -521,16 +551,54 @@ def _find_config(loc: DeepSpeedLocation) -> Path | None:
     return None
 
 
+def open_universal(loc: DeepSpeedLocation, *, hf_dir: Path | None = None) -> UniversalCheckpoint:
+    """A ds_to_universal tag folder (see :mod:`.deepspeed_universal`): the fp32 masters."""
+    files = DeepSpeedCheckpoint._numbered(loc.tag_dir, MODEL_STATES, rank_group=1)
+    if not files:
+        raise CorruptCheckpointError(f"{loc.tag_dir} has zero/ but no *_model_states.pt; copy the whole universal checkpoint")
+    ms = load_deepspeed_file(files[min(files)])
+    for key in ("module", "param_shapes"):
+        if key not in ms:
+            raise CorruptCheckpointError(f"{files[min(files)].name} has no {key!r}; is it a DeepSpeed model_states file?")
+    zero = (ms.get("ds_config") or {}).get("zero_optimization") or {}
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    info = CheckpointInfo(
+        format="deepspeed",
+        path=loc.reopen,
+        hf_dir=hf_dir or _find_config(loc),
+        world_size=ms.get("dp_world_size") if isinstance(ms.get("dp_world_size"), int) else None,
+        step=_step(loc.tag_dir.name.removesuffix("_universal")),
+        details={
+            "layout": "universal",
+            "zero_stage": int(stage) if isinstance(stage, int) else None,
+            "tag": loc.tag_dir.name,
+            "source_weights": "master",
+            "ds_version": ms.get("ds_version"),
+        },
+        notes=list(loc.notes),
+    )
+    ckpt = UniversalCheckpoint(loc.tag_dir, [ms], info)
+    info.details["dtypes"] = sorted({str(s.dtype).removeprefix("torch.") for s in ckpt.specs().values()})
+    return ckpt
+
+
 def open_deepspeed(
     path: Path, *, config_dir: Path | None = None, tag: str | None = None, source_weights: str | None = None
-) -> DeepSpeedCheckpoint:
+) -> LazyCheckpoint:
     loc = resolve_deepspeed_dir(Path(path), tag)
+    if is_universal_tag_dir(loc.tag_dir) and not any(OPTIM_STATES.match(p.name) for p in loc.tag_dir.iterdir()):
+        if source_weights == "module":
+            raise UnsupportedCheckpointError(
+                f"{loc.tag_dir} is a universal checkpoint (ds_to_universal): it holds the fp32 masters only; "
+                "drop --source-weights module"
+            )
+        return open_universal(loc, hf_dir=config_dir)
     return DeepSpeedCheckpoint(loc, hf_dir=config_dir, source_weights=source_weights or "master")
 
 
 FORMAT = SourceFormat(
     name="deepspeed",
-    description="DeepSpeed ZeRO 1/2/3 checkpoints (latest + global_stepN/ *_model_states.pt, *_optim_states.pt; HF Trainer checkpoint-N/)",
+    description="DeepSpeed ZeRO 1/2/3 checkpoints (latest + global_stepN/ *_model_states.pt, *_optim_states.pt; HF Trainer checkpoint-N/; ds_to_universal output)",
     probe=probe,
     open=open_deepspeed,
     options=frozenset({"tag", "source_weights"}),

@@ -27,7 +27,8 @@ a :class:`~hf_merge.errors.MappingError` naming it.
 
 Critic / value model: a ``[1, H]`` output layer (or ``is_value_model=True``) is written as
 ``score.weight`` of ``<Family>ForTokenClassification`` with ``num_labels=1``; the config changes
-the writer must apply are in ``info.details["config_overrides"]``. The same dict carries
+the writer must apply are in ``info.config_overrides`` (a :class:`~hf_merge.config_overrides.ConfigOverrides`),
+which also carries
 ``tie_word_embeddings`` when the checkpoint's structure disagrees with config.json.
 """
 
@@ -44,6 +45,7 @@ import torch
 
 from .. import mappings
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..config_overrides import ConfigOverrides
 from ..errors import (
     CorruptCheckpointError,
     MappingError,
@@ -386,7 +388,7 @@ class _Plan:
     order: list[str]
     value_model: bool
     tied: bool
-    config_overrides: dict[str, Any]
+    config_overrides: ConfigOverrides
     notes: list[str]
     warnings: list[str]
     skipped: dict[str, int]
@@ -561,7 +563,7 @@ def plan_names(
     # Output head: actor (lm_head / tied) or critic (value head).
     notes: list[str] = []
     warnings: list[str] = []
-    overrides: dict[str, Any] = {}
+    overrides = ConfigOverrides()
     vocab = config.get("vocab_size")
     head_key = next(iter(lm_head), None)
     head_spec = heads_present.get(head_key) if head_key else None
@@ -596,13 +598,7 @@ def plan_names(
         arch = table["architectures"].get("value")
         if arch is None:
             raise MappingError(f"{where}: the {table['name']} table has no value-model architecture")
-        overrides.update(
-            architectures=[arch],
-            num_labels=1,
-            id2label={"0": "LABEL_0"},
-            label2id={"LABEL_0": 0},
-            token_classification_bias=any(k.endswith("bias") for k in heads_present),
-        )
+        overrides = ConfigOverrides.value_head(arch, bias=any(k.endswith("bias") for k in heads_present))
     else:
         for key in heads_present:
             if key not in lm_head:
@@ -612,13 +608,13 @@ def plan_names(
         tied = table.get("tied_alias") not in heads_present
         cfg_tied = config.get("tie_word_embeddings")
         if tied and cfg_tied is not True:
-            overrides["tie_word_embeddings"] = True
+            overrides = ConfigOverrides(tie_word_embeddings=True)
             warnings.append(
                 f"the checkpoint has no {table.get('tied_alias')} (Megatron shares the embedding as output layer) "
                 f"but config.json has tie_word_embeddings={cfg_tied!r}; the output config ties them"
             )
         elif not tied and cfg_tied is True:
-            overrides["tie_word_embeddings"] = False
+            overrides = ConfigOverrides(tie_word_embeddings=False)
             warnings.append(
                 f"config.json ties the embeddings but the checkpoint has a separate {table.get('tied_alias')}; "
                 "it is kept as lm_head.weight and the output config unties them"
@@ -755,7 +751,7 @@ def open_megatron(
     Returns:
         A :class:`~hf_merge.checkpoint.LazyCheckpoint` whose ``info`` is
         ``CheckpointInfo(format="megatron", hf_dir=<config folder>, details={layout, tp, pp, [ep],
-        num_layers, family, value_model, tied, config_overrides, ...})``.
+        num_layers, family, value_model, tied, ...}, config_overrides=...)``.
 
     Raises:
         SourceNotFoundError, UnsupportedCheckpointError, MissingConfigError, MappingError,
@@ -849,7 +845,6 @@ def open_megatron(
             details.update(
                 value_model="score.weight" in names,
                 tied="lm_head.weight" not in names and "score.weight" not in names,
-                config_overrides={},
             )
             return hf
         if dcp is None:
@@ -880,7 +875,6 @@ def open_megatron(
         model_type=model_type,
         value_model=plan.value_model,
         tied=plan.tied,
-        config_overrides=plan.config_overrides,
         dist_ckpt=str(lay.dist_dir),
     )
     info = CheckpointInfo(
@@ -892,6 +886,7 @@ def open_megatron(
         details=details,
         notes=resolve_notes + plan.notes,
         warnings=plan.warnings,
+        config_overrides=plan.config_overrides,
     )
     names = _MegatronNames(dcp, plan.entries, info)
     return SplitFusedView(names, plan.splits, info=info)
@@ -1139,11 +1134,11 @@ def _open_legacy(
         "model_type": model_type,
         "value_model": plan.value_model,
         "tied": plan.tied,
-        "config_overrides": plan.config_overrides,
     }
     info.details = {k: v for k, v in details.items() if v is not None}
     info.notes = notes + plan.notes
     info.warnings = plan.warnings
+    info.config_overrides = plan.config_overrides
     names = _MegatronNames(src, plan.entries, info)
     return SplitFusedView(names, plan.splits, info=info)
 
