@@ -414,6 +414,41 @@ def test_second_run_on_a_locked_target_is_refused(fsdp_copy, tmp_path, capsys):
     assert cli(["merge", str(fsdp_copy), str(target)]) == 0 and _leftovers(target) == []
 
 
+def test_target_is_locked_while_the_first_run_still_reads(fsdp_copy, tmp_path, monkeypatch, run_cli):
+    """The lock is taken before the source is read: a second merge into the same target fails at
+    once with one line while the first is still opening its source, and the first one finishes."""
+    import threading
+
+    from hf_merge import merging
+
+    reading, release = threading.Event(), threading.Event()
+    real_open = merging.open_checkpoint
+
+    def slow_open(*args, **kwargs):
+        ckpt = real_open(*args, **kwargs)
+        reading.set()
+        assert release.wait(300)
+        return ckpt
+
+    monkeypatch.setattr(merging, "open_checkpoint", slow_open)
+    target = tmp_path / "out"
+    first: list = []
+    thread = threading.Thread(target=lambda: first.append(merging.merge(fsdp_copy, target)))
+    thread.start()
+    try:
+        assert reading.wait(300)
+        assert not target.exists()  # still reading: nothing written yet
+        rc, _, err = run_cli("merge", fsdp_copy, target)
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert rc != 0 and lines == [f"error: another hf-merge run (pid {os.getpid()}) is writing {target}; "
+                                     "wait for it to finish or choose another target"], err
+    finally:
+        release.set()
+        thread.join(300)
+    assert first and first[0].num_tensors > 0 and (target / "config.json").is_file()
+    assert _leftovers(target) == []
+
+
 def test_final_rename_never_replaces_a_target_that_appeared(tmp_path):
     from hf_merge.errors import TargetExistsError
     from hf_merge.output import atomic_folder
