@@ -672,6 +672,30 @@ def test_second_fuzz_run_findings_are_typed_errors(megatron_root, tmp_path, caps
         assert "num_key_value_heads is" in _cli_error(["inspect", str(src)], capsys)
 
 
+def test_legacy_megatron_config_sizes_must_be_positive(megatron_root, tmp_path, capsys):
+    """Found by the 7-minute run (seed 2029): a legacy Megatron config.json whose head or layer
+    counts are zero, or whose num_hidden_layers is null, reached an AssertionError (QKV split) and
+    ``int(None)``; each is now a one-line MissingConfigError naming the field."""
+    import json
+
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_root / "qwen2_legacy_tied" / "actor", src)
+    cfg = src / "huggingface" / "config.json"
+    base = json.loads(cfg.read_text())
+    for key, value, needle in (
+        ("num_attention_heads", 0, "num_attention_heads is '0', not a positive integer"),
+        ("hidden_size", 0, "hidden_size is '0'"),
+        ("head_dim", 0, "head_dim is '0'"),
+        ("num_key_value_heads", 0, "num_key_value_heads is '0'"),
+        ("num_hidden_layers", None, "num_hidden_layers"),
+        ("hidden_size", None, "no positive integer hidden_size"),
+    ):
+        cfg.write_text(json.dumps({**base, key: value}))
+        assert needle in _merge_fails(src, tmp_path, capsys), (key, value)
+    cfg.write_text(json.dumps({k: v for k, v in base.items() if k not in ("head_dim", "num_attention_heads")}))
+    assert "no positive integer num_attention_heads" in _merge_fails(src, tmp_path, capsys)
+
+
 @pytest.mark.parametrize("damage", ["strided", "offset", "dtype"])
 def test_rank_file_shard_that_reads_other_bytes_is_refused(qwen2_fp32_ws2, tmp_path, damage):
     # A damaged data.pkl can keep every shape right while its stride, storage offset or storage type
