@@ -25,6 +25,24 @@ Outcome classes (a case's class is the worst of its runs):
   mutation touched no tensor bytes;
 - ``leftover`` (bad): anything named after the target left beside it, or a target after a failure.
 
+For a safetensors folder whose pristine merge is its own tensors (the HF target), "different"
+means different from what ``safe_open`` reads from the *mutated* file (cast to the output's
+dtype): a header change can make another valid file (a renamed tensor, F16 for BF16), and merging
+what it says is right.
+
+Every bad case is kept under ``WORK/bad/NNNNN-CLASS/``: ``case.json`` (target, pristine source,
+file, the mutation -- offsets with old and new bytes, the cut length, the zip field with its old
+and new value, the pickle argument, or the JSON path with its old and new value -- the outcome
+and the error lines) and ``mutated/FILE``; the table's details print the description and the
+folder. ``--replay WORK/bad/NNNNN-CLASS`` copies the pristine source, puts the mutated file in
+place and runs that one case again.
+
+Sources (each with its side files -- config.json, generation_config.json, tokenizer files --
+mutated too): verl FSDP2, megatron-core (v1, v2, legacy ``mp_rank_*``; more with ``--megatron``),
+the committed DeepSpeed fixtures (ZeRO-1/3, a HF Trainer folder), accelerate FSDP2, torchtitan and
+plain DCP folders when the DCP test fixture is built (``tests/test_dcp_formats.py``, under
+``HF_MERGE_FIXTURE_CACHE``), an HF safetensors folder, and any ``--source NAME=DIR``.
+
 Run: ``python fuzz/harness.py --seconds 600`` (``make fuzz``; ``FUZZ_SECONDS``), or from tests
 with :func:`run_campaign` on already-built checkpoints.
 """

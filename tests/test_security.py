@@ -734,3 +734,15 @@ def test_rank_file_storage_that_torch_cannot_use_is_a_typed_error(qwen2_fp32_ws2
     monkeypatch.setattr(filemap, "register", refuse)
     with pytest.raises(CorruptCheckpointError, match=r"model_world_size_2_rank_0\.pt: inconsistent tensor metadata"):
         hf_merge.open_checkpoint(qwen2_fp32_ws2.actor)
+
+
+def test_fuzz_run_5_findings_are_typed_errors(fsdp_copy, capsys):
+    """Found by the fuzz run of seed 2030 (torchtitan source): a config.json whose model_type is
+    not a string reached transformers' conversion table lookup (``unhashable type: 'dict'``)."""
+    import json
+
+    cfg = fsdp_copy / "huggingface" / "config.json"
+    base = json.loads(cfg.read_text())
+    for bad in ({"a": {"b": {}}}, [], 5):
+        cfg.write_text(json.dumps({**base, "model_type": bad}))
+        assert '"model_type" must be a string' in _cli_error(["inspect", str(fsdp_copy)], capsys)
