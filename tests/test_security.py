@@ -108,6 +108,64 @@ def test_policy_refuses_every_payload_kind(kind, sentinel_init):
     assert not sentinel_init.exists()
 
 
+def _fast_path_payloads() -> dict[str, bytes]:
+    """What C pickle could do to the stand-ins of the fast path that the pure machine never meets."""
+    md = _glob(DCP_MD, "Metadata")
+    return {
+        "setitem_on_class": b"\x80\x04" + md + _str("k") + _str("v") + b"s.",
+        "appends_on_class": b"\x80\x04" + md + b"(" + _str("v") + b"e.",
+        "additems_on_class": b"\x80\x04" + md + b"(" + _str("v") + b"\x90.",
+        "build_dict_on_class": b"\x80\x04" + md + b"}" + _str("__repr__") + _str("x") + b"sb.",
+        "newobj_on_a_call_only_pair": b"\x80\x04" + _glob("pathlib", "Path") + b")\x81.",
+        "reduce_on_a_call_result": b"\x80\x04" + _call(_call(_glob("builtins", "set"))) + b".",
+        "build_on_a_call_result": b"\x80\x04" + _call(_glob("torch", "Size"), b")") + b"}b.",
+        "inst_with_arguments": b"\x80\x02(" + _str("x") + b"ibuiltins\nset\n.",
+        "ext_registered_code": b"\x80\x02\x82\xf0)R.",
+    }
+
+
+@pytest.mark.parametrize("kind", list(_fast_path_payloads()))
+def test_fast_path_refuses_what_the_policy_refuses(kind, sentinel_init):
+    """The C-pickle fast path of load_pickle (opcode walk, C scan over stand-ins, then C load)
+    refuses every use the policy forbids; the pure machine then gives the typed error."""
+    import copyreg
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    data = _fast_path_payloads()[kind]
+    allow = sp.DCP_METADATA | sp.torch_names()
+    before = dict(vars(Metadata))
+    copyreg.add_extension("builtins", "set", 240)
+    try:
+        with pytest.raises(Exception):
+            sp._fast_load(data, allow)
+        with pytest.raises((UnsafeCheckpointError, CorruptCheckpointError)):
+            sp.load_pickle(data, sp.DCP_METADATA, "crafted.metadata")
+    finally:
+        copyreg.remove_extension("builtins", "set", 240)
+    assert dict(vars(Metadata)) == before and not sentinel_init.exists()
+
+
+def test_fast_path_loads_real_metadata_as_the_pure_machine_does(megatron_root):
+    import io
+    import pickletools
+
+    files = sorted(megatron_root.glob("*/actor/**/.metadata"))
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        assert sp._only_allowed_opcodes(data)
+        pure = sp._run(sp._PolicyUnpickler(io.BytesIO(data), sp.DCP_METADATA | sp.torch_names(), "x", resolve=True), "x")
+        assert repr(sp._fast_load(data, sp.DCP_METADATA | sp.torch_names())) == repr(pure)
+    # the opcode walk agrees with pickletools on every protocol
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        for obj in ({"a": [1, 2.5, "x" * 300, b"y" * 70000, None, True, 2**70, -(2**40)]}, list(range(300)), "\u00e9" * 9):
+            data = pickle.dumps(obj, protocol=proto)
+            ops = {op.name for op, _, _ in pickletools.genops(data)}
+            assert sp._only_allowed_opcodes(data) == (not ops & sp._NEVER)
+    assert not sp._only_allowed_opcodes(pickle.dumps(_Evil(Path("x")), protocol=0)[:-1])  # cut: no STOP
+
+
 def test_plain_pickle_would_have_run_the_payloads(tmp_path):
     """The payloads are live: the standard unpickler runs the dotted one and the gadget chain."""
     import torch.distributed.checkpoint  # noqa: F401
