@@ -804,3 +804,17 @@ def test_fuzz_run_5_findings_are_typed_errors(fsdp_copy, capsys):
     for bad in ({"a": {"b": {}}}, [], 5):
         cfg.write_text(json.dumps({**base, "model_type": bad}))
         assert '"model_type" must be a string' in _cli_error(["inspect", str(fsdp_copy)], capsys)
+
+
+def test_tensor_in_two_safetensors_files_is_refused(fsdp_copy, tmp_path, capsys):
+    """An HF folder (here a real merge) where a second file holds a tensor of the first with other
+    values: which one is meant is unknown, so it is refused instead of the later file winning."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    assert cli(["--quiet", "merge", str(fsdp_copy), str(hf)]) == 0
+    with safe_open(str(hf / "model.safetensors"), "pt") as h:
+        name = "model.norm.weight"
+        save_file({name: h.get_tensor(name) + 1}, str(hf / "zz-extra.safetensors"))
+    assert "is in two files" in _cli_error(["merge", str(hf), str(tmp_path / "out")], capsys)
