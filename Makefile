@@ -25,8 +25,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # FUZZ_SECONDS=600 make fuzz: mutate every input format, run inspect + merge, print the outcome table
+# (FUZZ_ARGS: more options, e.g. --seed 2032 --work DIR; --replay DIR/bad/NNNNN-CLASS re-runs one case)
 fuzz: $(STAMP)
-	$(PY) fuzz/harness.py --seconds $${FUZZ_SECONDS:-60}
+	$(PY) fuzz/harness.py --seconds $${FUZZ_SECONDS:-60} $(FUZZ_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_merge.py

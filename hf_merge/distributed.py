@@ -251,10 +251,10 @@ class Job:
         prepared = tmp = staged = None
         error = None
         try:
-            prepared = prepare()
-            if main:
+            if main:  # locked before the source is read (see hf_merge.output)
                 staged = stage(target, overwrite=overwrite)
                 tmp = staged.tmp
+            prepared = prepare()
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         try:

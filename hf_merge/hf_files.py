@@ -64,6 +64,8 @@ def load_config(config_dir: Path) -> dict[str, Any]:
     archs = config.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise MissingConfigError(f"{path}: \"architectures\" must be a list of class names; fix it or pass --config DIR")
+    if config.get("model_type") is not None and not isinstance(config["model_type"], str):
+        raise MissingConfigError(f"{path}: \"model_type\" must be a string (e.g. \"llama\"); fix it or pass --config DIR")
     for key in ("text_config", "quantization_config"):
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise MissingConfigError(f"{path}: \"{key}\" must be an object; fix it or pass --config DIR")

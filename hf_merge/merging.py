@@ -259,17 +259,19 @@ def merge(
                 prepare, target, overwrite=replace, workers=workers, checksums=checksums, finish=finish,
                 result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
             )
-    prepared = prepare()
-    try:
-        with atomic_folder(target, overwrite=replace) as tmp:
+    # The target is locked (and its temporary folder made) before the source is read, so a second
+    # run on the same target is refused at once rather than after this one's reading.
+    with atomic_folder(target, overwrite=replace) as tmp:
+        prepared = prepare()
+        try:
             digests = None
             if prepared.model_plan is not None:
                 digests = write_shards(
                     prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums
                 )
             finish(prepared, tmp, digests)
-    finally:
-        prepared.ckpt.close()
+        finally:
+            prepared.ckpt.close()
     return _result(prepared, target, push_to_hub, private)
 
 

@@ -6,7 +6,7 @@ parent folders created for the target); a killed process (SIGKILL) leaves only a
 that no tool mistakes for a model, and the next run removes it.
 
 Concurrency: a run holds ``.<target>.hf-merge-lock`` (an ``flock``, so a killed run never leaves
-a held lock) from before it writes until the target is in place; a second run on the same target
+a held lock) from before it reads the source until the target is in place; a second run on the same target
 is refused at once. The final rename never replaces a target that appeared meanwhile unless
 ``overwrite`` is set (a directory is renamed only onto a missing or empty one).
 
@@ -237,15 +237,21 @@ def stage(target: Path, *, overwrite: bool = False) -> StagedFolder:
 
 
 @contextlib.contextmanager
-def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder; on success it becomes ``target``, on any error it is removed."""
-    staged = stage(target, overwrite=overwrite)
+def committed(staged: StagedFolder) -> Iterator[Path]:
+    """Yield ``staged``'s temporary folder; on success it becomes the target, on any error it is removed."""
     try:
         yield staged.tmp
     except BaseException:
         staged.discard()
         raise
     staged.commit()
+
+
+@contextlib.contextmanager
+def atomic_folder(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder; on success it becomes ``target``, on any error it is removed."""
+    with committed(stage(target, overwrite=overwrite)) as tmp:
+        yield tmp
 
 
 def holds_side_files_only(folder: Path) -> bool:

@@ -108,6 +108,64 @@ def test_policy_refuses_every_payload_kind(kind, sentinel_init):
     assert not sentinel_init.exists()
 
 
+def _fast_path_payloads() -> dict[str, bytes]:
+    """What C pickle could do to the stand-ins of the fast path that the pure machine never meets."""
+    md = _glob(DCP_MD, "Metadata")
+    return {
+        "setitem_on_class": b"\x80\x04" + md + _str("k") + _str("v") + b"s.",
+        "appends_on_class": b"\x80\x04" + md + b"(" + _str("v") + b"e.",
+        "additems_on_class": b"\x80\x04" + md + b"(" + _str("v") + b"\x90.",
+        "build_dict_on_class": b"\x80\x04" + md + b"}" + _str("__repr__") + _str("x") + b"sb.",
+        "newobj_on_a_call_only_pair": b"\x80\x04" + _glob("pathlib", "Path") + b")\x81.",
+        "reduce_on_a_call_result": b"\x80\x04" + _call(_call(_glob("builtins", "set"))) + b".",
+        "build_on_a_call_result": b"\x80\x04" + _call(_glob("torch", "Size"), b")") + b"}b.",
+        "inst_with_arguments": b"\x80\x02(" + _str("x") + b"ibuiltins\nset\n.",
+        "ext_registered_code": b"\x80\x02\x82\xf0)R.",
+    }
+
+
+@pytest.mark.parametrize("kind", list(_fast_path_payloads()))
+def test_fast_path_refuses_what_the_policy_refuses(kind, sentinel_init):
+    """The C-pickle fast path of load_pickle (opcode walk, C scan over stand-ins, then C load)
+    refuses every use the policy forbids; the pure machine then gives the typed error."""
+    import copyreg
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    data = _fast_path_payloads()[kind]
+    allow = sp.DCP_METADATA | sp.torch_names()
+    before = dict(vars(Metadata))
+    copyreg.add_extension("builtins", "set", 240)
+    try:
+        with pytest.raises(Exception):
+            sp._fast_load(data, allow)
+        with pytest.raises((UnsafeCheckpointError, CorruptCheckpointError)):
+            sp.load_pickle(data, sp.DCP_METADATA, "crafted.metadata")
+    finally:
+        copyreg.remove_extension("builtins", "set", 240)
+    assert dict(vars(Metadata)) == before and not sentinel_init.exists()
+
+
+def test_fast_path_loads_real_metadata_as_the_pure_machine_does(megatron_root):
+    import io
+    import pickletools
+
+    files = sorted(megatron_root.glob("*/actor/**/.metadata"))
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        assert sp._only_allowed_opcodes(data)
+        pure = sp._run(sp._PolicyUnpickler(io.BytesIO(data), sp.DCP_METADATA | sp.torch_names(), "x", resolve=True), "x")
+        assert repr(sp._fast_load(data, sp.DCP_METADATA | sp.torch_names())) == repr(pure)
+    # the opcode walk agrees with pickletools on every protocol
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        for obj in ({"a": [1, 2.5, "x" * 300, b"y" * 70000, None, True, 2**70, -(2**40)]}, list(range(300)), "\u00e9" * 9):
+            data = pickle.dumps(obj, protocol=proto)
+            ops = {op.name for op, _, _ in pickletools.genops(data)}
+            assert sp._only_allowed_opcodes(data) == (not ops & sp._NEVER)
+    assert not sp._only_allowed_opcodes(pickle.dumps(_Evil(Path("x")), protocol=0)[:-1])  # cut: no STOP
+
+
 def test_plain_pickle_would_have_run_the_payloads(tmp_path):
     """The payloads are live: the standard unpickler runs the dotted one and the gadget chain."""
     import torch.distributed.checkpoint  # noqa: F401
@@ -414,6 +472,41 @@ def test_second_run_on_a_locked_target_is_refused(fsdp_copy, tmp_path, capsys):
     assert cli(["merge", str(fsdp_copy), str(target)]) == 0 and _leftovers(target) == []
 
 
+def test_target_is_locked_while_the_first_run_still_reads(fsdp_copy, tmp_path, monkeypatch, run_cli):
+    """The lock is taken before the source is read: a second merge into the same target fails at
+    once with one line while the first is still opening its source, and the first one finishes."""
+    import threading
+
+    from hf_merge import merging
+
+    reading, release = threading.Event(), threading.Event()
+    real_open = merging.open_checkpoint
+
+    def slow_open(*args, **kwargs):
+        ckpt = real_open(*args, **kwargs)
+        reading.set()
+        assert release.wait(300)
+        return ckpt
+
+    monkeypatch.setattr(merging, "open_checkpoint", slow_open)
+    target = tmp_path / "out"
+    first: list = []
+    thread = threading.Thread(target=lambda: first.append(merging.merge(fsdp_copy, target)))
+    thread.start()
+    try:
+        assert reading.wait(300)
+        assert not target.exists()  # still reading: nothing written yet
+        rc, _, err = run_cli("merge", fsdp_copy, target)
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert rc != 0 and lines == [f"error: another hf-merge run (pid {os.getpid()}) is writing {target}; "
+                                     "wait for it to finish or choose another target"], err
+    finally:
+        release.set()
+        thread.join(300)
+    assert first and first[0].num_tensors > 0 and (target / "config.json").is_file()
+    assert _leftovers(target) == []
+
+
 def test_final_rename_never_replaces_a_target_that_appeared(tmp_path):
     from hf_merge.errors import TargetExistsError
     from hf_merge.output import atomic_folder
@@ -637,6 +730,30 @@ def test_second_fuzz_run_findings_are_typed_errors(megatron_root, tmp_path, caps
         assert "num_key_value_heads is" in _cli_error(["inspect", str(src)], capsys)
 
 
+def test_legacy_megatron_config_sizes_must_be_positive(megatron_root, tmp_path, capsys):
+    """Found by the 7-minute run (seed 2029): a legacy Megatron config.json whose head or layer
+    counts are zero, or whose num_hidden_layers is null, reached an AssertionError (QKV split) and
+    ``int(None)``; each is now a one-line MissingConfigError naming the field."""
+    import json
+
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_root / "qwen2_legacy_tied" / "actor", src)
+    cfg = src / "huggingface" / "config.json"
+    base = json.loads(cfg.read_text())
+    for key, value, needle in (
+        ("num_attention_heads", 0, "num_attention_heads is '0', not a positive integer"),
+        ("hidden_size", 0, "hidden_size is '0'"),
+        ("head_dim", 0, "head_dim is '0'"),
+        ("num_key_value_heads", 0, "num_key_value_heads is '0'"),
+        ("num_hidden_layers", None, "num_hidden_layers"),
+        ("hidden_size", None, "no positive integer hidden_size"),
+    ):
+        cfg.write_text(json.dumps({**base, key: value}))
+        assert needle in _merge_fails(src, tmp_path, capsys), (key, value)
+    cfg.write_text(json.dumps({k: v for k, v in base.items() if k not in ("head_dim", "num_attention_heads")}))
+    assert "no positive integer num_attention_heads" in _merge_fails(src, tmp_path, capsys)
+
+
 @pytest.mark.parametrize("damage", ["strided", "offset", "dtype"])
 def test_rank_file_shard_that_reads_other_bytes_is_refused(qwen2_fp32_ws2, tmp_path, damage):
     # A damaged data.pkl can keep every shape right while its stride, storage offset or storage type
@@ -675,3 +792,29 @@ def test_rank_file_storage_that_torch_cannot_use_is_a_typed_error(qwen2_fp32_ws2
     monkeypatch.setattr(filemap, "register", refuse)
     with pytest.raises(CorruptCheckpointError, match=r"model_world_size_2_rank_0\.pt: inconsistent tensor metadata"):
         hf_merge.open_checkpoint(qwen2_fp32_ws2.actor)
+
+
+def test_fuzz_run_5_findings_are_typed_errors(fsdp_copy, capsys):
+    """Found by the fuzz run of seed 2030 (torchtitan source): a config.json whose model_type is
+    not a string reached transformers' conversion table lookup (``unhashable type: 'dict'``)."""
+    import json
+
+    cfg = fsdp_copy / "huggingface" / "config.json"
+    base = json.loads(cfg.read_text())
+    for bad in ({"a": {"b": {}}}, [], 5):
+        cfg.write_text(json.dumps({**base, "model_type": bad}))
+        assert '"model_type" must be a string' in _cli_error(["inspect", str(fsdp_copy)], capsys)
+
+
+def test_tensor_in_two_safetensors_files_is_refused(fsdp_copy, tmp_path, capsys):
+    """An HF folder (here a real merge) where a second file holds a tensor of the first with other
+    values: which one is meant is unknown, so it is refused instead of the later file winning."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    assert cli(["--quiet", "merge", str(fsdp_copy), str(hf)]) == 0
+    with safe_open(str(hf / "model.safetensors"), "pt") as h:
+        name = "model.norm.weight"
+        save_file({name: h.get_tensor(name) + 1}, str(hf / "zz-extra.safetensors"))
+    assert "is in two files" in _cli_error(["merge", str(hf), str(tmp_path / "out")], capsys)

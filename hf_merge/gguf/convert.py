@@ -69,7 +69,7 @@ def merge_gguf(
     from ..checkpoint import open_checkpoint
     from ..hf_files import checkpoint_config
     from ..hub import push, write_card
-    from ..output import atomic_folder, check_target
+    from ..output import check_target, committed, stage
     from . import quant
     from .arch import arch_for
     from .tokenizer import load_vocab
@@ -81,7 +81,12 @@ def merge_gguf(
     require_gguf()
     if dtype not in (None, "auto"):
         raise HfMergeError(f"--dtype {dtype} does not apply to GGUF output; the --gguf type ({ftype.name}) decides what is written")
-    ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model, **(source_options or {}))
+    staged = stage(target, overwrite=overwrite)  # locked before the source is read
+    try:
+        ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model, **(source_options or {}))
+    except BaseException:
+        staged.discard()
+        raise
     try:
         config_dir, cfg = checkpoint_config(ckpt.info)
         arch_for(cfg)  # unsupported architectures are refused before anything is read
@@ -115,7 +120,7 @@ def merge_gguf(
         record: dict[str, Any] = {"type": ftype.name, "architecture": arch_for(cfg).name}
         files: list[str] = []
         planned = []
-        with atomic_folder(target, overwrite=overwrite) as tmp:
+        with committed(staged) as tmp:
             if views.model is not None:
                 fname = file_name(name, ftype.name)
                 if ftype.k_quant:  # BF16 first, then llama.cpp's C quantizer (kquant.py)
@@ -150,4 +155,5 @@ def merge_gguf(
             provenance=provenance, url=push(target, push_to_hub, private=private) if push_to_hub else None,
         )
     finally:
+        staged.discard()  # nothing once committed
         ckpt.close()

@@ -54,6 +54,11 @@ class HfDirCheckpoint(LazyCheckpoint):
                 raise CorruptCheckpointError(f"{path.name} is not a valid safetensors file ({e})") from None
             self._handles[path.name] = handle
             for name in handle.keys():
+                if name in self._where:
+                    raise CorruptCheckpointError(
+                        f"{name[:80]} is in two files of {self.folder} ({path.name} and another); which one is meant "
+                        "is unknown: fix the files or the index"
+                    )
                 sl = handle.get_slice(name)
                 dtype = SAFETENSORS_TO_TORCH.get(sl.get_dtype())
                 if dtype is None:

@@ -290,9 +290,9 @@ def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -
     config = load_config(cdir)  # a JSON object, with architectures / text_config shapes checked
     for key in _INT_FIELDS:  # the sizes the name mapping and the QKV split compute with
         value = config.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise MissingConfigError(
-                f"{cdir / 'config.json'}: {key} is {str(value)[:40]!r}, not a non-negative integer; fix it or pass config_dir= "
+                f"{cdir / 'config.json'}: {key} is {str(value)[:40]!r}, not a positive integer; fix it or pass config_dir= "
                 "(CLI: --hf_model_config_path) with the base model's config"
             )
     return cdir, config
@@ -300,6 +300,10 @@ def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -
 
 _INT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers",
                "intermediate_size", "vocab_size")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -310,13 +314,19 @@ class _Heads:
 
 
 def _heads(config: Mapping[str, Any], tconf: Mapping[str, Any] | None, cfg_path: Path) -> _Heads:
-    try:
-        nq = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise MissingConfigError(f"{cfg_path}: config.json lacks {e}; cannot split the fused QKV tensors") from None
-    nkv = int(config.get("num_key_value_heads") or nq)
-    hd = int(config.get("head_dim") or hidden // nq)
+    missing = [k for k in ("num_attention_heads", "hidden_size") if not _positive_int(config.get(k))]
+    if missing:
+        raise MissingConfigError(
+            f"{cfg_path}: config.json has no positive integer {missing[0]}; cannot split the fused QKV tensors"
+        )
+    nq, hidden = config["num_attention_heads"], config["hidden_size"]
+    nkv = config.get("num_key_value_heads") or nq
+    hd = config.get("head_dim") or hidden // nq
+    if not (_positive_int(nkv) and _positive_int(hd)):
+        raise MissingConfigError(
+            f"{cfg_path}: num_key_value_heads={nkv!r} and head_dim={hd!r} (hidden_size // num_attention_heads if "
+            "absent) must be positive integers; cannot split the fused QKV tensors"
+        )
     if tconf:
         for ours, theirs, val in (
             ("num_attention_heads", "num_attention_heads", nq),
@@ -1113,7 +1123,7 @@ def _open_legacy(
                 shape, pieces = _tp_pieces(name, rule, local, where)
                 src.add(name, shape, pieces)
             offset += len(layers)
-    if offset != int(config.get("num_hidden_layers", -1)):
+    if offset != config.get("num_hidden_layers"):  # an int or absent (checked by _load_hf_config)
         raise MappingError(
             f"{where}: the rank files hold {offset} layers but config.json has num_hidden_layers="
             f"{config.get('num_hidden_layers')}; is config.json the right one?"
