@@ -135,7 +135,7 @@ def build_views(
     elif lora == "adapter":
         raise LoraError("--lora adapter was asked for, but the checkpoint has no LoRA weights (no lora_A/lora_B tensors)")
     if model is not None:
-        model, dropped = drop_tied(model, tied_pairs(config))
+        model, dropped = drop_tied(model, tied_pairs(config, model.specs()))
         if dropped:
             notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
         if hub:

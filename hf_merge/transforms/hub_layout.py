@@ -34,6 +34,7 @@ import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
 from ..errors import MappingError
+from ..skeleton import model_class_for, skeleton
 from ..spec import TensorSpec, c_contiguous
 
 logger = logging.getLogger(__name__)
@@ -159,37 +160,6 @@ def _replay(recipe: Any, leaf: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # The model skeleton and transformers' own reverse conversion
 # --------------------------------------------------------------------------------------------
-
-
-def model_class_for(config: dict[str, Any]):
-    """The transformers class ``save_pretrained`` would run on: ``architectures[0]``, or None
-    (no architectures, or custom code: transformers converts neither)."""
-    import transformers
-    from transformers import PreTrainedModel
-
-    for arch in config.get("architectures") or []:
-        cls = getattr(transformers, arch, None)
-        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-            return cls
-    return None
-
-
-def _skeleton(cls, config: dict[str, Any]):
-    """``cls`` built on the meta device from the config dict (no memory, no init)."""
-    from transformers import AutoConfig
-
-    cfg = dict(config)
-    model_type = cfg.pop("model_type", None)
-    if model_type is None:
-        raise MappingError(f"config.json has no model_type; cannot build {cls.__name__} to find its saved layout")
-    config_obj = AutoConfig.for_model(model_type, **cfg)
-    with torch.device("meta"):
-        try:
-            from transformers.initialization import no_init_weights
-        except ImportError:  # older transformers 5
-            from transformers.modeling_utils import no_init_weights
-        with no_init_weights():
-            return cls(config_obj)
 
 
 def _reverse_conversions(model) -> list:
@@ -443,7 +413,7 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
         return base, []
     arch = cls.__name__
     try:
-        model = _skeleton(cls, config)
+        model = skeleton(cls, config)
     except MappingError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers' own error, re-raised typed with the architecture
@@ -458,13 +428,13 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     if not conversions:
         return base, []
     _check_operations(conversions, arch)
-    model._weight_conversions = conversions  # exactly these, as for a model built from scratch
     specs = base.specs()
     symbolic = {
         name: _Symbolic(torch.empty(spec.shape, dtype=spec.dtype, device="meta"), _Leaf(name))
         for name, spec in specs.items()
     }
     try:
+        model._weight_conversions = conversions  # exactly these, as for a model built from scratch
         reverted = revert_weight_conversion(model, symbolic)
     except MappingError:
         raise
