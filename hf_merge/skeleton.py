@@ -17,7 +17,7 @@ import torch
 
 from .errors import MappingError
 
-__all__ = ["model_class_for", "skeleton"]
+__all__ = ["experts_transposed", "model_class_for", "skeleton"]
 
 _LOCK = threading.Lock()
 _LAST: tuple[Any, Any] | None = None  # ((class, config digest), model): the last skeleton built
@@ -68,3 +68,17 @@ def _build(cls, config: dict[str, Any]):
             from transformers.modeling_utils import no_init_weights
         with no_init_weights():
             return cls(config_obj)
+
+
+def experts_transposed(config: dict[str, Any], module: str) -> bool:
+    """Whether the experts module ``module`` stores its 3-D parameters as ``[E, in, out]``: the
+    ``is_transposed`` attribute transformers' ``use_experts_implementation`` sets (PEFT reads it
+    to lay out LoRA on those parameters); False when the module does not say."""
+    cls = model_class_for(config)
+    if cls is None:
+        raise MappingError(f"{module}: transformers does not know the model's class, so the layout of its experts is unknown")
+    try:
+        sub = skeleton(cls, config).get_submodule(module)
+    except AttributeError:
+        raise MappingError(f"{cls.__name__} has no module {module}; is config.json the trained model's?") from None
+    return bool(getattr(sub, "is_transposed", False))

@@ -120,11 +120,13 @@ def test_vlm_processor_files_and_loader(hub_root, tmp_path, name):
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe_lora", "gemma3_lora"])
+@pytest.mark.parametrize("name", ["qwen3_moe_lora", "gemma3_lora", "qwen3_moe_lora_experts"])
 def test_lora_equals_peft(hub_root, tmp_path, name):
-    """LoRA on a MoE model's attention / on a VLM's text and vision attention: fused output =
-    merge_and_unload() + save_pretrained (Hub layout); adapter folder = PEFT's save_pretrained,
-    names included (PEFT 0.21 keeps the in-memory names there: ``model.language_model...``)."""
+    """LoRA on a MoE model's attention / on a VLM's text and vision attention / on the fused 3-D
+    expert parameters (``target_parameters``): fused output = merge_and_unload() + save_pretrained
+    (Hub layout: one tensor per expert); adapter folder = PEFT's save_pretrained, names included
+    (PEFT 0.21 keeps the in-memory names there: ``model.language_model...``,
+    ``mlp.experts.base_layer.lora_A``)."""
     src, target = hub_root / name, tmp_path / "lora"
     hf_merge.merge(src, target)
     assert_bytes_equal(folder_tensors(target), folder_tensors(src / "reference"))
@@ -133,6 +135,45 @@ def test_lora_equals_peft(hub_root, tmp_path, name):
     for key in ("r", "lora_alpha", "peft_type", "task_type", "use_rslora"):
         assert got[key] == want[key], key
     assert sorted(got["target_modules"]) == sorted(want["target_modules"])
+    assert sorted(got.get("target_parameters") or []) == sorted(want.get("target_parameters") or [])
+
+
+def test_lora_on_expert_parameters_logits_equal_the_peft_model(hub_root, tmp_path):
+    """The fused folder (per-expert tensors) computes what the PEFT model (ParamWrapper LoRA on
+    ``gate_up_proj`` / ``down_proj``, nested) computes."""
+    src, target = hub_root / "qwen3_moe_lora_experts", tmp_path / "fused"
+    hf_merge.merge(src, target, lora="fuse")
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in folder_tensors(target)
+    peft_model = mh.build_model("qwen3_moe_lora_experts")  # the same seeded model the checkpoint was trained from
+    ids = mh.input_ids()
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits.float()
+    torch.testing.assert_close(merged_logits(target, "qwen3_moe_lora_experts", ids), want, rtol=0, atol=1e-5)
+
+
+def test_lora_on_expert_parameters_reads_one_expert_at_a_time(hub_root, monkeypatch):
+    """Each per-expert output computes its own expert's delta only (not all E experts' each time)."""
+    from hf_merge.transforms.lora import FusedLora
+
+    calls = []
+    real = FusedLora._expert_rows
+
+    def counted(self, name, module, dtype, lo, hi):
+        calls.append(hi - lo)
+        return real(self, name, module, dtype, lo, hi)
+
+    monkeypatch.setattr(FusedLora, "_expert_rows", counted)
+    ckpt = open_checkpoint(hub_root / "qwen3_moe_lora_experts")
+    try:
+        _, cfg = checkpoint_config(ckpt.info)
+        view = build_views(ckpt, cfg, lora="fuse").model
+        experts = [n for n in view.specs() if ".mlp.experts." in n]
+        assert len(experts) == 2 * 4 * 3  # 2 layers, 4 experts, gate / up / down
+        for n in experts:
+            view.read(n)
+    finally:
+        ckpt.close()
+    assert calls and set(calls) == {1}, calls
 
 
 def test_from_sharded_pretrained_keeps_the_in_memory_layout(hub_root):

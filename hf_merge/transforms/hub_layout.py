@@ -281,7 +281,13 @@ class HubLayout(LazyCheckpoint):
         if span is None or not spec.shape or spec.numel == 0:
             return None
         source = self.base.specs()[span.source]
-        runs = self.base.read_rows(span.source, source.dtype, max_bytes)
+        region = getattr(self.base, "read_region_into", None)
+        if region is not None:  # only the source rows the span covers (one expert, not all of them)
+            row = math.prod(source.shape[1:])
+            first, stop = span.offset // row, -(-(span.offset + spec.numel) // row)
+            runs = _region_rows(region, span.source, source, first, stop, max_bytes)
+        else:
+            runs = self.base.read_rows(span.source, source.dtype, max_bytes)
         if runs is None:
             return None
         return _span_runs(runs, span, source, spec, dtype, max_bytes)
@@ -358,6 +364,17 @@ def _view_of(recipe: Any, base_specs: dict[str, TensorSpec]):
         offset += params["start"] * strides[dim]
         shape[dim] = params["length"]
     return shape, strides, offset, source
+
+
+def _region_rows(region, name: str, source: TensorSpec, first: int, stop: int, max_bytes: int):
+    """Rows ``first..stop`` of ``source`` as runs, each read as a box (at most ``max_bytes``)."""
+    rest = tuple(source.shape[1:])
+    step = max(1, max_bytes // max(1, math.prod(rest) * source.dtype.itemsize))
+    buf = torch.empty((min(step, stop - first),) + rest, dtype=source.dtype)
+    for at in range(first, stop, step):
+        rows = buf[: min(step, stop - at)]
+        region(name, (at,) + (0,) * len(rest), rows)
+        yield at, rows
 
 
 def _span_runs(runs, span: _Span, source: TensorSpec, spec: TensorSpec, dtype: torch.dtype, max_bytes: int):
