@@ -252,3 +252,42 @@ def test_inspect_dense(qwen2_fp32_ws2):
     report = describe(qwen2_fp32_ws2.actor)
     assert report["model_kind"] == "dense"
     assert report["output_layout"].startswith("as stored")
+
+
+def test_plan_cache_first_run_then_cached_run_without_transformers(hub_root, tmp_path, monkeypatch):
+    """The first merge computes the Hub layout and stores it; the next one of the same model uses
+    the stored plan (transformers' reverse conversion is not called) and writes the same bytes.
+    A damaged entry is a miss: recomputed, still correct."""
+    import transformers.core_model_loading as cml
+
+    from hf_merge import plan_cache
+
+    monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
+    src = hub_root / "qwen3_moe"
+    want = folder_tensors(src / "reference")
+    hf_merge.merge(src, tmp_path / "first")
+    assert_bytes_equal(folder_tensors(tmp_path / "first"), want)
+    entries = list((tmp_path / "cache" / "hub_layout").glob("*.json"))
+    assert len(entries) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cached plan should have been used")
+
+    with monkeypatch.context() as m:
+        m.setattr(cml, "revert_weight_conversion", refuse)
+        hf_merge.merge(src, tmp_path / "cached")
+    assert_bytes_equal(folder_tensors(tmp_path / "cached"), want)
+
+    entries[0].write_text('{"architecture": "X", "outputs": [["a", [1], "float32", {"call": "exec", "args": []}]]}')
+    hf_merge.merge(src, tmp_path / "recomputed")
+    assert_bytes_equal(folder_tensors(tmp_path / "recomputed"), want)
+    assert plan_cache.get("hub_layout", entries[0].stem)["architecture"] == "Qwen3MoeForCausalLM"  # rewritten
+
+
+def test_plan_cache_off(tmp_path, monkeypatch):
+    from hf_merge import plan_cache
+
+    monkeypatch.setenv("HF_MERGE_CACHE", "off")
+    assert plan_cache.cache_dir() is None
+    plan_cache.put("hub_layout", "k", {"passthrough": True})
+    assert plan_cache.get("hub_layout", "k") is None
