@@ -196,12 +196,12 @@ def _on_parameter(module: LoraModule, base: dict[str, str], specs: dict[str, Ten
     ``[E, out, in]`` (or ``[E, in, out]`` for experts stored transposed) with ``lora_A`` of
     ``r * E`` rows. None when the owner has no such parameter (a plain save_lora_only linear)."""
     owner = _BASE_LAYER.sub("", module.name)
-    known = experts_transposed(owner) if experts_transposed is not None else None
+    candidates = [(name, specs[key].shape) for name, key in base.items() if name.rsplit(".", 1)[0] == owner]
+    candidates = [(name, shape) for name, shape in candidates if len(shape) == 3 and shape[0] and not module.r % shape[0]]
+    # asked only when there is a 3-D parameter to adapt (it builds the model's meta skeleton)
+    known = experts_transposed(owner) if experts_transposed is not None and candidates else None
     fits = []
-    for name, key in base.items():
-        shape = specs[key].shape
-        if name.rsplit(".", 1)[0] != owner or len(shape) != 3 or shape[0] == 0 or module.r % shape[0]:
-            continue
+    for name, shape in candidates:
         for transposed, (d_out, d_in) in ((False, shape[1:]), (True, shape[:0:-1])):
             if (d_out, d_in) == (module.out_features, module.in_features) and known in (None, transposed):
                 fits.append((name, shape[0], transposed))
