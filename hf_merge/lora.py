@@ -336,6 +336,7 @@ def describe_lora(ckpt) -> dict[str, Any] | None:
         "adapter_name": layout.adapter_name,
         "modules": len(layout.modules),
         "target_modules": layout.target_modules,
+        "target_parameters": layout.target_parameters,
         "modules_to_save": layout.modules_to_save,
         "lora_only": layout.lora_only,
         "adapter_bytes": sum(specs[m.a_key].nbytes + specs[m.b_key].nbytes for m in layout.modules.values())

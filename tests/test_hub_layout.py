@@ -176,6 +176,15 @@ def test_lora_on_expert_parameters_reads_one_expert_at_a_time(hub_root, monkeypa
     assert calls and set(calls) == {1}, calls
 
 
+def test_inspect_names_the_adapted_expert_parameters(hub_root):
+    from hf_merge.inspect import describe
+
+    lora = describe(hub_root / "qwen3_moe_lora_experts")["lora"]
+    assert lora["target_modules"] == ["q_proj"]
+    assert lora["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert lora["r"] == 4 and lora["modules"] == 2 + 2 * 2  # q_proj and two expert wrappers per layer
+
+
 def test_from_sharded_pretrained_keeps_the_in_memory_layout(hub_root):
     """The loader fills the model's own (fused) parameters: no Hub layout on that path."""
     model = hf_merge.from_sharded_pretrained(hub_root / "qwen3_moe", dtype="float32")
