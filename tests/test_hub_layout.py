@@ -293,6 +293,25 @@ def test_plan_cache_first_run_then_cached_run_without_transformers(hub_root, tmp
     assert plan_cache.get("hub_layout", entries[0].stem)["architecture"] == "Qwen3MoeForCausalLM"  # rewritten
 
 
+def test_plan_cache_dense_passthrough(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """A dense model's plan is "as stored"; the cached run does not ask transformers' mapping."""
+    import transformers.conversion_mapping as cm
+
+    from hf_merge import plan_cache
+
+    monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
+    hf_merge.merge(qwen2_fp32_ws2.actor, tmp_path / "first")
+    (entry,) = (tmp_path / "cache" / "hub_layout").glob("*.json")
+    assert plan_cache.get("hub_layout", entry.stem) == {"passthrough": True}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cached plan should have been used")
+
+    monkeypatch.setattr(cm, "get_checkpoint_conversion_mapping", refuse)
+    hf_merge.merge(qwen2_fp32_ws2.actor, tmp_path / "cached")
+    assert_bytes_equal(folder_tensors(tmp_path / "cached"), folder_tensors(tmp_path / "first"))
+
+
 def test_plan_cache_off(tmp_path, monkeypatch):
     from hf_merge import plan_cache
 
