@@ -42,7 +42,7 @@ _TEXT = dict(
     num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=2, pad_token_id=0,
 )
 
-#: name -> (config class, kwargs, LoRA target modules or None)
+#: name -> (config class, kwargs, LoRA target modules (or LoraConfig targets as a dict) or None)
 MODELS: dict[str, tuple[str, dict[str, Any], list[str] | None]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
@@ -76,6 +76,12 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str] | None]] = {
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4, image_token_index=5, boi_token_index=3, eoi_token_index=4,
         architectures=["Gemma3ForConditionalGeneration"]), ["q_proj", "v_proj"]),
+    # PEFT LoRA on the fused 3-D expert parameters (LoraConfig.target_parameters: nested ParamWrappers,
+    # lora_A [r * E, in], lora_B [out, r * E]) and on attention
+    "qwen3_moe_lora_experts": ("Qwen3MoeConfig", dict(
+        **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"]),
+        dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
 }
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -127,8 +133,9 @@ def build_model(name: str, seed: int = 0):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(seed + 2)
-        lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets, lora_dropout=0.0, bias="none",
-                          task_type="CAUSAL_LM", init_lora_weights=False)
+        targets = lora_targets if isinstance(lora_targets, dict) else {"target_modules": lora_targets}
+        lcfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                          init_lora_weights=False, **targets)
         model = get_peft_model(model, lcfg)
         model.eval()
     return model

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -110,26 +111,42 @@ def ties_word_embeddings(config: dict[str, Any]) -> bool:
     return bool(text.get("tie_word_embeddings", False))
 
 
-def tied_pairs(config: dict[str, Any]) -> dict[str, str]:
+def tied_pairs(config: dict[str, Any], names: "Collection[str] | None" = None) -> dict[str, str]:
     """``{alias: source}`` weight pairs that the architecture ties when the config says so.
 
-    Read from the transformers class attribute ``_tied_weights_keys`` (a dict in transformers 5);
-    falls back to ``lm_head.weight -> model.embed_tokens.weight``. The class is imported, never
-    instantiated.
+    From transformers: the class attribute ``_tied_weights_keys`` when it lists plain tensor
+    names (every source among ``names``, the checkpoint's tensors, when given), else the pairs the
+    model object computes (``all_tied_weights_keys``, what ``tie_weights`` and ``save_pretrained``
+    use): regular expressions (``bbox_embed.(?![0])\\d+``), module prefixes, ties filled in
+    ``__init__`` (Bark's ``lm_heads.{i}``) and sub-models' own ties, expanded on a meta-device
+    skeleton of the model. Falls back to ``lm_head.weight -> model.embed_tokens.weight`` when
+    transformers does not know the class.
     """
     if not ties_word_embeddings(config):
         return {}
-    for arch in config.get("architectures") or []:
-        try:
-            import transformers
+    try:
+        from .skeleton import model_class_for, skeleton
 
-            cls = getattr(transformers, arch)
-        except (ImportError, AttributeError):
-            continue
-        keys = getattr(cls, "_tied_weights_keys", None)
-        if isinstance(keys, dict) and keys:
-            return {str(k): str(v) for k, v in keys.items() if "*" not in k and "(" not in k}
-    return dict(DEFAULT_TIED)
+        cls = model_class_for(config)
+    except ImportError:
+        cls = None
+    if cls is None:
+        return dict(DEFAULT_TIED)
+    keys = getattr(cls, "_tied_weights_keys", None)
+    declared = {str(k): str(v) for k, v in keys.items()} if isinstance(keys, dict) else {}
+    nested = any(isinstance(v, dict) and "model_type" in v for v in config.values())
+    plain = all(_PLAIN_NAME.match(n) for pair in declared.items() for n in pair)
+    if declared and plain and not nested and (names is None or all(v in names for v in declared.values())):
+        return declared
+    try:
+        model = skeleton(cls, config)
+    except Exception as e:  # noqa: BLE001 - transformers' own error: keep the plain pairs it declares
+        logger.debug("%s not built to expand its tied weights (%s)", cls.__name__, e)
+        return {k: v for k, v in declared.items() if plain}
+    return {str(k): str(v) for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items()}
+
+
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
 
 def write_config(config: dict[str, Any], folder: Path, *, dtype: torch.dtype | None) -> None:

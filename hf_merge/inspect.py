@@ -94,7 +94,8 @@ def _output_layout(ckpt, config: dict[str, Any]) -> str:
     lora = find_lora(ckpt.specs())
     if lora is not None and lora.lora_only:
         return "the base model's (--base-model), in its Hub layout"
-    base, _ = drop_tied(ckpt if lora is None else Renamed(ckpt, lora.base), tied_pairs(config))
+    base = ckpt if lora is None else Renamed(ckpt, lora.base)
+    base, _ = drop_tied(base, tied_pairs(config, base.specs()))
     try:
         view, _ = hub_layout(base, config)
     except HfMergeError as e:

@@ -6,6 +6,15 @@ name>``; a wrapped linear ``m`` becomes ``m.base_layer.weight`` (+ ``.bias``) pl
 in ``modules_to_save`` becomes ``m.original_module.*`` plus the trained ``m.modules_to_save.<adapter>.*``.
 ``save_lora_only`` checkpoints hold only the LoRA (and modules_to_save) tensors.
 
+LoRA on a parameter (``LoraConfig(target_parameters=[...])``, PEFT's ``ParamWrapper``): the fused
+3-D expert tensors of transformers 5 MoE models (``mlp.experts.gate_up_proj [E, out, in]``). Each
+targeted parameter gets one wrapper; several on one module are nested, so the module's tensors
+move under ``base_layer`` once per wrapper (``experts.base_layer.base_layer.gate_up_proj``) and
+each wrapper's ``lora_A [r * E, in]`` / ``lora_B [out, r * E]`` sit at its depth
+(``experts.lora_A``, ``experts.base_layer.lora_A``). Which parameter a wrapper adapts is read
+from the shapes (the one parameter of the module whose ``[E, out, in]`` fits); expert ``e``'s
+delta is ``lora_B[:, e::E] @ lora_A[e * r:(e + 1) * r]`` (PEFT's ``get_delta_weight``).
+
 Settings are never guessed: r comes from the tensor shapes; ``lora_alpha`` from verl's
 ``lora_train_meta.json``, an older ``lora_adapter/adapter_config.json``, or the caller, and
 nothing else (an adapter with a made-up alpha silently does the wrong thing).
@@ -19,7 +28,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import LoraError
 from .spec import TensorSpec
@@ -28,6 +37,8 @@ PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<param>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<param>.+)$")
+_BASE_LAYER = re.compile(r"\.base_layer(?=\.|$)")  # one per wrapper (nested ParamWrappers: several)
+_LAYER_PREFIX = re.compile(r"^(?:.*\.)?\d+\.")
 _UNSUPPORTED = {
     "lora_magnitude_vector": "DoRA (use_dora) magnitude vectors",
     "lora_embedding_A": "LoRA on embeddings (lora_embedding_A/B)",
@@ -37,7 +48,12 @@ _UNSUPPORTED = {
 
 @dataclass(frozen=True)
 class LoraModule:
-    """One LoRA-wrapped linear: ``name`` is its HF module path (``model.layers.0.self_attn.q_proj``)."""
+    """One LoRA-wrapped linear: ``name`` is its HF module path (``model.layers.0.self_attn.q_proj``).
+
+    LoRA on a parameter (``target_parameters``): ``name`` is the wrapper's path as PEFT saves it
+    (``model.layers.0.mlp.experts.base_layer``), ``param`` the HF name of the 3-D tensor it adapts,
+    ``experts`` its first dimension and ``transposed`` true when it is stored ``[E, in, out]``.
+    """
 
     name: str
     a_key: str
@@ -45,6 +61,14 @@ class LoraModule:
     r: int
     in_features: int
     out_features: int
+    param: str | None = None
+    experts: int = 0
+    transposed: bool = False
+
+    @property
+    def weight(self) -> str:
+        """The HF name of the tensor this LoRA is folded into."""
+        return self.param or f"{self.name}.weight"
 
 
 @dataclass
@@ -65,7 +89,13 @@ class LoraLayout:
 
     @property
     def target_modules(self) -> list[str]:
-        return sorted({m.rsplit(".", 1)[-1] for m in self.modules})
+        return sorted({n.rsplit(".", 1)[-1] for n, m in self.modules.items() if m.param is None})
+
+    @property
+    def target_parameters(self) -> list[str]:
+        """LoRA on parameters, as ``LoraConfig.target_parameters`` names them (the path below the
+        layer index: ``mlp.experts.gate_up_proj``)."""
+        return sorted({_LAYER_PREFIX.sub("", m.param) for m in self.modules.values() if m.param is not None})
 
     @property
     def modules_to_save(self) -> list[str]:
@@ -100,8 +130,14 @@ def _strip(name: str) -> str:
     return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
 
 
-def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
-    """The LoRA layout of a state dict's specs, or None when it holds no LoRA tensors."""
+def find_lora(specs: dict[str, TensorSpec], *, experts_transposed: "Callable[[str], bool] | None" = None) -> LoraLayout | None:
+    """The LoRA layout of a state dict's specs, or None when it holds no LoRA tensors.
+
+    ``experts_transposed(module)``: whether that experts module stores its 3-D parameters as
+    ``[E, in, out]`` (transformers' ``is_transposed``, which PEFT reads too), for LoRA on
+    parameters; without it a square parameter is taken as ``[E, out, in]`` (transformers' default),
+    good enough for describing the adapter but not for fusing it.
+    """
     if not any(".lora_" in n for n in specs):
         return None
     for key in specs:
@@ -127,7 +163,7 @@ def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
         elif m := _ORIGINAL.match(name):
             original[f"{m['module']}.{m['param']}"] = key  # untrained copy: the adapter's base, not the fused model
         else:
-            base[name.replace(".base_layer.", ".")] = key
+            base[_BASE_LAYER.sub("", name)] = key
     if len(adapters) > 1:
         raise LoraError(f"the checkpoint holds several adapters ({', '.join(sorted(adapters))}); hf-merge merges one")
     modules = {}
@@ -138,15 +174,49 @@ def find_lora(specs: dict[str, TensorSpec]) -> LoraLayout | None:
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
             raise LoraError(f"{module}: lora_A {a.shape} and lora_B {b.shape} do not form a rank-r pair")
         modules[module] = LoraModule(module, ab["A"], ab["B"], a.shape[0], a.shape[1], b.shape[0])
-    lora_only = not any(f"{m}.weight" in base for m in modules)
+        if _BASE_LAYER.search(module) or f"{module}.weight" not in base:
+            modules[module] = _on_parameter(modules[module], base, specs, experts_transposed) or modules[module]
+    adapted = Counter(m.param for m in modules.values() if m.param is not None)
+    for param, count in adapted.items():
+        if count > 1:
+            raise LoraError(f"{count} LoRA wrappers fit {param}; hf-merge cannot tell which parameter each adapts")
+    lora_only = not any(m.weight in base for m in modules.values())
     for module in modules.values():
-        weight = f"{module.name}.weight"
-        if weight in base and specs[base[weight]].shape != (module.out_features, module.in_features):
+        weight = module.weight
+        if module.param is None and weight in base and specs[base[weight]].shape != (module.out_features, module.in_features):
             raise LoraError(
                 f"{module.name}: base weight {specs[base[weight]].shape} does not match lora_B@lora_A "
                 f"({module.out_features}, {module.in_features}); fan_in_fan_out (Conv1D) layers are not supported"
             )
     return LoraLayout(next(iter(adapters)), modules, base, saved, lora_only, original)
+
+
+def _on_parameter(module: LoraModule, base: dict[str, str], specs: dict[str, TensorSpec], experts_transposed) -> LoraModule | None:
+    """``module`` as LoRA on one 3-D parameter of its owner (PEFT's ParamWrapper), found by shape:
+    ``[E, out, in]`` (or ``[E, in, out]`` for experts stored transposed) with ``lora_A`` of
+    ``r * E`` rows. None when the owner has no such parameter (a plain save_lora_only linear)."""
+    owner = _BASE_LAYER.sub("", module.name)
+    candidates = [(name, specs[key].shape) for name, key in base.items() if name.rsplit(".", 1)[0] == owner]
+    candidates = [(name, shape) for name, shape in candidates if len(shape) == 3 and shape[0] and not module.r % shape[0]]
+    # asked only when there is a 3-D parameter to adapt (it builds the model's meta skeleton)
+    known = experts_transposed(owner) if experts_transposed is not None and candidates else None
+    fits = []
+    for name, shape in candidates:
+        for transposed, (d_out, d_in) in ((False, shape[1:]), (True, shape[:0:-1])):
+            if (d_out, d_in) == (module.out_features, module.in_features) and known in (None, transposed):
+                fits.append((name, shape[0], transposed))
+                break  # a square parameter fits both ways: transformers' default (not transposed) unless known
+    if not fits:
+        if _BASE_LAYER.search(module.name):
+            raise LoraError(f"{module.name}: no 3-D parameter of {owner} fits lora_A / lora_B "
+                            f"[{module.r}, {module.in_features}] / [{module.out_features}, {module.r}]")
+        return None
+    if len(fits) > 1:
+        raise LoraError(f"{module.name}: lora_A / lora_B fit several parameters or orientations of {owner} "
+                        f"({', '.join(f[0] for f in fits)}); hf-merge cannot tell which one it adapts")
+    param, experts, transposed = fits[0]
+    return LoraModule(module.name, module.a_key, module.b_key, module.r // experts, module.in_features,
+                      module.out_features, param=param, experts=experts, transposed=transposed)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -233,7 +303,8 @@ def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]
     cfg = LoraConfig(
         r=settings.r,
         lora_alpha=settings.lora_alpha,
-        target_modules=layout.target_modules,
+        target_modules=layout.target_modules or None,
+        target_parameters=layout.target_parameters or None,
         lora_dropout=0.0,
         bias="none",
         use_rslora=settings.use_rslora,
@@ -247,7 +318,8 @@ def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]
         inference_mode=True,
     )
     out = cfg.to_dict()
-    out["target_modules"] = sorted(out["target_modules"])
+    if out.get("target_modules") is not None:
+        out["target_modules"] = sorted(out["target_modules"])
     for key, value in list(out.items()):
         if isinstance(value, set):
             out[key] = sorted(value)
@@ -264,6 +336,7 @@ def describe_lora(ckpt) -> dict[str, Any] | None:
         "adapter_name": layout.adapter_name,
         "modules": len(layout.modules),
         "target_modules": layout.target_modules,
+        "target_parameters": layout.target_parameters,
         "modules_to_save": layout.modules_to_save,
         "lora_only": layout.lora_only,
         "adapter_bytes": sum(specs[m.a_key].nbytes + specs[m.b_key].nbytes for m in layout.modules.values())

@@ -91,7 +91,9 @@ def build_views(
         raise LoraError(f"unknown --lora mode {lora!r}; use fuse, adapter or both")
     notes: list[str] = []
     out_dtype = resolve_dtype(dtype, config)
-    layout = find_lora(ckpt.specs())
+    from .skeleton import experts_transposed
+
+    layout = find_lora(ckpt.specs(), experts_transposed=lambda module: experts_transposed(config, module))
     model: LazyCheckpoint | None = ckpt
     views = Views(model=None, out_dtype=out_dtype, notes=notes)
     if layout is not None:
@@ -101,12 +103,13 @@ def build_views(
         views.lora = {
             "mode": lora, "r": settings.r, "lora_alpha": settings.lora_alpha, "alpha_source": settings.alpha_source,
             "target_modules": layout.target_modules, "use_rslora": settings.use_rslora,
+            "target_parameters": layout.target_parameters,
             "modules_to_save": layout.modules_to_save, "rank_pattern": settings.rank_pattern,
             "modules": len(layout.modules), "lora_only": layout.lora_only,
         }
         notes.append(
             f"LoRA: r={settings.r}, lora_alpha={settings.lora_alpha} (from {settings.alpha_source}), "
-            f"{'rsLoRA, ' if settings.use_rslora else ''}targets {', '.join(layout.target_modules)}"
+            f"{'rsLoRA, ' if settings.use_rslora else ''}targets {', '.join(layout.target_modules + layout.target_parameters)}"
         )
         if layout.lora_only:
             if base_model is None:
@@ -135,7 +138,7 @@ def build_views(
     elif lora == "adapter":
         raise LoraError("--lora adapter was asked for, but the checkpoint has no LoRA weights (no lora_A/lora_B tensors)")
     if model is not None:
-        model, dropped = drop_tied(model, tied_pairs(config))
+        model, dropped = drop_tied(model, tied_pairs(config, model.specs()))
         if dropped:
             notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
         if hub:

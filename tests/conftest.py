@@ -39,6 +39,10 @@ if str(EXAMPLES) not in sys.path:
 
 import make_fsdp_checkpoint as mk  # noqa: E402
 
+# Tests compute every plan afresh (a test that patches transformers must not meet a cached plan);
+# the plan cache's own tests point HF_MERGE_CACHE at a temporary folder.
+os.environ["HF_MERGE_CACHE"] = "off"
+
 FsdpCheckpoint = mk.FsdpCheckpoint
 BUILD_TIMES: dict[str, float] = {}
 

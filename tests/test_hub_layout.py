@@ -120,11 +120,13 @@ def test_vlm_processor_files_and_loader(hub_root, tmp_path, name):
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe_lora", "gemma3_lora"])
+@pytest.mark.parametrize("name", ["qwen3_moe_lora", "gemma3_lora", "qwen3_moe_lora_experts"])
 def test_lora_equals_peft(hub_root, tmp_path, name):
-    """LoRA on a MoE model's attention / on a VLM's text and vision attention: fused output =
-    merge_and_unload() + save_pretrained (Hub layout); adapter folder = PEFT's save_pretrained,
-    names included (PEFT 0.21 keeps the in-memory names there: ``model.language_model...``)."""
+    """LoRA on a MoE model's attention / on a VLM's text and vision attention / on the fused 3-D
+    expert parameters (``target_parameters``): fused output = merge_and_unload() + save_pretrained
+    (Hub layout: one tensor per expert); adapter folder = PEFT's save_pretrained, names included
+    (PEFT 0.21 keeps the in-memory names there: ``model.language_model...``,
+    ``mlp.experts.base_layer.lora_A``)."""
     src, target = hub_root / name, tmp_path / "lora"
     hf_merge.merge(src, target)
     assert_bytes_equal(folder_tensors(target), folder_tensors(src / "reference"))
@@ -133,6 +135,54 @@ def test_lora_equals_peft(hub_root, tmp_path, name):
     for key in ("r", "lora_alpha", "peft_type", "task_type", "use_rslora"):
         assert got[key] == want[key], key
     assert sorted(got["target_modules"]) == sorted(want["target_modules"])
+    assert sorted(got.get("target_parameters") or []) == sorted(want.get("target_parameters") or [])
+
+
+def test_lora_on_expert_parameters_logits_equal_the_peft_model(hub_root, tmp_path):
+    """The fused folder (per-expert tensors) computes what the PEFT model (ParamWrapper LoRA on
+    ``gate_up_proj`` / ``down_proj``, nested) computes."""
+    src, target = hub_root / "qwen3_moe_lora_experts", tmp_path / "fused"
+    hf_merge.merge(src, target, lora="fuse")
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in folder_tensors(target)
+    peft_model = mh.build_model("qwen3_moe_lora_experts")  # the same seeded model the checkpoint was trained from
+    ids = mh.input_ids()
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits.float()
+    torch.testing.assert_close(merged_logits(target, "qwen3_moe_lora_experts", ids), want, rtol=0, atol=1e-5)
+
+
+def test_lora_on_expert_parameters_reads_one_expert_at_a_time(hub_root, monkeypatch):
+    """Each per-expert output computes its own expert's delta only (not all E experts' each time)."""
+    from hf_merge.transforms.lora import FusedLora
+
+    calls = []
+    real = FusedLora._expert_rows
+
+    def counted(self, name, module, dtype, lo, hi):
+        calls.append(hi - lo)
+        return real(self, name, module, dtype, lo, hi)
+
+    monkeypatch.setattr(FusedLora, "_expert_rows", counted)
+    ckpt = open_checkpoint(hub_root / "qwen3_moe_lora_experts")
+    try:
+        _, cfg = checkpoint_config(ckpt.info)
+        view = build_views(ckpt, cfg, lora="fuse").model
+        experts = [n for n in view.specs() if ".mlp.experts." in n]
+        assert len(experts) == 2 * 4 * 3  # 2 layers, 4 experts, gate / up / down
+        for n in experts:
+            view.read(n)
+    finally:
+        ckpt.close()
+    assert calls and set(calls) == {1}, calls
+
+
+def test_inspect_names_the_adapted_expert_parameters(hub_root):
+    from hf_merge.inspect import describe
+
+    lora = describe(hub_root / "qwen3_moe_lora_experts")["lora"]
+    assert lora["target_modules"] == ["q_proj"]
+    assert lora["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert lora["r"] == 4 and lora["modules"] == 2 + 2 * 2  # q_proj and two expert wrappers per layer
 
 
 def test_from_sharded_pretrained_keeps_the_in_memory_layout(hub_root):
@@ -211,3 +261,61 @@ def test_inspect_dense(qwen2_fp32_ws2):
     report = describe(qwen2_fp32_ws2.actor)
     assert report["model_kind"] == "dense"
     assert report["output_layout"].startswith("as stored")
+
+
+def test_plan_cache_first_run_then_cached_run_without_transformers(hub_root, tmp_path, monkeypatch):
+    """The first merge computes the Hub layout and stores it; the next one of the same model uses
+    the stored plan (transformers' reverse conversion is not called) and writes the same bytes.
+    A damaged entry is a miss: recomputed, still correct."""
+    import transformers.core_model_loading as cml
+
+    from hf_merge import plan_cache
+
+    monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
+    src = hub_root / "qwen3_moe"
+    want = folder_tensors(src / "reference")
+    hf_merge.merge(src, tmp_path / "first")
+    assert_bytes_equal(folder_tensors(tmp_path / "first"), want)
+    entries = list((tmp_path / "cache" / "hub_layout").glob("*.json"))
+    assert len(entries) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cached plan should have been used")
+
+    with monkeypatch.context() as m:
+        m.setattr(cml, "revert_weight_conversion", refuse)
+        hf_merge.merge(src, tmp_path / "cached")
+    assert_bytes_equal(folder_tensors(tmp_path / "cached"), want)
+
+    entries[0].write_text('{"architecture": "X", "outputs": [["a", [1], "float32", {"call": "exec", "args": []}]]}')
+    hf_merge.merge(src, tmp_path / "recomputed")
+    assert_bytes_equal(folder_tensors(tmp_path / "recomputed"), want)
+    assert plan_cache.get("hub_layout", entries[0].stem)["architecture"] == "Qwen3MoeForCausalLM"  # rewritten
+
+
+def test_plan_cache_dense_passthrough(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """A dense model's plan is "as stored"; the cached run does not ask transformers' mapping."""
+    import transformers.conversion_mapping as cm
+
+    from hf_merge import plan_cache
+
+    monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
+    hf_merge.merge(qwen2_fp32_ws2.actor, tmp_path / "first")
+    (entry,) = (tmp_path / "cache" / "hub_layout").glob("*.json")
+    assert plan_cache.get("hub_layout", entry.stem) == {"passthrough": True}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cached plan should have been used")
+
+    monkeypatch.setattr(cm, "get_checkpoint_conversion_mapping", refuse)
+    hf_merge.merge(qwen2_fp32_ws2.actor, tmp_path / "cached")
+    assert_bytes_equal(folder_tensors(tmp_path / "cached"), folder_tensors(tmp_path / "first"))
+
+
+def test_plan_cache_off(tmp_path, monkeypatch):
+    from hf_merge import plan_cache
+
+    monkeypatch.setenv("HF_MERGE_CACHE", "off")
+    assert plan_cache.cache_dir() is None
+    plan_cache.put("hub_layout", "k", {"passthrough": True})
+    assert plan_cache.get("hub_layout", "k") is None

@@ -26,8 +26,6 @@ from hf_merge.spec import TensorSpec
 #: model types skipped on purpose (beyond those that fail to build, which skip with their error)
 SKIPPED = {
     "legacy": "not an architecture: old-checkpoint renames that save_pretrained never reverses (add_legacy=False)",
-    "pp_doclayout_v3": "its tied weights are declared as patterns, which hf_files.tied_pairs does not expand "
-    "(the merge writes the tied decoder heads that save_pretrained drops)",
 }
 
 #: model types whose saving uses an operation that is not pure data movement: the transform must

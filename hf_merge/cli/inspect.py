@@ -77,7 +77,8 @@ def _lora(lora: Any) -> str:
     parts = [f"r={lora.get('r')}", alpha_text]
     if lora.get("use_rslora"):
         parts.append("rsLoRA")
-    parts.append(f"{lora.get('modules')} modules ({', '.join(lora.get('target_modules') or [])})")
+    targets = (lora.get("target_modules") or []) + (lora.get("target_parameters") or [])
+    parts.append(f"{lora.get('modules')} modules ({', '.join(targets)})")
     if lora.get("modules_to_save"):
         parts.append(f"modules_to_save {', '.join(lora['modules_to_save'])}")
     if lora.get("lora_only"):

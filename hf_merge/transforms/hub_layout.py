@@ -34,7 +34,8 @@ import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
 from ..errors import MappingError
-from ..spec import TensorSpec, c_contiguous
+from ..skeleton import model_class_for, skeleton
+from ..spec import TensorSpec, c_contiguous, dtype_name, parse_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -161,37 +162,6 @@ def _replay(recipe: Any, leaf: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def model_class_for(config: dict[str, Any]):
-    """The transformers class ``save_pretrained`` would run on: ``architectures[0]``, or None
-    (no architectures, or custom code: transformers converts neither)."""
-    import transformers
-    from transformers import PreTrainedModel
-
-    for arch in config.get("architectures") or []:
-        cls = getattr(transformers, arch, None)
-        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-            return cls
-    return None
-
-
-def _skeleton(cls, config: dict[str, Any]):
-    """``cls`` built on the meta device from the config dict (no memory, no init)."""
-    from transformers import AutoConfig
-
-    cfg = dict(config)
-    model_type = cfg.pop("model_type", None)
-    if model_type is None:
-        raise MappingError(f"config.json has no model_type; cannot build {cls.__name__} to find its saved layout")
-    config_obj = AutoConfig.for_model(model_type, **cfg)
-    with torch.device("meta"):
-        try:
-            from transformers.initialization import no_init_weights
-        except ImportError:  # older transformers 5
-            from transformers.modeling_utils import no_init_weights
-        with no_init_weights():
-            return cls(config_obj)
-
-
 def _reverse_conversions(model) -> list:
     """What ``revert_weight_conversion`` reverses for a freshly built model (transformers' own list)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -255,20 +225,25 @@ class HubLayout(LazyCheckpoint):
         base: a lazy checkpoint with the model's ``state_dict`` names (tied alias already dropped).
         recipes: ``{output name: recipe}`` from :func:`hub_layout`.
         specs: ``{output name: TensorSpec}``, in the order save_pretrained's state dict has them.
+        spans: ``{output name: _Span}`` of the outputs that are a contiguous range of one source;
+            computed from the recipes when not given (a plan from the plan cache brings them).
     """
 
-    def __init__(self, base: LazyCheckpoint, recipes: dict[str, Any], specs: dict[str, TensorSpec], *, architecture: str):
+    def __init__(self, base: LazyCheckpoint, recipes: dict[str, Any], specs: dict[str, TensorSpec], *, architecture: str,
+                 spans: "dict[str, _Span] | None" = None):
         self.base = base
         self.info = base.info
         self.architecture = architecture
         self._recipes = recipes
         self._specs = specs
-        base_specs = base.specs()
-        self._spans: dict[str, _Span] = {}
-        for name, recipe in recipes.items():
-            span = _span(recipe, base_specs)
-            if span is not None:
-                self._spans[name] = span
+        if spans is None:  # computed from the recipes (a stored plan brings its own)
+            base_specs = base.specs()
+            spans = {}
+            for name, recipe in recipes.items():
+                span = _span(recipe, base_specs)
+                if span is not None:
+                    spans[name] = span
+        self._spans: dict[str, _Span] = spans
         self._lock = threading.Lock()
         self._cached: tuple[str, torch.Tensor] | None = None  # one source in flight, for non-view recipes
 
@@ -311,7 +286,13 @@ class HubLayout(LazyCheckpoint):
         if span is None or not spec.shape or spec.numel == 0:
             return None
         source = self.base.specs()[span.source]
-        runs = self.base.read_rows(span.source, source.dtype, max_bytes)
+        region = getattr(self.base, "read_region_into", None)
+        if region is not None:  # only the source rows the span covers (one expert, not all of them)
+            row = math.prod(source.shape[1:])
+            first, stop = span.offset // row, -(-(span.offset + spec.numel) // row)
+            runs = _region_rows(region, span.source, source, first, stop, max_bytes)
+        else:
+            runs = self.base.read_rows(span.source, source.dtype, max_bytes)
         if runs is None:
             return None
         return _span_runs(runs, span, source, spec, dtype, max_bytes)
@@ -390,6 +371,17 @@ def _view_of(recipe: Any, base_specs: dict[str, TensorSpec]):
     return shape, strides, offset, source
 
 
+def _region_rows(region, name: str, source: TensorSpec, first: int, stop: int, max_bytes: int):
+    """Rows ``first..stop`` of ``source`` as runs, each read as a box (at most ``max_bytes``)."""
+    rest = tuple(source.shape[1:])
+    step = max(1, max_bytes // max(1, math.prod(rest) * source.dtype.itemsize))
+    buf = torch.empty((min(step, stop - first),) + rest, dtype=source.dtype)
+    for at in range(first, stop, step):
+        rows = buf[: min(step, stop - at)]
+        region(name, (at,) + (0,) * len(rest), rows)
+        yield at, rows
+
+
 def _span_runs(runs, span: _Span, source: TensorSpec, spec: TensorSpec, dtype: torch.dtype, max_bytes: int):
     """The source's row runs cut to ``span``, as whole rows of the output (partial rows joined)."""
     row = math.prod(spec.shape[1:])
@@ -429,42 +421,80 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     """``base`` as ``save_pretrained`` writes it, and notes for the user.
 
     Returns ``base`` itself when transformers saves the model as it holds it in memory (dense
-    models, custom code, no architectures in config.json).
+    models, custom code, no architectures in config.json). The plan is computed once per
+    (library versions, config.json, source names / shapes / dtypes) and kept in the plan cache
+    (:mod:`hf_merge.plan_cache`): a cached plan needs neither transformers nor the model skeleton.
     """
+    from .. import plan_cache
+
+    specs = base.specs()
+    key = None
+    if plan_cache.cache_dir() is not None:
+        key = plan_cache.digest({
+            "plan": PLAN_FORMAT, "versions": plan_cache.library_versions(), "config": config,
+            "specs": [[n, list(s.shape), dtype_name(s.dtype)] for n, s in specs.items()],
+        })
+        stored = _decode_plan(plan_cache.get("hub_layout", key), specs)
+        if stored is not None:
+            return _view(base, *stored) if stored is not _PASSTHROUGH else (base, [])
+    plan = _plan(specs, config)
+    if plan is _PASSTHROUGH:
+        if key is not None:
+            plan_cache.put("hub_layout", key, {"passthrough": True})
+        return base, []
+    view, notes = _view(base, *plan)
+    if key is not None:
+        encoded = _encode_plan(*plan, view._spans)
+        if encoded is not None:
+            plan_cache.put("hub_layout", key, encoded)
+    return view, notes
+
+
+def _view(base: LazyCheckpoint, arch: str, recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans=None):
+    changed = sum(1 for n, r in recipes.items() if not (isinstance(r, _Leaf) and r.name == n))
+    note = f"Hub layout: {changed} of {len(recipes)} tensors renamed or split as {arch}.save_pretrained writes them"
+    return HubLayout(base, recipes, out_specs, architecture=arch, spans=spans), [note]
+
+
+_PASSTHROUGH = "passthrough"  # the plan of a model save_pretrained writes as it holds it
+PLAN_FORMAT = 1  # bump when the meaning of a stored plan changes
+
+
+def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
+    """``(architecture, recipes, output specs)`` from transformers itself, or :data:`_PASSTHROUGH`."""
     from transformers.core_model_loading import revert_weight_conversion
 
     names = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     if not names or not _may_convert(config, names[0]):
         # transformers declares no conversion for this class, its model type or a sub-model:
         # save_pretrained keeps the in-memory names (dense models); no need to build the model
-        return base, []
+        return _PASSTHROUGH
     cls = model_class_for(config)
     if cls is None:
-        return base, []
+        return _PASSTHROUGH
     arch = cls.__name__
     try:
-        model = _skeleton(cls, config)
+        model = skeleton(cls, config)
     except MappingError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers' own error, re-raised typed with the architecture
         if not _may_convert(config, arch):
             logger.debug("%s: not built (%s); transformers declares no conversion for it", arch, e)
-            return base, []
+            return _PASSTHROUGH
         raise MappingError(
             f"{arch}: transformers cannot build the model from config.json to find the layout save_pretrained "
             f"writes ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); fix config.json"
         ) from e
     conversions = _reverse_conversions(model)
     if not conversions:
-        return base, []
+        return _PASSTHROUGH
     _check_operations(conversions, arch)
-    model._weight_conversions = conversions  # exactly these, as for a model built from scratch
-    specs = base.specs()
     symbolic = {
         name: _Symbolic(torch.empty(spec.shape, dtype=spec.dtype, device="meta"), _Leaf(name))
         for name, spec in specs.items()
     }
     try:
+        model._weight_conversions = conversions  # exactly these, as for a model built from scratch
         reverted = revert_weight_conversion(model, symbolic)
     except MappingError:
         raise
@@ -483,7 +513,111 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
         recipes[name] = tensor._recipe
         out_specs[name] = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
     if all(isinstance(r, _Leaf) and r.name == n for n, r in recipes.items()) and len(recipes) == len(specs):
-        return base, []
-    changed = sum(1 for n, r in recipes.items() if not (isinstance(r, _Leaf) and r.name == n))
-    note = f"Hub layout: {changed} of {len(recipes)} tensors renamed or split as {arch}.save_pretrained writes them"
-    return HubLayout(base, recipes, out_specs, architecture=arch), [note]
+        return _PASSTHROUGH
+    return arch, recipes, out_specs
+
+
+# --------------------------------------------------------------------------------------------
+# Plans as JSON (the plan cache): recipes are trees of leaves, replayable calls and plain values
+# --------------------------------------------------------------------------------------------
+
+_TORCH_NAMESPACE_CALLS = frozenset({"cat", "concat", "concatenate", "stack"})  # the rest are Tensor methods
+
+
+class _NotEncodable(Exception):
+    pass
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, _Leaf):
+        return {"leaf": value.name}
+    if isinstance(value, _Call):
+        return {"call": value.func, "args": [_encode(a) for a in value.args],
+                "kwargs": [[k, _encode(v)] for k, v in value.kwargs], "index": value.index}
+    if isinstance(value, (tuple, list)):
+        return {"tuple" if isinstance(value, tuple) else "list": [_encode(v) for v in value]}
+    if isinstance(value, slice):
+        return {"slice": [_encode(value.start), _encode(value.stop), _encode(value.step)]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise _NotEncodable(type(value).__name__)
+
+
+def _decode(value: Any, specs: dict[str, TensorSpec]) -> Any:
+    if not isinstance(value, dict):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise ValueError(f"unexpected {type(value).__name__}")
+    if "leaf" in value:
+        if value["leaf"] not in specs:
+            raise ValueError(f"no source tensor {value['leaf']}")
+        return _Leaf(value["leaf"])
+    if "call" in value:
+        func = value["call"]
+        if func not in REPLAYABLE_CALLS:  # only the calls hf_merge replays, by name: nothing else resolves
+            raise ValueError(f"call {func!r} is not replayable")
+        fn = getattr(torch, func) if func in _TORCH_NAMESPACE_CALLS else getattr(torch.Tensor, func)
+        index = value["index"]
+        if index is not None and not isinstance(index, int):
+            raise ValueError("bad index")
+        args = tuple(_decode(a, specs) for a in value["args"])
+        kwargs = tuple((str(k), _decode(v, specs)) for k, v in value["kwargs"])
+        return _Call(func, fn, args, kwargs, index)
+    for kind, make in (("tuple", tuple), ("list", list)):
+        if kind in value:
+            return make(_decode(v, specs) for v in value[kind])
+    if "slice" in value:
+        return slice(*(_decode(v, specs) for v in value["slice"]))
+    raise ValueError("unknown node")
+
+
+def _encode_plan(arch: str, recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans: dict[str, "_Span"]) -> Any:
+    """The plan as JSON: an output that is a contiguous range of one source (the per-expert
+    splits) as just ``{"span": [source, offset]}``, any other as its recipe."""
+    outputs = []
+    try:
+        for name, spec in out_specs.items():
+            span = spans.get(name)
+            how = {"span": [span.source, span.offset]} if span is not None else _encode(recipes[name])
+            outputs.append([name, list(spec.shape), dtype_name(spec.dtype), how])
+    except _NotEncodable as e:
+        logger.debug("%s: plan not cached (a recipe holds a %s)", arch, e)
+        return None
+    return {"architecture": arch, "outputs": outputs}
+
+
+def _span_recipe(span: "_Span", shape: tuple[int, ...], numel: int) -> _Call:
+    """The recipe of a stored span: the flat range of the source, viewed in the output's shape
+    (the same bytes as the views it was computed from, which land on exactly that range)."""
+    flat = _Call("reshape", torch.Tensor.reshape, (_Leaf(span.source), -1), (), None)
+    cut = _Call("narrow", torch.Tensor.narrow, (flat, 0, span.offset, numel), (), None)
+    return _Call("view", torch.Tensor.view, (cut, shape), (), None)
+
+
+def _decode_plan(stored: Any, specs: dict[str, TensorSpec]):
+    """A stored plan ``(architecture, recipes, output specs, spans)``, checked (its sources exist
+    and hold its spans, its calls are replayable), :data:`_PASSTHROUGH`, or None (a miss)."""
+    if not isinstance(stored, dict):
+        return None
+    if stored.get("passthrough") is True:
+        return _PASSTHROUGH
+    try:
+        arch = str(stored["architecture"])
+        recipes: dict[str, Any] = {}
+        out_specs: dict[str, TensorSpec] = {}
+        spans: dict[str, _Span] = {}
+        for name, shape, dtype, how in stored["outputs"]:
+            spec = TensorSpec(str(name), tuple(int(n) for n in shape), parse_dtype(dtype))
+            if isinstance(how, dict) and "span" in how:
+                source, offset = str(how["span"][0]), int(how["span"][1])
+                if source not in specs or not 0 <= offset <= specs[source].numel - spec.numel:
+                    raise ValueError(f"span of {name} outside {source}")
+                spans[name] = _Span(source, offset)
+                recipes[name] = _span_recipe(spans[name], spec.shape, spec.numel)
+            else:
+                recipes[name] = _decode(how, specs)
+            out_specs[name] = spec
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        logger.debug("plan cache: stored Hub layout ignored (%s)", e)
+        return None
+    return arch, recipes, out_specs, spans

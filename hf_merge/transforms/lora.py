@@ -25,7 +25,7 @@ class FusedLora(LazyCheckpoint):
         self.base, self.source, self.layout, self.settings = base, source, layout, settings
         self.info = source.info
         base_specs = base.specs()
-        self._fused = {f"{m.name}.weight": m for m in layout.modules.values()}
+        self._fused = {m.weight: m for m in layout.modules.values()}
         missing = sorted(n for n in self._fused if n not in base_specs)
         if missing:
             from ..errors import LoraError
@@ -35,6 +35,8 @@ class FusedLora(LazyCheckpoint):
         self._specs = dict(base_specs)
         for name, key in layout.saved.items():
             self._specs[name] = src_specs[key].renamed(name)
+        if any(m.experts for m in layout.modules.values()):  # one expert at a time, for the Hub layout's splits
+            self.read_region_into = self._read_region_into
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
@@ -48,7 +50,7 @@ class FusedLora(LazyCheckpoint):
             else:
                 self.base.read_into(name, out)
             return
-        for first, rows in self._fused_rows(name, module, out.dtype, ROW_CHUNK_BYTES):
+        for first, rows in self.read_rows(name, out.dtype, ROW_CHUNK_BYTES):
             out[first : first + len(rows)].copy_(rows)
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
@@ -57,7 +59,66 @@ class FusedLora(LazyCheckpoint):
             if name in self.layout.saved:
                 return self.source.read_rows(self.layout.saved[name], dtype, max_bytes)
             return self.base.read_rows(name, dtype, max_bytes)
+        if module.experts:
+            return self._expert_rows(name, module, dtype, 0, module.experts)
         return self._fused_rows(name, module, dtype, max_bytes)
+
+    def _read_region_into(self, name: str, start, out: torch.Tensor) -> None:
+        """The box of ``name`` at ``start`` of ``out``'s shape; LoRA'd experts computed one
+        whole expert at a time (so every element is what a full read gives), the rest read whole."""
+        module = self._fused.get(name)
+        box = tuple(slice(s, s + n) for s, n in zip(start[1:], out.shape[1:]))
+        lo, hi = start[0], start[0] + out.shape[0]
+        if module is not None and module.experts:
+            runs = self._expert_rows(name, module, out.dtype, lo, hi)
+        elif hasattr(self.base, "read_region_into") and module is None and name not in self.layout.saved:
+            self.base.read_region_into(name, start, out)
+            return
+        else:
+            runs = self.read_rows(name, self._specs[name].dtype) or iter([(0, self.read(name))])
+        for first, rows in runs:  # the rows lo..hi of the runs, cut to the box
+            a, b = max(lo, first), min(hi, first + len(rows))
+            if a < b:
+                out[a - lo : b - lo].copy_(rows[a - first : b - first][(slice(None),) + box])
+            if first + len(rows) >= hi:
+                break
+
+    def _expert_rows(self, name: str, module, dtype: torch.dtype, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Experts ``lo..hi`` of ``W[e] + (B_e @ A_e) * scale``, one expert per run, in float32
+        converted to ``dtype`` (``B_e = lora_B[:, e::E]``, ``A_e = lora_A[e*r:(e+1)*r]``, PEFT's
+        layout; transposed experts ``[E, in, out]`` get the delta transposed). W is read as runs in
+        its stored dtype (zero-copy views of a rank file: skipping experts before ``lo`` is free)."""
+        a = self.source.read(module.a_key, dtype=torch.float32).view(module.experts, module.r, module.in_features)
+        b = self.source.read(module.b_key, dtype=torch.float32).view(module.out_features, module.r, module.experts)
+        scale = self.settings.scale(module)
+        shape = self._specs[name].shape
+        acc = torch.empty(shape[1:], dtype=torch.float32)
+        low = acc if dtype == torch.float32 else torch.empty(shape[1:], dtype=dtype)
+        for e, w in self._expert_weights(name, lo, hi):
+            delta = torch.mm(b[:, :, e], a[e])  # [out, in], as PEFT's einsum over one expert
+            # PEFT's W + delta * scale: scaled in float32, W added (upcast exactly), rounded once to dtype
+            acc.copy_(delta.t() if module.transposed else delta).mul_(scale).add_(w)
+            if low is not acc:
+                low.copy_(acc)
+            yield e, low.view((1,) + shape[1:])
+
+    def _expert_weights(self, name: str, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(e, W[e])`` for ``lo <= e < hi``, in the stored floating dtype (float32 otherwise)."""
+        spec = self.base.specs()[name]
+        w_dtype = spec.dtype if spec.dtype.is_floating_point and spec.dtype.itemsize <= 4 else torch.float32
+        runs = self.base.read_rows(name, w_dtype, ROW_CHUNK_BYTES)
+        if runs is None:
+            region = getattr(self.base, "read_region_into", None)
+            if region is None:
+                runs = iter([(0, self.base.read(name, dtype=w_dtype))])
+            else:
+                buf = torch.empty((1,) + spec.shape[1:], dtype=w_dtype)
+                runs = ((e, region(name, (e, 0, 0), buf) or buf) for e in range(lo, hi))
+        for first, rows in runs:
+            for e in range(max(lo, first), min(hi, first + len(rows))):
+                yield e, rows[e - first]
+            if first + len(rows) >= hi:
+                return
 
     def _fused_rows(self, name: str, module, dtype: torch.dtype, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
         """``W + (B @ A) * scale`` a run of rows at a time, in float32, converted to ``dtype``.
