@@ -1,0 +1,207 @@
+"""ColossalAI 0.5: booster.save_model(shard=True) folders written by REAL ColossalAI on CPU (gloo).
+
+ColossalAI pins torch <= 2.5.1 and transformers 4.51.3, so it cannot run in the test venv: the
+fixtures under tests/data/colossalai/ were written once by ``make_fixtures.py`` there (versions and
+command in ``VERSIONS``). Each variant folder holds, beside the checkpoint, what the training process
+itself held: ``reference/weights.safetensors`` (the unsharded state dict), ``reference/logits.pt``
+and ``reference/config/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_merge import open_checkpoint
+from hf_merge.cli.app import main
+from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError
+from hf_merge.formats import detect
+
+from helpers import assert_tensors_equal, folder_tensors, model_logits
+
+DATA = Path(__file__).parent / "data" / "colossalai"
+VARIANTS = sorted(p.name for p in DATA.iterdir() if (p / "reference" / "variant.json").is_file())
+PLAIN = [v for v in VARIANTS if "lora" not in v]
+
+
+def variant(name: str) -> dict:
+    return json.loads((reference(name) / "variant.json").read_text())
+
+
+def reference(name: str) -> Path:
+    return DATA / name / "reference"
+
+
+def weights(name: str) -> dict[str, torch.Tensor]:
+    return load_file(reference(name) / "weights.safetensors")
+
+
+def logits(name: str) -> dict[str, torch.Tensor]:
+    return torch.load(reference(name) / "logits.pt", weights_only=True)
+
+
+def test_fixtures_are_real_colossalai_layouts():
+    """What the real library wrote: no -of-N, total_size in MB as a float, .bin shards, stage files."""
+    versions = (DATA / "VERSIONS").read_text()
+    assert versions.startswith("colossalai 0.5.") and "torch 2.5.1" in versions
+    seen = {}
+    for name in VARIANTS:
+        folder = DATA / name
+        index = next(folder.glob("*.index.json"))
+        data = json.loads(index.read_text())
+        assert isinstance(data["metadata"]["total_size"], float)
+        files = set(data["weight_map"].values())
+        assert len(files) > 1 and not any("-of-" in f for f in files)
+        seen[name] = sorted(files)
+    assert "pytorch_model-00001.bin" in seen["ddp_bin_tied_ws2"]
+    assert "model-00001.safetensors" in seen["ddp_safetensors_ws2"]
+    if "hybrid_pp2_ws2" in seen:
+        assert {f[: len("model-stage-00002")] for f in seen["hybrid_pp2_ws2"]} == {"model-stage-00001", "model-stage-00002"}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_detected_and_byte_exact(name):
+    want = weights(name)
+    assert detect(DATA / name).chosen.name == "colossalai"
+    with open_checkpoint(DATA / name) as ck:
+        assert ck.info.reader == "colossalai" and ck.info.details["layout"] == "booster"
+        assert ck.info.hf_dir == DATA / name  # booster writes config.json beside the shards
+        specs = ck.specs()
+        extra = set(specs) - set(want)
+        assert extra == ({"lm_head.weight"} if variant(name)["tied"] else set()), extra
+        got = {k: ck.read(k) for k in want}
+        for k in extra:
+            assert torch.equal(ck.read(k), ck.read("model.embed_tokens.weight"))
+    assert_tensors_equal(got, want)
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_merge_cli_weights_and_logits(name, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["merge", "--workers", "1", str(DATA / name), str(out), "--dtype", "float32", "--verify"])
+    assert rc == 0, capsys.readouterr().err
+    assert_tensors_equal(folder_tensors(out), weights(name))  # the tied alias written once
+    ref = logits(name)
+    torch.testing.assert_close(model_logits(out, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
+    provenance = json.loads((out / "hf_merge.json").read_text())
+    assert provenance["verification"]["passed"] and provenance["source"]["format"] == "colossalai"
+
+
+def test_merge_bf16(tmp_path, capsys):
+    name = "ddp_bin_tied_ws2"
+    out = tmp_path / "bf16"
+    assert main(["merge", "--workers", "1", str(DATA / name), str(out), "--dtype", "bfloat16"]) == 0, capsys.readouterr().err
+    assert_tensors_equal(folder_tensors(out), weights(name), dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_quantized_int8_is_bitsandbytes_own(tmp_path, capsys):
+    import bitsandbytes.functional as F
+
+    name = "ddp_safetensors_ws2"
+    out = tmp_path / "int8"
+    assert main(["merge", "--workers", "1", str(DATA / name), str(out), "--quantize", "int8"]) == 0, capsys.readouterr().err
+    got = folder_tensors(out)
+    want = weights(name)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["load_in_8bit"] is True
+    w = "model.layers.1.mlp.down_proj.weight"
+    cb, scb, _ = F.int8_vectorwise_quant(want[w].to(torch.float16))
+    assert torch.equal(got[w], cb) and torch.equal(got[w.replace(".weight", ".SCB")], scb)
+
+
+def test_lora_fused_adapter_and_from_sharded_pretrained(tmp_path, capsys):
+    """booster.enable_lora: base weights under their plain names beside lora_A/B.default; fused with
+    --lora-alpha, the adapter equals PEFT's own save (booster.save_lora_as_pretrained)."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge  # noqa: F401 - installs from_sharded_pretrained
+
+    name = "ddp_lora_ws2"
+    with open_checkpoint(DATA / name) as ck:
+        assert any(".lora_A.default." in k for k in ck.specs()) and "model.layers.0.self_attn.q_proj.weight" in ck.specs()
+    out = tmp_path / "lora"
+    rc = main(["merge", "--workers", "1", str(DATA / name), str(out), "--dtype", "float32", "--lora-alpha", "8", "--verify"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    ref = logits(name)
+    torch.testing.assert_close(model_logits(out, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
+    peft_own = load_file(reference(name) / "adapter" / "adapter_model.safetensors")
+    assert_tensors_equal(load_file(out / "lora_adapter" / "adapter_model.safetensors"), peft_own)
+    model = AutoModelForCausalLM.from_sharded_pretrained(DATA / name, dtype="float32", lora_alpha=8)
+    with torch.no_grad():
+        got = model(ref["input_ids"]).logits.float()
+    torch.testing.assert_close(got, ref["logits"], rtol=0, atol=1e-5)
+
+
+def test_verify_against_source(tmp_path, capsys):
+    name = "ddp_bin_tied_ws2"
+    out = tmp_path / "v"
+    assert main(["merge", "--workers", "1", str(DATA / name), str(out), "--dtype", "float32"]) == 0
+    assert main(["verify", str(out), "--against", str(DATA / name)]) == 0, capsys.readouterr().err
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(DATA / name, dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_bin_shard_refused_nothing_run(tmp_path, capsys):
+    ckpt = _copy("ddp_bin_tied_ws2", tmp_path)
+    marker = tmp_path / "ran"
+    payload = _Payload()
+    payload.marker = marker
+    torch.save({"model.norm.weight": payload}, ckpt / "pytorch_model-00001.bin")
+    with pytest.raises(UnsafeCheckpointError, match="pytorch_model-00001.bin"):
+        open_checkpoint(ckpt)
+    assert main(["merge", "--workers", "1", str(ckpt), str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err
+    assert len([ln for ln in err.splitlines() if ln.startswith("error: ")]) == 1 and "Traceback" not in err
+    assert not marker.exists()
+
+
+def test_truncated_and_missing_shards(tmp_path):
+    ckpt = _copy("ddp_bin_tied_ws2", tmp_path)
+    f = ckpt / "pytorch_model-00002.bin"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError, match="pytorch_model-00002.bin"):
+        open_checkpoint(ckpt)
+    f.unlink()
+    with pytest.raises(CorruptCheckpointError, match="pytorch_model-00002.bin.*missing"):
+        open_checkpoint(ckpt)
+
+
+def test_index_errors(tmp_path):
+    ckpt = _copy("ddp_safetensors_ws2", tmp_path)
+    index = ckpt / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = next(iter(data["weight_map"]))
+    data["weight_map"][name] = "../../etc/model-00001.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match="not a ColossalAI weight file"):
+        open_checkpoint(ckpt)
+    index.write_text("{not json")
+    assert detect(ckpt).chosen.name != "colossalai"  # probe: undecodable index, not this format
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        open_checkpoint(ckpt, backend="colossalai")
+    data["weight_map"][name] = "model-00009.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match="model-00009.safetensors.*missing"):
+        open_checkpoint(ckpt)
+    index.unlink()
+    with pytest.raises(SourceNotFoundError, match="model.safetensors.index.json"):
+        open_checkpoint(ckpt, backend="colossalai")
