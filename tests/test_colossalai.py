@@ -27,7 +27,9 @@ from helpers import assert_tensors_equal, folder_tensors, model_logits
 
 DATA = Path(__file__).parent / "data" / "colossalai"
 VARIANTS = sorted(p.name for p in DATA.iterdir() if (p / "reference" / "variant.json").is_file())
-PLAIN = [v for v in VARIANTS if "lora" not in v]
+BOOSTER = [v for v in VARIANTS if not v.startswith("dist")]
+PLAIN = [v for v in BOOSTER if "lora" not in v]
+DIST = "dist_tp2_ws2"
 
 
 def variant(name: str) -> dict:
@@ -48,10 +50,11 @@ def logits(name: str) -> dict[str, torch.Tensor]:
 
 def test_fixtures_are_real_colossalai_layouts():
     """What the real library wrote: no -of-N, total_size in MB as a float, .bin shards, stage files."""
-    versions = (DATA / "VERSIONS").read_text()
-    assert versions.startswith("colossalai 0.5.") and "torch 2.5.1" in versions
+    for name in BOOSTER:
+        versions = variant(name)["versions"]
+        assert versions["colossalai"].startswith("0.5.") and versions["torch"].startswith("2.5.1")
     seen = {}
-    for name in VARIANTS:
+    for name in BOOSTER:
         folder = DATA / name
         index = next(folder.glob("*.index.json"))
         data = json.loads(index.read_text())
@@ -61,11 +64,12 @@ def test_fixtures_are_real_colossalai_layouts():
         seen[name] = sorted(files)
     assert "pytorch_model-00001.bin" in seen["ddp_bin_tied_ws2"]
     assert "model-00001.safetensors" in seen["ddp_safetensors_ws2"]
-    if "hybrid_pp2_ws2" in seen:
-        assert {f[: len("model-stage-00002")] for f in seen["hybrid_pp2_ws2"]} == {"model-stage-00001", "model-stage-00002"}
+    assert {f[: len("model-stage-00002")] for f in seen["hybrid_pp2_ws2"]} == {"model-stage-00001", "model-stage-00002"}
+    assert {f[: len("pytorch_model-stage-00002")] for f in seen["hybrid_tp2_pp2_ws4"]} == {
+        "pytorch_model-stage-00001", "pytorch_model-stage-00002"}
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", BOOSTER)
 def test_detected_and_byte_exact(name):
     want = weights(name)
     assert detect(DATA / name).chosen.name == "colossalai"
@@ -205,3 +209,64 @@ def test_index_errors(tmp_path):
     index.unlink()
     with pytest.raises(SourceNotFoundError, match="model.safetensors.index.json"):
         open_checkpoint(ckpt, backend="colossalai")
+
+
+def test_colossal_llama_save_folders(tmp_path):
+    """Colossal-LLaMA / ColossalChat save to save_dir/epoch-E_step-S/modeling/ (optimizer/ beside)."""
+    for run in ("epoch-0_step-5", "epoch-1_step-10"):
+        shutil.copytree(DATA / "ddp_safetensors_ws2", tmp_path / run / "modeling", ignore=shutil.ignore_patterns("reference"))
+        (tmp_path / run / "optimizer").mkdir()
+        (tmp_path / run / "running_states.json").write_text('{"epoch": 0, "step": 5}')
+    assert detect(tmp_path / "epoch-0_step-5").chosen.name == "colossalai"
+    with open_checkpoint(tmp_path / "epoch-0_step-5") as ck:
+        assert ck.info.path == tmp_path / "epoch-0_step-5" / "modeling"
+        assert "reading epoch-0_step-5/modeling/" in ck.info.notes[0]
+    with open_checkpoint(tmp_path) as ck:
+        assert ck.info.path == tmp_path / "epoch-1_step-10" / "modeling"
+        assert "the newest of 2 ColossalAI saves" in ck.info.notes[0]
+        assert_tensors_equal({k: ck.read(k) for k in ck.specs()}, weights("ddp_safetensors_ws2"))
+
+
+# ---- per-rank DistributedCheckpointIO (pull request #6181's tree; see VERSIONS) ----------------
+
+
+def test_distributed_layout_byte_exact_and_logits(tmp_path, capsys):
+    """tp=2, gather_dtensor=False: each tensor assembled from the two ranks' boxes."""
+    assert variant(DIST)["versions"]["colossalai"].startswith("pull request #6181")
+    metas = sorted(p.name for p in (DATA / DIST).glob("pytorch_model-meta-dist-*.json"))
+    assert metas == ["pytorch_model-meta-dist-00000.json", "pytorch_model-meta-dist-00001.json"]
+    q = json.loads((DATA / DIST / metas[1]).read_text())["metadata"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["offsets"][0] > 0 and q["lengths"][0] < q["global_shape"][0]  # a real tensor-parallel slice
+    assert detect(DATA / DIST).chosen.name == "colossalai"
+    with open_checkpoint(DATA / DIST, config=reference(DIST) / "config") as ck:
+        assert ck.info.details == {"layout": "distributed", "ranks": 2, "files": ck.info.details["files"]}
+        want = weights(DIST)
+        assert set(ck.specs()) == set(want)
+        assert_tensors_equal({k: ck.read(k) for k in want}, want)
+    out = tmp_path / "out"
+    rc = main(["merge", "--workers", "1", str(DATA / DIST), str(out), "--config", str(reference(DIST) / "config"),
+               "--dtype", "float32", "--verify"])
+    assert rc == 0, capsys.readouterr().err
+    assert_tensors_equal(folder_tensors(out), weights(DIST))
+    ref = logits(DIST)
+    torch.testing.assert_close(model_logits(out, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
+
+
+def test_distributed_layout_errors(tmp_path):
+    ckpt = _copy(DIST, tmp_path)
+    meta = ckpt / "pytorch_model-meta-dist-00001.json"
+    data = json.loads(meta.read_text())
+    entry = data["metadata"]["model.layers.0.self_attn.q_proj.weight"]
+    own = entry["file"]
+    entry["file"] = "/etc/pytorch_model-dist-00001.bin"
+    meta.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match="not a ColossalAI weight file"):
+        open_checkpoint(ckpt)
+    entry["file"] = own
+    entry["offsets"][0] -= entry["lengths"][0] // 2  # half over rank 0's box
+    meta.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        open_checkpoint(ckpt)
+    meta.unlink()
+    with pytest.raises(CorruptCheckpointError, match="do not cover"):
+        open_checkpoint(ckpt)

@@ -48,7 +48,7 @@ VARIANTS: dict[str, dict] = {
                          dist=True),
 }
 DIST_COMMAND = """\
-git -C ColossalAI archive 7e880a130 colossalai extensions | tar -x -C /tmp/colpr   # PR #6181 head
+mkdir -p /tmp/colpr && git -C ColossalAI archive 7e880a130 colossalai extensions | tar -x -C /tmp/colpr   # PR #6181 head
 /work/venv-colossal/bin/pip install --target /tmp/tf439 --no-deps transformers==4.39.3 tokenizers==0.15.2
 PYTHONPATH=/tmp/colpr:/tmp/tf439 COLOSSALAI_SOURCE="pull request #6181 at 7e880a130" \\
   /work/venv-colossal/bin/python tests/data/colossalai/make_fixtures.py tests/data/colossalai dist_tp2_ws2"""
