@@ -258,10 +258,19 @@ def test_distributed_layout_errors(tmp_path):
     data = json.loads(meta.read_text())
     entry = data["metadata"]["model.layers.0.self_attn.q_proj.weight"]
     own = entry["file"]
-    entry["file"] = "/etc/pytorch_model-dist-00001.bin"
+    entry["file"] = "../pytorch_model-dist-00001.bin"
     meta.write_text(json.dumps(data))
     with pytest.raises(CorruptCheckpointError, match="not a ColossalAI weight file"):
         open_checkpoint(ckpt)
+    entry["file"] = "/etc/passwd"
+    meta.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match="not a ColossalAI weight file"):
+        open_checkpoint(ckpt)
+    # the path the rank wrote to (unsharded saves record it): only its name counts, inside the folder
+    entry["file"] = f"/elsewhere/{DIST}/{own}"
+    meta.write_text(json.dumps(data))
+    with open_checkpoint(ckpt) as ck:
+        assert torch.equal(ck.read("model.layers.0.self_attn.q_proj.weight"), weights(DIST)["model.layers.0.self_attn.q_proj.weight"])
     entry["file"] = own
     entry["offsets"][0] -= entry["lengths"][0] // 2  # half over rank 0's box
     meta.write_text(json.dumps(data))

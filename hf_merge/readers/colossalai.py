@@ -76,14 +76,17 @@ def _load_json(path: Path) -> Any:
         raise CorruptCheckpointError(f"{path.name} is not valid JSON ({str(e)[:80]}); re-copy it from the training run") from None
 
 
-def _member(folder: Path, name: Any, pattern: re.Pattern[str], where: str) -> str:
-    """A file named by an index / metadata entry: a bare name of the expected pattern inside ``folder``."""
+def _member(folder: Path, name: Any, pattern: re.Pattern[str], where: str, *, written_path: bool = False) -> str:
+    """A file named by an index / metadata entry: a bare name of the expected pattern, in ``folder``.
+
+    ``written_path``: the entry may be the path the saving rank wrote to (DistributedCheckpointIO's
+    unsharded save records the checkpoint folder joined with the name); only its last part is used,
+    always inside ``folder`` (the path itself is never opened, so a moved folder still reads).
+    """
     if not isinstance(name, str) or not name:
         raise CorruptCheckpointError(f"{where} names the file {str(name)[:60]!r}, which is not a file name; re-copy it")
     base = Path(name).name
-    # DistributedCheckpointIO's unsharded save records the path it wrote (the checkpoint folder joined
-    # with the name); anything else with a folder part is refused
-    if (base != name and Path(name).parent.name != folder.name) or ".." in Path(name).parts or not pattern.match(base):
+    if (base != name and not written_path) or ".." in Path(name).parts or not pattern.match(base):
         raise CorruptCheckpointError(f"{where} names {name[:80]!r}, which is not a ColossalAI weight file inside {folder}; refusing")
     return base
 
@@ -250,7 +253,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
                 lengths = _ints(item.get("lengths"), len(shape), "lengths", where)
                 if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
                     raise CorruptCheckpointError(f"{where}: the box at {list(offsets)} of {list(lengths)} lies outside {list(shape)}; re-copy it")
-                file = _member(self.folder, item.get("file"), DIST_FILE, where)
+                file = _member(self.folder, item.get("file"), DIST_FILE, where, written_path=True)
                 boxes.setdefault(name, []).append((_Piece(file, name, offsets, lengths), shape))
         specs_by_file: dict[str, dict[str, TensorSpec]] = {}
         for name, pieces in boxes.items():
