@@ -1,0 +1,387 @@
+"""ColossalAI 0.5 checkpoints: ``booster.save_model(shard=True)`` folders and per-rank distributed saves.
+
+Two layouts, both under Hugging Face tensor names:
+
+- **booster folders** (``GeneralCheckpointIO`` / ``TorchDDPCheckpointIO`` / ``HybridParallelCheckpointIO``
+  ``save_sharded_model``): ``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
+  (``{"metadata": {"total_size": <MB, a float>}, "weight_map": {name: file}}``) naming shards
+  ``model-00001.safetensors`` / ``pytorch_model-00001.bin`` (no ``-of-N``), or, with pipeline
+  parallelism, ``model-stage-00001-shard-00001.safetensors`` (one set per stage). Tensors are full
+  (gathered over tensor parallelism, the padded vocabulary cut back); ``.bin`` shards are plain
+  ``torch.save`` state dicts; ``config.json`` lies beside them.
+- **per-rank distributed saves** (``DistributedCheckpointIO``, ColossalAI pull request #6181, not in
+  a release): per rank ``id = tp_size * pp_rank + tp_rank`` a metadata file
+  ``pytorch_model-meta-dist-{id:05d}[.index].json`` (``{"checkpoint_version": "1.0", "metadata":
+  {name: {"offsets", "lengths", "global_shape", "file", "rank"}}}``) and the rank's local slices in
+  ``[pytorch_]model-dist-{id:05d}[-shard-0000k].{bin|safetensors}``; a tensor is assembled from the
+  boxes of every rank that holds part of it.
+
+Every tensor is a list of boxes (``_Piece``); a booster tensor is one box covering it. Reads are
+lazy:
+safetensors through ``safe_open`` slices, ``.bin`` files memory-mapped through the one pickle
+policy (:func:`~hf_merge.readers.safe_pickle.torch_load` with :data:`TENSOR_FILE`), each box copied
+straight into the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import filemap
+from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from ..formats import SourceFormat
+from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
+from .safe_pickle import TENSOR_FILE, torch_load
+
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# booster shard names: model-00001.safetensors, pytorch_model-00001.bin, model-stage-00001-shard-00001.safetensors
+SHARD = re.compile(r"^(?:pytorch_)?model(?:-stage-(\d{5})-shard)?-(\d{5})\.(safetensors|bin)$")
+DIST_META = re.compile(r"^pytorch_model-meta-dist-(\d{5})(?:\.index)?\.json$")
+DIST_FILE = re.compile(r"^(?:pytorch_)?model-dist-(\d{5})(?:-shard-\d{5})?\.(?:safetensors|bin)$")
+SMALL_JSON = 64 << 20  # an index / metadata file larger than this is not one
+# Colossal-LLaMA / ColossalChat: save_dir/epoch-{e}_step-{s}/modeling/ (optimizer/, lr_scheduler beside)
+MODEL_SUBDIR = "modeling"
+RUN_DIR = re.compile(r"^epoch-(\d+)_step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A box of a tensor held in one file under ``key``: ``offsets`` / ``lengths`` per dimension."""
+
+    file: str
+    key: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+# ------------------------------------------------------------------------------------------
+# Small JSON
+# ------------------------------------------------------------------------------------------
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        if path.stat().st_size > SMALL_JSON:
+            raise CorruptCheckpointError(f"{path.name} is {path.stat().st_size} bytes, too large for a ColossalAI index; re-copy it")
+        return json.loads(path.read_bytes())
+    except ValueError as e:  # also UnicodeDecodeError
+        raise CorruptCheckpointError(f"{path.name} is not valid JSON ({str(e)[:80]}); re-copy it from the training run") from None
+
+
+def _member(folder: Path, name: Any, pattern: re.Pattern[str], where: str, *, written_path: bool = False) -> str:
+    """A file named by an index / metadata entry: a bare name of the expected pattern, in ``folder``.
+
+    ``written_path``: the entry may be the path the saving rank wrote to (DistributedCheckpointIO's
+    unsharded save records the checkpoint folder joined with the name); only its last part is used,
+    always inside ``folder`` (the path itself is never opened, so a moved folder still reads).
+    """
+    if not isinstance(name, str) or not name:
+        raise CorruptCheckpointError(f"{where} names the file {str(name)[:60]!r}, which is not a file name; re-copy it")
+    base = Path(name).name
+    if (base != name and not written_path) or ".." in Path(name).parts or not pattern.match(base):
+        raise CorruptCheckpointError(f"{where} names {name[:80]!r}, which is not a ColossalAI weight file inside {folder}; refusing")
+    return base
+
+
+def _ints(value: Any, rank: int | None, what: str, where: str) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or (rank is not None and len(value) != rank)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
+        raise CorruptCheckpointError(f"{where}: {what} is {str(value)[:60]}, not a list of non-negative integers; re-copy it")
+    return tuple(value)
+
+
+# ------------------------------------------------------------------------------------------
+# Probing
+# ------------------------------------------------------------------------------------------
+
+
+def _index(folder: Path) -> Path | None:
+    return next((folder / n for n in INDEX_NAMES if (folder / n).is_file()), None)
+
+
+def _looks_like_booster(index: Path) -> bool:
+    """ColossalAI's index: shard names without ``-of-N``, or ``total_size`` in MB as a float."""
+    if index.stat().st_size > SMALL_JSON:
+        return False
+    data = json.loads(index.read_bytes())
+    if not isinstance(data, dict):
+        return False
+    files = (data.get("weight_map") or {}).values() if isinstance(data.get("weight_map"), dict) else []
+    named = [f for f in files if isinstance(f, str)]
+    if named and all(SHARD.match(f) for f in named):
+        return True
+    total = (data.get("metadata") or {}).get("total_size") if isinstance(data.get("metadata"), dict) else None
+    return isinstance(total, float) and not any("-of-" in f for f in named)
+
+
+def _probe_folder(path: Path) -> bool:
+    try:
+        return _looks_like_colossalai(path)
+    except (OSError, ValueError):  # an unreadable / undecodable index: not recognisably ColossalAI
+        return False
+
+
+def _looks_like_colossalai(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    names = [p.name for p in path.iterdir()]
+    if any(DIST_META.match(n) for n in names):
+        return True
+    index = _index(path)
+    if index is not None:
+        return _looks_like_booster(index)
+    return any(SHARD.match(n) and "-stage-" in n for n in names)  # stage files without their index: open() says so
+
+
+def _runs(path: Path) -> dict[tuple[int, int], Path]:
+    return {(int(m.group(1)), int(m.group(2))): p for p in path.iterdir() if (m := RUN_DIR.match(p.name)) and p.is_dir()}
+
+
+def resolve_folder(path: Path) -> tuple[Path, list[str]]:
+    """The folder holding the weights: ``path`` itself, its ``modeling/`` (a Colossal-LLaMA /
+    ColossalChat ``epoch-E_step-S`` folder), or the newest ``epoch-E_step-S/modeling/`` of a save root."""
+    path = Path(path)
+    if _probe_folder(path) or not path.is_dir():
+        return path, []
+    if _probe_folder(path / MODEL_SUBDIR):
+        return path / MODEL_SUBDIR, [f"reading {path.name}/{MODEL_SUBDIR}/ (the model of this ColossalAI save)"]
+    runs = {k: p for k, p in _runs(path).items() if _probe_folder(p / MODEL_SUBDIR)}
+    if runs:
+        newest = max(runs)
+        return runs[newest] / MODEL_SUBDIR, [
+            f"using {runs[newest].name}/{MODEL_SUBDIR} (the newest of {len(runs)} ColossalAI saves; pass another epoch-E_step-S folder to choose)"
+        ]
+    return path, []
+
+
+def probe(path: Path) -> bool:
+    """A folder with ``pytorch_model-meta-dist-*.json`` or a ColossalAI-style index / shard files,
+    itself or as ``modeling/`` of a Colossal-LLaMA / ColossalChat save (or of its newest save)."""
+    folder, _ = resolve_folder(Path(path))
+    return _probe_folder(folder)
+
+
+# ------------------------------------------------------------------------------------------
+# The checkpoint
+# ------------------------------------------------------------------------------------------
+
+
+class ColossalAICheckpoint(LazyCheckpoint):
+    """A ColossalAI save folder as a lazy checkpoint under its (Hugging Face) tensor names."""
+
+    def __init__(self, folder: Path, *, config_dir: Path | None = None):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise SourceNotFoundError(f"{folder} is not a folder; pass the folder booster.save_model wrote")
+        self._pieces: dict[str, list[_Piece]] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        self._safe: dict[str, Any] = {}  # file -> safe_open handle
+        self._bins: dict[str, dict[str, torch.Tensor]] = {}  # file -> memory-mapped state dict
+        self._mapped: list[int | None] = []
+        metas = sorted(p for p in self.folder.iterdir() if DIST_META.match(p.name))
+        if metas:
+            layout = "distributed"
+            details = self._add_distributed(metas)
+        else:
+            layout = "booster"
+            details = self._add_booster()
+        hf_dir = config_dir or _find_config(self.folder)
+        self.info = CheckpointInfo(
+            format="colossalai", path=self.folder, hf_dir=hf_dir, details={"layout": layout, **details}
+        )
+        if hf_dir is None:
+            self.info.warnings.append("no config.json beside the checkpoint; pass --config with the model's config folder")
+
+    # ---- booster folders ----------------------------------------------------------------------
+
+    def _add_booster(self) -> dict[str, Any]:
+        index = _index(self.folder)
+        if index is None:
+            stages = [p.name for p in self.folder.iterdir() if SHARD.match(p.name)]
+            raise SourceNotFoundError(
+                f"{self.folder} holds ColossalAI shard files ({', '.join(sorted(stages)[:3])}) but no "
+                f"{' or '.join(INDEX_NAMES)}; copy the index the save wrote beside them"
+            )
+        data = _load_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CorruptCheckpointError(f"{index.name} has no \"weight_map\" object of tensor names to files; re-copy it")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(_member(self.folder, file, SHARD, index.name), []).append(name)
+        stages = set()
+        for file, names in sorted(files.items()):
+            m = SHARD.match(file)
+            if m.group(1):
+                stages.add(int(m.group(1)))
+            found = self._file_specs(file)
+            for name in names:
+                if name not in found:
+                    raise CorruptCheckpointError(f"{index.name} puts {name[:80]} in {file}, which does not hold it; re-copy the checkpoint")
+                spec = found[name]
+                self._specs[name] = spec
+                self._pieces[name] = [_Piece(file, name, (0,) * len(spec.shape), spec.shape)]
+        total = (data.get("metadata") or {}).get("total_size") if isinstance(data.get("metadata"), dict) else None
+        return {"files": len(files), "pipeline_stages": len(stages) or None, "index": index.name, "index_total_size_mb": total}
+
+    # ---- per-rank distributed saves --------------------------------------------------------
+
+    def _add_distributed(self, metas: list[Path]) -> dict[str, Any]:
+        boxes: dict[str, list[tuple[_Piece, tuple[int, ...]]]] = {}
+        for meta in metas:
+            data = _load_json(meta)
+            entries = data.get("metadata") if isinstance(data, dict) else None
+            if not isinstance(entries, dict):
+                raise CorruptCheckpointError(f"{meta.name} has no \"metadata\" object; re-copy it")
+            for name, item in entries.items():
+                where = f"{meta.name} ({name[:60]})"
+                if not isinstance(item, dict):
+                    raise CorruptCheckpointError(f"{where} is not an object; re-copy it")
+                shape = _ints(item.get("global_shape"), None, "global_shape", where)
+                offsets = _ints(item.get("offsets"), len(shape), "offsets", where)
+                lengths = _ints(item.get("lengths"), len(shape), "lengths", where)
+                if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
+                    raise CorruptCheckpointError(f"{where}: the box at {list(offsets)} of {list(lengths)} lies outside {list(shape)}; re-copy it")
+                file = _member(self.folder, item.get("file"), DIST_FILE, where, written_path=True)
+                boxes.setdefault(name, []).append((_Piece(file, name, offsets, lengths), shape))
+        specs_by_file: dict[str, dict[str, TensorSpec]] = {}
+        for name, pieces in boxes.items():
+            shapes = {shape for _, shape in pieces}
+            if len(shapes) != 1:
+                raise CorruptCheckpointError(f"{name}: the ranks' metadata disagree on its global shape ({sorted(shapes)}); the files are from different saves")
+            shape = shapes.pop()
+            dtypes = set()
+            for piece, _ in pieces:
+                found = specs_by_file.setdefault(piece.file, self._file_specs(piece.file))
+                local = found.get(name)
+                if local is None or local.shape != piece.lengths:
+                    raise CorruptCheckpointError(
+                        f"{piece.file}: {name[:80]} is {None if local is None else list(local.shape)}, "
+                        f"its metadata says {list(piece.lengths)}; re-copy the checkpoint"
+                    )
+                dtypes.add(local.dtype)
+            if len(dtypes) != 1:
+                raise CorruptCheckpointError(f"{name}: the ranks saved it in different dtypes ({sorted(map(str, dtypes))})")
+            _check_tiling(name, shape, [p for p, _ in pieces])
+            self._specs[name] = TensorSpec(name, shape, dtypes.pop())
+            self._pieces[name] = _distinct([p for p, _ in pieces])
+        return {"ranks": len(metas), "files": len(specs_by_file)}
+
+    # ---- files -----------------------------------------------------------------------------
+
+    def _file_specs(self, file: str) -> dict[str, TensorSpec]:
+        path = self.folder / file
+        if not path.is_file():
+            raise CorruptCheckpointError(f"{file} is named by the checkpoint's index but missing from {self.folder}; re-copy it")
+        if file.endswith(".safetensors"):
+            return self._safetensors_specs(file, path)
+        state = self._bin(file)
+        return {k: TensorSpec(k, tuple(v.shape), v.dtype) for k, v in state.items()}
+
+    def _safetensors_specs(self, file: str, path: Path) -> dict[str, TensorSpec]:
+        from safetensors import safe_open
+
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise CorruptCheckpointError(f"{file} is not a valid safetensors file ({str(e)[:100]}); re-copy it") from None
+        self._safe[file] = handle
+        out = {}
+        for key in handle.keys():
+            sl = handle.get_slice(key)
+            dtype = SAFETENSORS_TO_TORCH.get(sl.get_dtype())
+            if dtype is None:
+                raise UnsupportedCheckpointError(f"{file}: {key[:80]} has dtype {sl.get_dtype()}, which hf_merge cannot read")
+            out[key] = TensorSpec(key, tuple(sl.get_shape()), dtype)
+        return out
+
+    def _bin(self, file: str) -> dict[str, torch.Tensor]:
+        if file not in self._bins:
+            path = self.folder / file
+            state = torch_load(path, TENSOR_FILE)
+            if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+                raise CorruptCheckpointError(f"{file} holds a {type(state).__name__}, not a state dict of tensors; re-copy it")
+            self._bins[file] = state
+            self._mapped.append(filemap.register(path, state.values()))
+        return self._bins[file]
+
+    def _box(self, piece: _Piece) -> torch.Tensor:
+        """The piece's own tensor (a view of the file: memory-mapped, or read from the safetensors slice)."""
+        if piece.file in self._safe:
+            return self._safe[piece.file].get_tensor(piece.key)
+        return self._bin(piece.file)[piece.key]
+
+    # ---- the LazyCheckpoint interface ---------------------------------------------------------
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        check_out(self._specs[name], out)
+        for piece in self._pieces[name]:
+            src = self._box(piece)
+            dst = out[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.lengths))]
+            if not (dst.is_contiguous() and filemap.read_into(src, dst)):
+                dst.copy_(src)
+
+    def close(self) -> None:
+        for token in self._mapped:
+            filemap.unregister(token)
+        self._mapped.clear()
+        self._bins.clear()
+        self._safe.clear()
+
+
+def _distinct(pieces: list[_Piece]) -> list[_Piece]:
+    """One piece per box (ranks of a data-parallel replica hold the same box)."""
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], _Piece] = {}
+    for p in pieces:
+        seen.setdefault((p.offsets, p.lengths), p)
+    return list(seen.values())
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], pieces: list[_Piece]) -> None:
+    """The distinct boxes cover the tensor exactly: volumes add up and no two overlap."""
+    boxes = _distinct(pieces)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if all(max(ao, bo) < min(ao + an, bo + bn) for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths)):
+                raise CorruptCheckpointError(f"{name}: two ranks' boxes overlap ({list(a.offsets)} and {list(b.offsets)}); the files are from different saves")
+    if sum(math.prod(p.lengths) for p in boxes) != math.prod(shape):
+        raise CorruptCheckpointError(f"{name}: the ranks' boxes do not cover its {list(shape)} elements; a rank's files are missing")
+
+
+def _find_config(folder: Path) -> Path | None:
+    """config.json in the save folder (booster writes it there), or one folder up."""
+    for candidate in (folder, folder.parent):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
+
+
+def open_colossalai(path: Path, *, config_dir: Path | None = None) -> ColossalAICheckpoint:
+    folder, notes = resolve_folder(Path(path))
+    ckpt = ColossalAICheckpoint(folder, config_dir=config_dir)
+    ckpt.info.notes.extend(notes)
+    return ckpt
+
+
+FORMAT = SourceFormat(
+    name="colossalai",
+    description="ColossalAI booster.save_model(shard=True) folders (model-00001.safetensors, -stage-0000S-shard-, .bin) and per-rank pytorch_model-dist-* saves",
+    probe=probe,
+    open=open_colossalai,
+    priority=40,
+    framework="colossalai",
+)
