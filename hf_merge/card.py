@@ -439,7 +439,9 @@ def _summary(info: dict[str, Any], adapter: bool) -> str:
     what = "This LoRA adapter was" if adapter else "These weights were"
     framework = source.get("framework")
     backend = _backend_tag(source)
-    origin = " ".join(x for x in (framework, backend) if x)
+    # a format named after its framework ("colossalai colossalai") is said once
+    same = bool(framework and backend and backend.lower() == str(framework).lower())
+    origin = framework if same else " ".join(x for x in (framework, backend) if x)
     if _gguf(info) and not adapter:
         what = f"This GGUF file (`{_gguf(info)['file']}`, for llama.cpp) was"
     if source.get("format") == "hf":

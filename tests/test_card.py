@@ -165,3 +165,11 @@ def test_tokenizer_line_follows_the_folder_files():
     assert "AutoTokenizer" not in render_model_card(no_tokenizer)
     text = render_model_card(no_tokenizer, folder_files=["model.safetensors", "tokenizer_config.json"])
     assert 'AutoTokenizer.from_pretrained("path/or/repo-id")' in text
+
+
+def test_format_named_after_its_framework_is_said_once():
+    for fmt, framework, said in (("colossalai", "colossalai", "a colossalai training"),
+                                 ("deepspeed", "DeepSpeed", "a DeepSpeed training"),
+                                 ("verl-fsdp", "verl", "a verl fsdp training")):
+        text = render_model_card(info(source={"format": fmt, "framework": framework}))
+        assert said + " checkpoint" in text, text
