@@ -2,9 +2,9 @@
 
 Every tensor's GGUF name, type, shape and byte size is planned from the specs alone; the
 ``gguf.GGUFWriter`` then writes the header, the metadata keys and all tensor infos, and the data
-follows tensor by tensor (``write_tensor_data``), each produced as float32 row chunks read from the
-checkpoint, permuted when llama.cpp's RoPE layout needs it, and quantized chunk by chunk. Memory in
-use is one row chunk (about 16 MB of float32) plus its encoded bytes; a tensor that must be permuted
+follows tensor by tensor (``write_tensor_data``), each produced as row chunks read from the
+checkpoint in its stored dtype, permuted when llama.cpp's RoPE layout needs it, and encoded chunk by
+chunk. Memory in use is one row chunk (at most 16 MB as float32) plus its encoded bytes; a tensor that must be permuted
 (attention q / k: rows of whole heads) or whose source cannot give row runs is read whole.
 """
 
@@ -91,15 +91,19 @@ def permute_rows(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weights.reshape(n_heads, 2, rows // n_heads // 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
 
 
-def _float_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray]:
-    """The tensor as 2-D float32 numpy row chunks (rows = the last dim) of at most about
-    ``quant.CHUNK_BYTES``, in file order: each piece in turn (experts in order)."""
+def _row_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[torch.Tensor]:
+    """The tensor as 2-D row chunks (rows = the last dim) in the source's dtype, of at most
+    ``quant.rows_per_chunk`` rows, in file order: each piece in turn (experts in order).
+
+    Rows come from ``read_rows`` in the stored dtype, so a memory-mapped source (FSDP rank files,
+    safetensors) gives zero-copy views and the only conversion is the encoder's own."""
     row_len = t.shape[-1] if len(t.shape) > 1 else 1
     step = quant.rows_per_chunk(row_len)
+    specs = view.specs()
     for piece in t.pieces:
         runs = None
         if t.permute_heads is None and len(t.shape) > 1:
-            runs = view.read_rows(piece.hf_name, torch.float32, max_bytes=quant.CHUNK_BYTES)
+            runs = view.read_rows(piece.hf_name, specs[piece.hf_name].dtype, max_bytes=quant.CHUNK_BYTES)
         if runs is None:
             whole = view.read(piece.hf_name)  # the stored dtype: at most the size of the source tensor
             if t.permute_heads is not None:
@@ -112,7 +116,7 @@ def _float_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray
                 run = run[:, i * width:(i + 1) * width]
             rows = run.reshape(-1, row_len)
             for first in range(0, rows.shape[0], step):
-                yield rows[first:first + step].to(torch.float32).contiguous().numpy()
+                yield rows[first:first + step]
 
 
 class _StreamedTensor:
@@ -162,7 +166,7 @@ def write_file(
             if not t.pieces:  # computed from the config (rope_freqs)
                 chunks = lambda t=t: iter([(computed or {})[t.gguf_name]])  # noqa: E731
             else:
-                chunks = lambda t=t: quant.encode_chunks(_float_chunks(view, t), t.type_name)  # noqa: E731
+                chunks = lambda t=t: quant.encode_chunks(_row_chunks(view, t), t.type_name)  # noqa: E731
             writer.write_tensor_data(_StreamedTensor(t, chunks))
         writer.flush()
     finally:
