@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
-
 import numpy as np
 
 from ..errors import QuantizationError
@@ -143,8 +141,3 @@ def _q8_0(rows: "torch.Tensor") -> np.ndarray:
         dest[:, 2:] = x.to(torch.int8).view(torch.uint8)
         dest[:, :2] = d.to(torch.float16).view(torch.uint8)
     return out.numpy()
-
-
-def encode_chunks(chunks: "Iterator[torch.Tensor]", type_name: str) -> Iterator[np.ndarray]:
-    for rows in chunks:
-        yield encode(rows, type_name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,6 +23,7 @@ import torch
 from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
 from . import quant
+from .pipeline import Writeback, prefetched
 from .arch import GgufArch, Piece, arch_for, map_names
 from .hparams import add_hparams, head_counts, rope_freqs
 from .tokenizer import Vocab, add_to_writer
@@ -122,22 +124,39 @@ def _row_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[torch.Tensor
 class _StreamedTensor:
     """What ``GGUFWriter.write_tensor_data`` needs from an array: ``nbytes`` and ``tofile``.
 
-    ``tofile`` writes the encoded row chunks one after another as they are produced, so the
-    writer's padding and bookkeeping stay the ``gguf`` package's while no whole tensor exists.
+    ``tofile`` writes the encoded row chunks one after another as a thread produces them (one
+    chunk ahead), so the writer's padding and bookkeeping stay the ``gguf`` package's while no
+    whole tensor exists.
     """
 
-    def __init__(self, planned: PlannedTensor, chunks: Callable[[], Iterator[np.ndarray]]):
+    def __init__(self, planned: PlannedTensor, chunks: Callable[[], Iterator[np.ndarray]], writeback: Writeback | None = None):
         self.nbytes = planned.nbytes
         self._planned = planned
         self._chunks = chunks
+        self._writeback = writeback
 
     def tofile(self, fout) -> None:
         written = 0
-        for encoded in self._chunks():
+        for encoded in prefetched(self._chunks()):
             encoded.tofile(fout)
             written += encoded.nbytes
+            if self._writeback is not None:
+                self._writeback.wrote(encoded.nbytes)
         if written != self.nbytes:
             raise RuntimeError(f"{self._planned.gguf_name}: wrote {written} bytes, planned {self.nbytes}")
+
+
+def _encoded(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray]:
+    """The tensor's bytes in GGUF, chunk by chunk. Each chunk stays valid while the next is being
+    produced: a cast that returned its own input (F32 rows written as F32) may point into a read
+    buffer that the next run reuses, so that one is copied."""
+    for rows in _row_chunks(view, t):
+        encoded = quant.encode(rows, t.type_name)
+        storage = rows.untyped_storage()
+        start = encoded.__array_interface__["data"][0]
+        if start < storage.data_ptr() + storage.nbytes() and storage.data_ptr() < start + encoded.nbytes:
+            encoded = encoded.copy()
+        yield encoded
 
 
 def write_file(
@@ -149,10 +168,12 @@ def write_file(
     computed: dict[str, np.ndarray] | None = None,
 ) -> None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
-    then each tensor's data in order (``computed`` holds the few tensors with no pieces)."""
+    then each tensor's data in order (``computed`` holds the few tensors with no pieces). The file
+    is on disk when this returns: its bytes are synced as they are written (``pipeline.Writeback``)."""
     import gguf
 
     writer = gguf.GGUFWriter(path, arch_name)
+    writeback = None
     try:
         add_keys(writer)
         for t in planned:
@@ -162,15 +183,20 @@ def write_file(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        writeback = Writeback(os.open(path, os.O_RDONLY))  # fdatasync through any descriptor of the file
         for t in planned:
             if not t.pieces:  # computed from the config (rope_freqs)
                 chunks = lambda t=t: iter([(computed or {})[t.gguf_name]])  # noqa: E731
             else:
-                chunks = lambda t=t: quant.encode_chunks(_row_chunks(view, t), t.type_name)  # noqa: E731
-            writer.write_tensor_data(_StreamedTensor(t, chunks))
+                chunks = lambda t=t: _encoded(view, t)  # noqa: E731
+            writer.write_tensor_data(_StreamedTensor(t, chunks, writeback))
         writer.flush()
+        writer.close()
+        writeback.finish()
     finally:
         writer.close()
+        if writeback is not None:
+            writeback.close()
     logger.debug("wrote %s: %d tensors, %d bytes of tensor data", path, len(planned), total_bytes(planned))
 
 
