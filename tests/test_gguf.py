@@ -221,10 +221,9 @@ def test_lora_b_rows_follow_the_llama_permutation():
     assert torch.equal(permute_rows(b @ a, 4), permute_rows(b, 4) @ a)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
-    """An existing Hugging Face folder (saved by transformers) as SOURCE: Qwen3 (q/k norms, no
-    permutation) and Mistral (llama layout, permuted)."""
+def tiny_hf_folder(arch: str, tokenizer_dir: Path, folder: Path) -> Path:
+    """A tiny Qwen3 or Mistral saved by transformers' save_pretrained, with the tokenizer files
+    of ``tokenizer_dir`` and a chat template."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -237,17 +236,46 @@ def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.rand_like(p))
-    src = tmp_path / f"{arch}-tiny"
-    model.save_pretrained(src)
-    for f in Path(qwen2_fp32_ws2.hf_dir).glob("tokenizer*"):
-        shutil.copy(f, src / f.name)
-    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    (src / "chat_template.jinja").write_text(template)  # where transformers 5 saves it
+    model.save_pretrained(folder)
+    for f in Path(tokenizer_dir).glob("tokenizer*"):
+        shutil.copy(f, folder / f.name)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)  # where transformers 5 saves it
+    return folder
+
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
+    """An existing Hugging Face folder (saved by transformers) as SOURCE: Qwen3 (q/k norms, no
+    permutation) and Mistral (llama layout, permuted)."""
+    src = tiny_hf_folder(arch, qwen2_fp32_ws2.hf_dir, tmp_path / f"{arch}-tiny")
     path = to_gguf(src, tmp_path / "out", "f32", "--gguf-pre-tokenizer", "gpt-2")
     assert path.name == f"{arch}-tiny-f32.gguf"
-    assert bytes(gguf.GGUFReader(path).fields["tokenizer.chat_template"].parts[-1]).decode() == template
+    assert bytes(gguf.GGUFReader(path).fields["tokenizer.chat_template"].parts[-1]).decode() == TEMPLATE
     ids, _ = reference_logits(qwen2_fp32_ws2)
     assert torch.equal(gguf_logits(path, ids), model_logits(src, ids, dtype=torch.float32))
+
+
+def test_hf_folder_source_streams_rows(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """A Hugging Face folder gives the GGUF writer row runs (``safe_open`` slices): with one-row
+    chunks, no matrix is ever read whole, and the file is the same as with whole reads."""
+    from hf_merge.gguf import quant
+    from hf_merge.readers.hf_dir import HfDirCheckpoint
+
+    src = tiny_hf_folder("qwen3", qwen2_fp32_ws2.hf_dir, tmp_path / "qwen3-tiny")
+    whole = to_gguf(src, tmp_path / "whole", "q8_0", "--gguf-pre-tokenizer", "gpt-2")
+    read_into = HfDirCheckpoint.read_into
+
+    def vectors_only(self, name, out):
+        assert out.dim() < 2, f"{name} was read whole"
+        read_into(self, name, out)
+
+    monkeypatch.setattr(HfDirCheckpoint, "read_into", vectors_only)
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 1)
+    rows = to_gguf(src, tmp_path / "rows", "q8_0", "--gguf-pre-tokenizer", "gpt-2")
+    assert rows.read_bytes() == whole.read_bytes()
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
