@@ -346,6 +346,79 @@ def test_tokenizer_ids_equal_hf(qwen2_fp32_ws2, qwen2_q8):
     assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == hf.eos_token_id
 
 
+SP_LINES = ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny sentencepiece model",
+            "pack my box with five dozen liquor jugs", "sphinx of black quartz judge my vow",
+            "numbers 0123456789 and punctuation .,;:!?", "a llama, a tokenizer and a merge tool walk into a bar"]
+SP_TEXTS = TEXTS + ["héllo wörld 日本語 🦙", "jumps over the lazy dog<|im_end|>tokenizer"]
+
+
+@pytest.fixture(scope="session")
+def llama_sp_folder(tmp_path_factory) -> Path:
+    """A tiny Llama-2-style Hugging Face folder: a SentencePiece BPE model with byte fallback
+    trained here by the sentencepiece package (tokenizer.model), the tokenizer transformers builds
+    from it plus an added special token (tokenizer.json / tokenizer_config.json, saved by
+    transformers), and a tiny Llama whose vocabulary is larger than the tokenizer's."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf", reason="transformers converts a SentencePiece model with protobuf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama-sp") / "llama2-tiny"
+    folder.mkdir()
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SP_LINES * 20), model_writer=model, model_type="bpe", vocab_size=400, byte_fallback=True,
+        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True, num_threads=1, minloglevel=2,
+    )
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}'
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tokenizer.save_pretrained(folder)
+    cfg = LlamaConfig(vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def test_sentencepiece_tokenizer(llama_sp_folder, tmp_path):
+    """A SentencePiece (Llama-2 style) tokenizer is written as llama.cpp's ``llama`` vocabulary:
+    pieces, scores and types from tokenizer.model, the added special token as CONTROL, padding
+    UNUSED; the tokenizer transformers rebuilds from the GGUF gives the HF tokenizer's ids."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    path = to_gguf(llama_sp_folder, tmp_path / "out", "f32")
+    hf = AutoTokenizer.from_pretrained(llama_sp_folder)
+    from_gguf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in SP_TEXTS:
+        assert from_gguf.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
+
+    fields = gguf.GGUFReader(path).fields
+    text = lambda key: bytes(fields[key].parts[-1]).decode()  # noqa: E731
+    assert (text("tokenizer.ggml.model"), text("tokenizer.ggml.pre")) == ("llama", "default")
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    scores = [float(fields["tokenizer.ggml.scores"].parts[i][0]) for i in fields["tokenizer.ggml.scores"].data]
+    types = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(llama_sp_folder / "tokenizer.model"))
+    assert len(tokens) == len(scores) == len(types) == 416
+    assert tokens[:400] == [sp.IdToPiece(i) for i in range(400)]
+    assert scores[3:400] == [sp.GetScore(i) for i in range(3, 400)]
+    T = gguf.TokenType
+    # as llama.cpp's converter does, the tokens the HF tokenizer lists as special added tokens
+    # (<unk> <s> </s>) are CONTROL with score -1000
+    assert types[:3] == [T.CONTROL] * 3 and scores[:3] == [-1000.0] * 3 and types[3:259] == [T.BYTE] * 256
+    assert set(types[259:400]) == {T.NORMAL}
+    assert (tokens[400], types[400], scores[400]) == ("<|im_end|>", T.CONTROL, -1000.0)
+    assert tokens[401:] == [f"[PAD{i}]" for i in range(401, 416)] and set(types[401:]) == {T.UNUSED}
+    assert int(fields["tokenizer.ggml.bos_token_id"].parts[-1][0]) == 1
+    assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == 2
+
+
 def test_pre_tokenizer_hash_rule(tmp_path, qwen2_fp32_ws2):
     """llama.cpp's own GPT-2 vocabulary is recognised as ``gpt-2``; a tokenizer trained here has a
     hash llama.cpp does not know: an error that says what to pass."""
@@ -383,7 +456,7 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
     with pytest.raises(MappingError, match="model_type 'gpt2'.*supported: llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         arch_for({"model_type": "gpt2"})
     (tmp_path / "tokenizer.model").write_bytes(b"\x00")
-    with pytest.raises(MappingError, match="SentencePiece"):
+    with pytest.raises(MappingError, match="not a valid SentencePiece model"):
         load_vocab(tmp_path, 128)
     # the CLI: one line, nothing written, and the hash rule without an override
     assert main(["merge", str(qwen2_fp32_ws2.root), str(tmp_path / "x"), "--gguf", "q8_0"]) != 0
