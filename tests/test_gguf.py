@@ -15,6 +15,7 @@ and the tokenizer it rebuilds from the GGUF must give the HF tokenizer's ids.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import shutil
 import struct
 from pathlib import Path
@@ -326,6 +327,50 @@ def test_llama3_rope_freqs_match_transformers():
     assert got.shape == (64,)
     torch.testing.assert_close(got, base / scaled, rtol=1e-5, atol=0)
     assert rope_freqs({**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="k-quants need llama-cpp-python")
+@pytest.mark.parametrize("kind", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quants_run_in_llama_cpp(kind, llama_sp_folder, tmp_path_factory):
+    """K-quants (only where llama-cpp-python is installed; ``make test`` has none): a Llama whose
+    rows are multiples of 256 (so llama.cpp really uses the K types) -> BF16 -> llama.cpp's C
+    quantizer; the file has the k-quant file type and K tensors, and llama.cpp's logits for the
+    same ids are close to the HF model's (and its F32 file's are equal to them up to float error)."""
+    import llama_cpp
+    import numpy as np
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = tmp_path_factory.getbasetemp() / "kquant-src"
+    src = root / "llama-k"
+    if not src.is_dir():
+        src.mkdir(parents=True)
+        cfg = LlamaConfig(vocab_size=416, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(src)
+        for f in llama_sp_folder.glob("tokenizer*"):
+            shutil.copy(f, src / f.name)
+    ids = list(range(3, 40))
+    want = model_logits(src, torch.tensor([ids]), dtype=torch.float32)[0].numpy()
+
+    def run(path: Path) -> np.ndarray:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, n_threads=2, verbose=False)
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float64)
+
+    def cosine(a, b):
+        return float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
+
+    path = to_gguf(src, tmp_path_factory.mktemp(kind), kind)
+    reader = gguf.GGUFReader(path)
+    ftype = gguf.LlamaFileType[f"MOSTLY_{kind.upper()}"]
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == ftype
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_up.weight"].endswith("_K") and types["blk.0.attn_norm.weight"] == "F32"
+    assert not list(path.parent.glob(".*bf16*"))  # the intermediate BF16 file is gone
+    f32 = to_gguf(src, tmp_path_factory.mktemp(f"{kind}-f32"), "f32")
+    assert cosine(run(f32), want) > 0.99999
+    assert cosine(run(path), want) > {"q4_k_m": 0.97, "q5_k_m": 0.99, "q6_k": 0.995}[kind]
 
 
 # ------------------------------------------------------------------------------------------------
