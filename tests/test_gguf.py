@@ -491,8 +491,6 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
     from hf_merge.gguf.quant import file_type
     from hf_merge.gguf.tokenizer import load_vocab
 
-    import importlib.util
-
     if importlib.util.find_spec("llama_cpp") is None:  # without llama-cpp-python, k-quants say how to get them
         with pytest.raises(QuantizationError, match="k-quant.*pip install llama-cpp-python.*llama-quantize"):
             file_type("q4_k_m")
