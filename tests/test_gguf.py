@@ -531,3 +531,25 @@ def test_push_gguf_folder(inproc, qwen2_q8, tmp_path):
     assert card.data.library_name == "gguf"
     assert {"gguf", "q8-0", "hf-merge"} <= set(card.data.tags)
     assert f'Llama.from_pretrained(repo_id="tester/tiny-gguf", filename="{qwen2_q8.name}")' in card.text
+
+
+def test_prefetched_keeps_order_and_raises_where_the_source_failed():
+    """The writer's encode-ahead thread: items in order, a failure of the producer raised to the
+    consumer after the items before it, and a consumer that stops early stops the thread."""
+    from hf_merge.gguf.pipeline import prefetched
+
+    def source(fail_at: int | None):
+        for i in range(10):
+            if i == fail_at:
+                raise QuantizationError(f"broken at {i}")
+            yield i
+
+    assert list(prefetched(source(None), depth=2)) == list(range(10))
+    got = []
+    with pytest.raises(QuantizationError, match="broken at 4"):
+        for item in prefetched(source(4)):
+            got.append(item)
+    assert got == [0, 1, 2, 3]
+    early = prefetched(source(None))
+    assert next(early) == 0
+    early.close()  # joins the thread

@@ -106,3 +106,12 @@ class Writeback:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def sync_file(path) -> None:
+    """``fdatasync`` a file written by someone else (llama.cpp's quantizer) before its folder is renamed."""
+    writeback = Writeback(os.open(path, os.O_RDONLY))
+    try:
+        writeback.finish()
+    finally:
+        writeback.close()

@@ -11,6 +11,7 @@ other block types by the ``gguf`` package's (``gguf.quants.quantize``).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 import numpy as np
 
@@ -125,11 +126,27 @@ def encode(rows: "torch.Tensor | np.ndarray", type_name: str) -> np.ndarray:
 
 def _q8_0(rows: "torch.Tensor") -> np.ndarray:
     """ggml's ``quantize_row_q8_0_ref``: blocks of 32 values, ``d = amax / 127`` stored as fp16,
-    ``q = roundf(x * (1 / d))`` as int8 (0 where ``d`` is 0); block bytes = d then the 32 q's."""
+    ``q = roundf(x * (1 / d))`` as int8 (0 where ``d`` is 0); block bytes = d then the 32 q's.
+
+    A large chunk is split in two halves quantized on two threads (torch's kernels release the
+    GIL), each writing its own rows of the output."""
     import torch
 
     blocks = rows.reshape(-1, 32)
     out = torch.empty((blocks.shape[0], 34), dtype=torch.uint8)
+    half = blocks.shape[0] // 2
+    if _SPLIT_WORKERS > 1 and half >= 8 * (_Q8_GROUP // 32):
+        second = _pool().submit(_q8_0_into, blocks[half:], out[half:])
+        _q8_0_into(blocks[:half], out[:half])
+        second.result()
+    else:
+        _q8_0_into(blocks, out)
+    return out.numpy()
+
+
+def _q8_0_into(blocks: "torch.Tensor", out: "torch.Tensor") -> None:
+    import torch
+
     group = max(1, _Q8_GROUP // 32)
     for first in range(0, blocks.shape[0], group):
         x = blocks[first:first + group].to(torch.float32, copy=True)
@@ -140,4 +157,16 @@ def _q8_0(rows: "torch.Tensor") -> np.ndarray:
         dest = out[first:first + group]
         dest[:, 2:] = x.to(torch.int8).view(torch.uint8)
         dest[:, :2] = d.to(torch.float16).view(torch.uint8)
-    return out.numpy()
+
+
+_SPLIT_WORKERS = min(2, os.cpu_count() or 1)
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-q8_0")
+    return _POOL

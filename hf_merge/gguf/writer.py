@@ -166,10 +166,13 @@ def write_file(
     planned: list[PlannedTensor],
     add_keys: Callable[[Any], None],
     computed: dict[str, np.ndarray] | None = None,
+    *,
+    durable: bool = True,
 ) -> None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
-    then each tensor's data in order (``computed`` holds the few tensors with no pieces). The file
-    is on disk when this returns: its bytes are synced as they are written (``pipeline.Writeback``)."""
+    then each tensor's data in order (``computed`` holds the few tensors with no pieces). With
+    ``durable`` (not for a temporary file) the file is on disk when this returns: its bytes are
+    synced as they are written (``pipeline.Writeback``)."""
     import gguf
 
     writer = gguf.GGUFWriter(path, arch_name)
@@ -183,7 +186,8 @@ def write_file(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        writeback = Writeback(os.open(path, os.O_RDONLY))  # fdatasync through any descriptor of the file
+        if durable:  # fdatasync works through any descriptor of the file
+            writeback = Writeback(os.open(path, os.O_RDONLY))
         for t in planned:
             if not t.pieces:  # computed from the config (rope_freqs)
                 chunks = lambda t=t: iter([(computed or {})[t.gguf_name]])  # noqa: E731
@@ -192,7 +196,8 @@ def write_file(
             writer.write_tensor_data(_StreamedTensor(t, chunks, writeback))
         writer.flush()
         writer.close()
-        writeback.finish()
+        if writeback is not None:
+            writeback.finish()
     finally:
         writer.close()
         if writeback is not None:
@@ -201,9 +206,11 @@ def write_file(
 
 
 def write_gguf(
-    view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str
+    view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str,
+    durable: bool = True,
 ) -> list[PlannedTensor]:
-    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan."""
+    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan
+    (``durable``: see :func:`write_file`)."""
     arch = arch_for(config)
     planned = plan_tensors(view, config, arch, ftype)
     freqs = rope_freqs(config)
@@ -214,7 +221,8 @@ def write_gguf(
         add_hparams(writer, arch, config, ftype)
         add_to_writer(writer, vocab)
 
-    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None)
+    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None,
+               durable=durable)
     return planned
 
 
