@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -23,7 +22,7 @@ import torch
 from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
 from . import quant
-from .pipeline import Writeback, prefetched
+from .pipeline import prefetched, sync_file
 from .arch import GgufArch, Piece, arch_for, map_names
 from .hparams import add_hparams, head_counts, rope_freqs
 from .tokenizer import Vocab, add_to_writer
@@ -129,19 +128,16 @@ class _StreamedTensor:
     whole tensor exists.
     """
 
-    def __init__(self, planned: PlannedTensor, chunks: Callable[[], Iterator[np.ndarray]], writeback: Writeback | None = None):
+    def __init__(self, planned: PlannedTensor, chunks: Callable[[], Iterator[np.ndarray]]):
         self.nbytes = planned.nbytes
         self._planned = planned
         self._chunks = chunks
-        self._writeback = writeback
 
     def tofile(self, fout) -> None:
         written = 0
         for encoded in prefetched(self._chunks()):
             encoded.tofile(fout)
             written += encoded.nbytes
-            if self._writeback is not None:
-                self._writeback.wrote(encoded.nbytes)
         if written != self.nbytes:
             raise RuntimeError(f"{self._planned.gguf_name}: wrote {written} bytes, planned {self.nbytes}")
 
@@ -171,12 +167,10 @@ def write_file(
 ) -> None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
     then each tensor's data in order (``computed`` holds the few tensors with no pieces). With
-    ``durable`` (not for a temporary file) the file is on disk when this returns: its bytes are
-    synced as they are written (``pipeline.Writeback``)."""
+    ``durable`` (not for a temporary file) the file is on disk when this returns."""
     import gguf
 
     writer = gguf.GGUFWriter(path, arch_name)
-    writeback = None
     try:
         add_keys(writer)
         for t in planned:
@@ -186,22 +180,18 @@ def write_file(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        if durable:  # fdatasync works through any descriptor of the file
-            writeback = Writeback(os.open(path, os.O_RDONLY))
         for t in planned:
             if not t.pieces:  # computed from the config (rope_freqs)
                 chunks = lambda t=t: iter([(computed or {})[t.gguf_name]])  # noqa: E731
             else:
                 chunks = lambda t=t: _encoded(view, t)  # noqa: E731
-            writer.write_tensor_data(_StreamedTensor(t, chunks, writeback))
+            writer.write_tensor_data(_StreamedTensor(t, chunks))
         writer.flush()
         writer.close()
-        if writeback is not None:
-            writeback.finish()
+        if durable:
+            sync_file(path)
     finally:
         writer.close()
-        if writeback is not None:
-            writeback.close()
     logger.debug("wrote %s: %d tensors, %d bytes of tensor data", path, len(planned), total_bytes(planned))
 
 
