@@ -15,6 +15,7 @@ and the tokenizer it rebuilds from the GGUF must give the HF tokenizer's ids.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import shutil
 import struct
 from pathlib import Path
@@ -221,10 +222,9 @@ def test_lora_b_rows_follow_the_llama_permutation():
     assert torch.equal(permute_rows(b @ a, 4), permute_rows(b, 4) @ a)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
-    """An existing Hugging Face folder (saved by transformers) as SOURCE: Qwen3 (q/k norms, no
-    permutation) and Mistral (llama layout, permuted)."""
+def tiny_hf_folder(arch: str, tokenizer_dir: Path, folder: Path) -> Path:
+    """A tiny Qwen3 or Mistral saved by transformers' save_pretrained, with the tokenizer files
+    of ``tokenizer_dir`` and a chat template."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -237,17 +237,46 @@ def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.rand_like(p))
-    src = tmp_path / f"{arch}-tiny"
-    model.save_pretrained(src)
-    for f in Path(qwen2_fp32_ws2.hf_dir).glob("tokenizer*"):
-        shutil.copy(f, src / f.name)
-    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    (src / "chat_template.jinja").write_text(template)  # where transformers 5 saves it
+    model.save_pretrained(folder)
+    for f in Path(tokenizer_dir).glob("tokenizer*"):
+        shutil.copy(f, folder / f.name)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)  # where transformers 5 saves it
+    return folder
+
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_hf_folder_source(arch, qwen2_fp32_ws2, tmp_path):
+    """An existing Hugging Face folder (saved by transformers) as SOURCE: Qwen3 (q/k norms, no
+    permutation) and Mistral (llama layout, permuted)."""
+    src = tiny_hf_folder(arch, qwen2_fp32_ws2.hf_dir, tmp_path / f"{arch}-tiny")
     path = to_gguf(src, tmp_path / "out", "f32", "--gguf-pre-tokenizer", "gpt-2")
     assert path.name == f"{arch}-tiny-f32.gguf"
-    assert bytes(gguf.GGUFReader(path).fields["tokenizer.chat_template"].parts[-1]).decode() == template
+    assert bytes(gguf.GGUFReader(path).fields["tokenizer.chat_template"].parts[-1]).decode() == TEMPLATE
     ids, _ = reference_logits(qwen2_fp32_ws2)
     assert torch.equal(gguf_logits(path, ids), model_logits(src, ids, dtype=torch.float32))
+
+
+def test_hf_folder_source_streams_rows(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """A Hugging Face folder gives the GGUF writer row runs (``safe_open`` slices): with one-row
+    chunks, no matrix is ever read whole, and the file is the same as with whole reads."""
+    from hf_merge.gguf import quant
+    from hf_merge.readers.hf_dir import HfDirCheckpoint
+
+    src = tiny_hf_folder("qwen3", qwen2_fp32_ws2.hf_dir, tmp_path / "qwen3-tiny")
+    whole = to_gguf(src, tmp_path / "whole", "q8_0", "--gguf-pre-tokenizer", "gpt-2")
+    read_into = HfDirCheckpoint.read_into
+
+    def vectors_only(self, name, out):
+        assert out.dim() < 2, f"{name} was read whole"
+        read_into(self, name, out)
+
+    monkeypatch.setattr(HfDirCheckpoint, "read_into", vectors_only)
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 1)
+    rows = to_gguf(src, tmp_path / "rows", "q8_0", "--gguf-pre-tokenizer", "gpt-2")
+    assert rows.read_bytes() == whole.read_bytes()
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
@@ -300,6 +329,50 @@ def test_llama3_rope_freqs_match_transformers():
     assert rope_freqs({**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) is None
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="k-quants need llama-cpp-python")
+@pytest.mark.parametrize("kind", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quants_run_in_llama_cpp(kind, llama_sp_folder, tmp_path_factory):
+    """K-quants (only where llama-cpp-python is installed; ``make test`` has none): a Llama whose
+    rows are multiples of 256 (so llama.cpp really uses the K types) -> BF16 -> llama.cpp's C
+    quantizer; the file has the k-quant file type and K tensors, and llama.cpp's logits for the
+    same ids are close to the HF model's (and its F32 file's are equal to them up to float error)."""
+    import llama_cpp
+    import numpy as np
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = tmp_path_factory.getbasetemp() / "kquant-src"
+    src = root / "llama-k"
+    if not src.is_dir():
+        src.mkdir(parents=True)
+        cfg = LlamaConfig(vocab_size=416, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(src)
+        for f in llama_sp_folder.glob("tokenizer*"):
+            shutil.copy(f, src / f.name)
+    ids = list(range(3, 40))
+    want = model_logits(src, torch.tensor([ids]), dtype=torch.float32)[0].numpy()
+
+    def run(path: Path) -> np.ndarray:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, n_threads=2, verbose=False)
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float64)
+
+    def cosine(a, b):
+        return float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
+
+    path = to_gguf(src, tmp_path_factory.mktemp(kind), kind)
+    reader = gguf.GGUFReader(path)
+    ftype = gguf.LlamaFileType[f"MOSTLY_{kind.upper()}"]
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == ftype
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_up.weight"].endswith("_K") and types["blk.0.attn_norm.weight"] == "F32"
+    assert not list(path.parent.glob(".*bf16*"))  # the intermediate BF16 file is gone
+    f32 = to_gguf(src, tmp_path_factory.mktemp(f"{kind}-f32"), "f32")
+    assert cosine(run(f32), want) > 0.99999
+    assert cosine(run(path), want) > {"q4_k_m": 0.97, "q5_k_m": 0.99, "q6_k": 0.995}[kind]
+
+
 # ------------------------------------------------------------------------------------------------
 # tokenizer
 # ------------------------------------------------------------------------------------------------
@@ -316,6 +389,79 @@ def test_tokenizer_ids_equal_hf(qwen2_fp32_ws2, qwen2_q8):
     assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-2"
     assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "gpt2"
     assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == hf.eos_token_id
+
+
+SP_LINES = ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny sentencepiece model",
+            "pack my box with five dozen liquor jugs", "sphinx of black quartz judge my vow",
+            "numbers 0123456789 and punctuation .,;:!?", "a llama, a tokenizer and a merge tool walk into a bar"]
+SP_TEXTS = TEXTS + ["héllo wörld 日本語 🦙", "jumps over the lazy dog<|im_end|>tokenizer"]
+
+
+@pytest.fixture(scope="session")
+def llama_sp_folder(tmp_path_factory) -> Path:
+    """A tiny Llama-2-style Hugging Face folder: a SentencePiece BPE model with byte fallback
+    trained here by the sentencepiece package (tokenizer.model), the tokenizer transformers builds
+    from it plus an added special token (tokenizer.json / tokenizer_config.json, saved by
+    transformers), and a tiny Llama whose vocabulary is larger than the tokenizer's."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf", reason="transformers converts a SentencePiece model with protobuf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama-sp") / "llama2-tiny"
+    folder.mkdir()
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SP_LINES * 20), model_writer=model, model_type="bpe", vocab_size=400, byte_fallback=True,
+        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True, num_threads=1, minloglevel=2,
+    )
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}'
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tokenizer.save_pretrained(folder)
+    cfg = LlamaConfig(vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def test_sentencepiece_tokenizer(llama_sp_folder, tmp_path):
+    """A SentencePiece (Llama-2 style) tokenizer is written as llama.cpp's ``llama`` vocabulary:
+    pieces, scores and types from tokenizer.model, the added special token as CONTROL, padding
+    UNUSED; the tokenizer transformers rebuilds from the GGUF gives the HF tokenizer's ids."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    path = to_gguf(llama_sp_folder, tmp_path / "out", "f32")
+    hf = AutoTokenizer.from_pretrained(llama_sp_folder)
+    from_gguf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in SP_TEXTS:
+        assert from_gguf.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
+
+    fields = gguf.GGUFReader(path).fields
+    text = lambda key: bytes(fields[key].parts[-1]).decode()  # noqa: E731
+    assert (text("tokenizer.ggml.model"), text("tokenizer.ggml.pre")) == ("llama", "default")
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    scores = [float(fields["tokenizer.ggml.scores"].parts[i][0]) for i in fields["tokenizer.ggml.scores"].data]
+    types = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(llama_sp_folder / "tokenizer.model"))
+    assert len(tokens) == len(scores) == len(types) == 416
+    assert tokens[:400] == [sp.IdToPiece(i) for i in range(400)]
+    assert scores[3:400] == [sp.GetScore(i) for i in range(3, 400)]
+    T = gguf.TokenType
+    # as llama.cpp's converter does, the tokens the HF tokenizer lists as special added tokens
+    # (<unk> <s> </s>) are CONTROL with score -1000
+    assert types[:3] == [T.CONTROL] * 3 and scores[:3] == [-1000.0] * 3 and types[3:259] == [T.BYTE] * 256
+    assert set(types[259:400]) == {T.NORMAL}
+    assert (tokens[400], types[400], scores[400]) == ("<|im_end|>", T.CONTROL, -1000.0)
+    assert tokens[401:] == [f"[PAD{i}]" for i in range(401, 416)] and set(types[401:]) == {T.UNUSED}
+    assert int(fields["tokenizer.ggml.bos_token_id"].parts[-1][0]) == 1
+    assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == 2
 
 
 def test_pre_tokenizer_hash_rule(tmp_path, qwen2_fp32_ws2):
@@ -345,8 +491,6 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
     from hf_merge.gguf.quant import file_type
     from hf_merge.gguf.tokenizer import load_vocab
 
-    import importlib.util
-
     if importlib.util.find_spec("llama_cpp") is None:  # without llama-cpp-python, k-quants say how to get them
         with pytest.raises(QuantizationError, match="k-quant.*pip install llama-cpp-python.*llama-quantize"):
             file_type("q4_k_m")
@@ -355,7 +499,7 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
     with pytest.raises(MappingError, match="model_type 'gpt2'.*supported: llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         arch_for({"model_type": "gpt2"})
     (tmp_path / "tokenizer.model").write_bytes(b"\x00")
-    with pytest.raises(MappingError, match="SentencePiece"):
+    with pytest.raises(MappingError, match="not a valid SentencePiece model"):
         load_vocab(tmp_path, 128)
     # the CLI: one line, nothing written, and the hash rule without an override
     assert main(["merge", str(qwen2_fp32_ws2.root), str(tmp_path / "x"), "--gguf", "q8_0"]) != 0
@@ -387,3 +531,25 @@ def test_push_gguf_folder(inproc, qwen2_q8, tmp_path):
     assert card.data.library_name == "gguf"
     assert {"gguf", "q8-0", "hf-merge"} <= set(card.data.tags)
     assert f'Llama.from_pretrained(repo_id="tester/tiny-gguf", filename="{qwen2_q8.name}")' in card.text
+
+
+def test_prefetched_keeps_order_and_raises_where_the_source_failed():
+    """The writer's encode-ahead thread: items in order, a failure of the producer raised to the
+    consumer after the items before it, and a consumer that stops early stops the thread."""
+    from hf_merge.gguf.pipeline import prefetched
+
+    def source(fail_at: int | None):
+        for i in range(10):
+            if i == fail_at:
+                raise QuantizationError(f"broken at {i}")
+            yield i
+
+    assert list(prefetched(source(None), depth=2)) == list(range(10))
+    got = []
+    with pytest.raises(QuantizationError, match="broken at 4"):
+        for item in prefetched(source(4)):
+            got.append(item)
+    assert got == [0, 1, 2, 3]
+    early = prefetched(source(None))
+    assert next(early) == 0
+    early.close()  # joins the thread

@@ -6,7 +6,17 @@ special tokens CONTROL, other added tokens USER_DEFINED), merges, special token 
 flags and the chat template (the last three through ``gguf.SpecialVocab``). The pre-tokenizer is
 identified as llama.cpp identifies it: the sha256 of the tokenization of a fixed text, looked up
 in ``pre_tokenizers.json`` (a table taken from llama.cpp's converter); an unknown hash is an error.
-SentencePiece tokenizers are refused with what to do.
+
+SentencePiece tokenizers (Llama-2 style: a ``tokenizer.model`` in the folder) become
+``tokenizer.ggml.model = llama`` as llama.cpp's converter writes them: every piece with its score
+and type (normal, unknown, control, unused, byte) read with the ``sentencepiece`` package, added
+tokens from ``added_tokens.json``, ``tokenizer_config.json``'s ``added_tokens_decoder`` and
+``tokenizer.json``'s ``added_tokens`` (where transformers 5 keeps them; llama.cpp's converter reads
+only the first two, so it misses a token added by transformers 5): control when special, else
+user-defined with ``▁`` written as a space; score -1000), ``[PAD<i>]`` UNUSED entries (score -10000)
+up to the model's vocabulary, pre-tokenizer ``default``, no merges, ``add_space_prefix`` when the
+tokenizer config sets it. A SentencePiece-style ``tokenizer.json`` without its ``tokenizer.model``
+is refused with what to do.
 """
 
 from __future__ import annotations
@@ -69,20 +79,20 @@ class Vocab:
     tokens: list[str]
     types: list[int]
     special: Any  # gguf.SpecialVocab
+    scores: list[float] | None = None  # SentencePiece only
+    add_space_prefix: bool | None = None
 
 
-def _is_sentencepiece(folder: Path) -> bool:
-    if (folder / "tokenizer.model").is_file():
-        return True
-    tj = folder / "tokenizer.json"
-    if tj.is_file():
-        model = json.loads(tj.read_text(encoding="utf-8")).get("model") or {}
-        return model.get("type") == "Unigram" or bool(model.get("byte_fallback"))
-    return False
+def _is_sentencepiece_style(tokenizer) -> bool:
+    """A Unigram model, or BPE with byte fallback (what converting a SentencePiece model gives)."""
+    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    return type(model).__name__ == "Unigram" or bool(getattr(model, "byte_fallback", False))
 
 
 def _looks_special(token: str) -> bool:
-    return token.startswith("<|") and token.endswith("|>")
+    """Added tokens llama.cpp's converter makes CONTROL even when not marked special."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<\uff5c") and token.endswith("\uff5c>")))
 
 
 def load_vocab(folder: Path, vocab_size: int, *, pre_tokenizer: str | None = None) -> Vocab:
@@ -96,12 +106,14 @@ def load_vocab(folder: Path, vocab_size: int, *, pre_tokenizer: str | None = Non
             f"no tokenizer in {folder} (tokenizer.json); llama.cpp needs one inside the GGUF: pass --config DIR "
             "with the base model's config.json and tokenizer files"
         )
-    if _is_sentencepiece(folder):
-        raise MappingError(
-            f"the tokenizer in {folder} is SentencePiece (Llama-2 style); GGUF output supports byte-level BPE "
-            "tokenizers only for now: convert this model with llama.cpp's convert_hf_to_gguf.py"
-        )
+    if (folder / "tokenizer.model").is_file():
+        return sentencepiece_vocab(folder, vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    if _is_sentencepiece_style(tokenizer):
+        raise MappingError(
+            f"the tokenizer in {folder} is SentencePiece-style but its tokenizer.model is missing; llama.cpp needs the "
+            "pieces' scores from it: copy the base model's tokenizer.model into that folder (or pass --config DIR)"
+        )
     vocab: dict[str, int] = tokenizer.get_vocab()
     if max(vocab.values()) >= vocab_size:
         raise MappingError(
@@ -134,10 +146,92 @@ def load_vocab(folder: Path, vocab_size: int, *, pre_tokenizer: str | None = Non
     return Vocab("gpt2", pre, tokens, types, special_vocab)
 
 
+def _load_sentencepiece(path: Path):
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError:
+        raise MappingError(
+            f"{path} is a SentencePiece tokenizer; reading it needs the sentencepiece package: pip install 'hf-merge[gguf]'"
+        ) from None
+    processor = SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(path.read_bytes())  # parses the protobuf only, runs nothing
+    except (RuntimeError, OSError) as e:
+        raise MappingError(f"{path} is not a valid SentencePiece model ({str(e).splitlines()[0][:120]})") from None
+    return processor
+
+
+def _piece_type(processor, i: int) -> "gguf.TokenType":
+    import gguf
+
+    for test, kind in ((processor.IsUnknown, gguf.TokenType.UNKNOWN), (processor.IsControl, gguf.TokenType.CONTROL),
+                       (processor.IsUnused, gguf.TokenType.UNUSED), (processor.IsByte, gguf.TokenType.BYTE)):
+        if test(i):
+            return kind
+    return gguf.TokenType.NORMAL
+
+
+def sentencepiece_vocab(folder: Path, vocab_size: int) -> Vocab:
+    """The ``tokenizer.model`` of ``folder`` (+ its added tokens) as llama.cpp's ``llama`` vocabulary."""
+    import gguf
+
+    processor = _load_sentencepiece(folder / "tokenizer.model")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    types = [int(gguf.TokenType.UNUSED)] * vocab_size
+    if processor.vocab_size() > vocab_size:
+        raise MappingError(
+            f"the SentencePiece model has {processor.vocab_size()} pieces but the model's vocab_size is {vocab_size}; "
+            "pass --config DIR with the tokenizer that belongs to this model"
+        )
+    for i in range(processor.vocab_size()):
+        tokens[i] = processor.IdToPiece(i)
+        scores[i] = processor.GetScore(i)
+        types[i] = int(_piece_type(processor, i))
+    added = {}
+    if (folder / "added_tokens.json").is_file():
+        added = {t: {"content": t, "special": False, "_id": i} for t, i in _read_json(folder / "added_tokens.json").items()}
+    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    decoder = {int(key): entry for key, entry in (config.get("added_tokens_decoder") or {}).items()}
+    if (folder / "tokenizer.json").is_file():  # transformers 5 keeps its added tokens there only
+        for entry in _read_json(folder / "tokenizer.json").get("added_tokens") or []:
+            decoder.setdefault(int(entry["id"]), entry)
+    for key, entry in sorted(decoder.items()):
+        added[f"#{key}"] = {**entry, "_id": key, "_from_config": True}
+    for entry in added.values():
+        i, token = entry["_id"], entry["content"]
+        if not 0 <= i < vocab_size:
+            logger.warning("added token %r has id %d, outside the model's vocabulary of %d; left out", token, i, vocab_size)
+            continue
+        control = entry.get("_from_config") and (entry.get("special") or _looks_special(token))
+        if not control and entry.get("_from_config"):
+            token = token.replace("\u2581", " ")  # llama.cpp expects user-defined tokens pre-normalized
+        tokens[i], scores[i] = token, -1000.0
+        types[i] = int(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
+    space_prefix = config.get("add_prefix_space")
+    special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=vocab_size)
+    return Vocab("llama", "default", tokens, types, special, scores=scores,
+                 add_space_prefix=space_prefix if isinstance(space_prefix, bool) else None)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MappingError(f"{path} is not valid JSON ({str(e)[:120]}); fix or delete it") from None
+    if not isinstance(value, dict):
+        raise MappingError(f"{path} is not a JSON object; fix or delete it")
+    return value
+
+
 def add_to_writer(writer, vocab: Vocab) -> None:
     """Add the ``tokenizer.ggml.*`` keys to a ``gguf.GGUFWriter`` (before its header is written)."""
     writer.add_tokenizer_model(vocab.model)
     writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
     writer.add_token_types(vocab.types)
+    if vocab.add_space_prefix is not None:
+        writer.add_add_space_prefix(vocab.add_space_prefix)
     vocab.special.add_to_gguf(writer, quiet=True)

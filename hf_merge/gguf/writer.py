@@ -2,9 +2,9 @@
 
 Every tensor's GGUF name, type, shape and byte size is planned from the specs alone; the
 ``gguf.GGUFWriter`` then writes the header, the metadata keys and all tensor infos, and the data
-follows tensor by tensor (``write_tensor_data``), each produced as float32 row chunks read from the
-checkpoint, permuted when llama.cpp's RoPE layout needs it, and quantized chunk by chunk. Memory in
-use is one row chunk (about 16 MB of float32) plus its encoded bytes; a tensor that must be permuted
+follows tensor by tensor (``write_tensor_data``), each produced as row chunks read from the
+checkpoint in its stored dtype, permuted when llama.cpp's RoPE layout needs it, and encoded chunk by
+chunk. Memory in use is one row chunk (at most 16 MB as float32) plus its encoded bytes; a tensor that must be permuted
 (attention q / k: rows of whole heads) or whose source cannot give row runs is read whole.
 """
 
@@ -22,6 +22,7 @@ import torch
 from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
 from . import quant
+from .pipeline import prefetched, sync_file
 from .arch import GgufArch, Piece, arch_for, map_names
 from .hparams import add_hparams, head_counts, rope_freqs
 from .tokenizer import Vocab, add_to_writer
@@ -91,15 +92,19 @@ def permute_rows(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weights.reshape(n_heads, 2, rows // n_heads // 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
 
 
-def _float_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray]:
-    """The tensor as 2-D float32 numpy row chunks (rows = the last dim) of at most about
-    ``quant.CHUNK_BYTES``, in file order: each piece in turn (experts in order)."""
+def _row_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[torch.Tensor]:
+    """The tensor as 2-D row chunks (rows = the last dim) in the source's dtype, of at most
+    ``quant.rows_per_chunk`` rows, in file order: each piece in turn (experts in order).
+
+    Rows come from ``read_rows`` in the stored dtype, so a memory-mapped source (FSDP rank files,
+    safetensors) gives zero-copy views and the only conversion is the encoder's own."""
     row_len = t.shape[-1] if len(t.shape) > 1 else 1
     step = quant.rows_per_chunk(row_len)
+    specs = view.specs()
     for piece in t.pieces:
         runs = None
         if t.permute_heads is None and len(t.shape) > 1:
-            runs = view.read_rows(piece.hf_name, torch.float32, max_bytes=quant.CHUNK_BYTES)
+            runs = view.read_rows(piece.hf_name, specs[piece.hf_name].dtype, max_bytes=quant.CHUNK_BYTES)
         if runs is None:
             whole = view.read(piece.hf_name)  # the stored dtype: at most the size of the source tensor
             if t.permute_heads is not None:
@@ -112,14 +117,15 @@ def _float_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray
                 run = run[:, i * width:(i + 1) * width]
             rows = run.reshape(-1, row_len)
             for first in range(0, rows.shape[0], step):
-                yield rows[first:first + step].to(torch.float32).contiguous().numpy()
+                yield rows[first:first + step]
 
 
 class _StreamedTensor:
     """What ``GGUFWriter.write_tensor_data`` needs from an array: ``nbytes`` and ``tofile``.
 
-    ``tofile`` writes the encoded row chunks one after another as they are produced, so the
-    writer's padding and bookkeeping stay the ``gguf`` package's while no whole tensor exists.
+    ``tofile`` writes the encoded row chunks one after another as a thread produces them (one
+    chunk ahead), so the writer's padding and bookkeeping stay the ``gguf`` package's while no
+    whole tensor exists.
     """
 
     def __init__(self, planned: PlannedTensor, chunks: Callable[[], Iterator[np.ndarray]]):
@@ -129,11 +135,24 @@ class _StreamedTensor:
 
     def tofile(self, fout) -> None:
         written = 0
-        for encoded in self._chunks():
+        for encoded in prefetched(self._chunks()):
             encoded.tofile(fout)
             written += encoded.nbytes
         if written != self.nbytes:
             raise RuntimeError(f"{self._planned.gguf_name}: wrote {written} bytes, planned {self.nbytes}")
+
+
+def _encoded(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray]:
+    """The tensor's bytes in GGUF, chunk by chunk. Each chunk stays valid while the next is being
+    produced: a cast that returned its own input (F32 rows written as F32) may point into a read
+    buffer that the next run reuses, so that one is copied."""
+    for rows in _row_chunks(view, t):
+        encoded = quant.encode(rows, t.type_name)
+        storage = rows.untyped_storage()
+        start = encoded.__array_interface__["data"][0]
+        if start < storage.data_ptr() + storage.nbytes() and storage.data_ptr() < start + encoded.nbytes:
+            encoded = encoded.copy()
+        yield encoded
 
 
 def write_file(
@@ -143,9 +162,12 @@ def write_file(
     planned: list[PlannedTensor],
     add_keys: Callable[[Any], None],
     computed: dict[str, np.ndarray] | None = None,
+    *,
+    durable: bool = True,
 ) -> None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
-    then each tensor's data in order (``computed`` holds the few tensors with no pieces)."""
+    then each tensor's data in order (``computed`` holds the few tensors with no pieces). With
+    ``durable`` (not for a temporary file) the file is on disk when this returns."""
     import gguf
 
     writer = gguf.GGUFWriter(path, arch_name)
@@ -162,18 +184,23 @@ def write_file(
             if not t.pieces:  # computed from the config (rope_freqs)
                 chunks = lambda t=t: iter([(computed or {})[t.gguf_name]])  # noqa: E731
             else:
-                chunks = lambda t=t: quant.encode_chunks(_float_chunks(view, t), t.type_name)  # noqa: E731
+                chunks = lambda t=t: _encoded(view, t)  # noqa: E731
             writer.write_tensor_data(_StreamedTensor(t, chunks))
         writer.flush()
+        writer.close()
+        if durable:
+            sync_file(path)
     finally:
         writer.close()
     logger.debug("wrote %s: %d tensors, %d bytes of tensor data", path, len(planned), total_bytes(planned))
 
 
 def write_gguf(
-    view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str
+    view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str,
+    durable: bool = True,
 ) -> list[PlannedTensor]:
-    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan."""
+    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan
+    (``durable``: see :func:`write_file`)."""
     arch = arch_for(config)
     planned = plan_tensors(view, config, arch, ftype)
     freqs = rope_freqs(config)
@@ -184,7 +211,8 @@ def write_gguf(
         add_hparams(writer, arch, config, ftype)
         add_to_writer(writer, vocab)
 
-    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None)
+    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None,
+               durable=durable)
     return planned
 
 

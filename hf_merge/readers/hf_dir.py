@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
 from ..plan import INDEX_NAME
@@ -85,6 +86,27 @@ class HfDirCheckpoint(LazyCheckpoint):
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
         out.copy_(self._where[name].get_tensor(name))
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        """Runs of about ``max_bytes`` rows read with ``get_slice`` (only those rows leave the file),
+        so a consumer of row runs (the GGUF writer) never holds a whole embedding."""
+        spec = self._specs[name]
+        if not spec.shape or spec.shape[0] == 0:
+            return None
+        return self._row_slices(name, spec, dtype, max_bytes)
+
+    def _row_slices(self, name: str, spec: TensorSpec, dtype: torch.dtype, max_bytes: int):
+        rows = self._where[name].get_slice(name)
+        row_bytes = max(1, math.prod(spec.shape[1:]) * max(dtype.itemsize, spec.dtype.itemsize))
+        step = max(1, max_bytes // row_bytes)
+        buf = None
+        for first in range(0, spec.shape[0], step):
+            run = rows[first:first + step]
+            if run.dtype != dtype:  # converted into one reused buffer (the read_rows contract)
+                if buf is None:
+                    buf = torch.empty((min(step, spec.shape[0]),) + tuple(spec.shape[1:]), dtype=dtype)
+                run = buf[: len(run)].copy_(run)
+            yield first, run
 
     def close(self) -> None:
         self._handles.clear()
