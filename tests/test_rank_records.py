@@ -4,21 +4,16 @@ on REAL FSDP2 / distribute_tensor rank files, and a merge never imports ``torch.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import fresh_merge_imports
 from hf_merge.errors import CorruptCheckpointError, UnsafeCheckpointError
 from hf_merge.readers import rank_records
 from hf_merge.readers.rank_records import LocalDTensor, load_rank_records
 from hf_merge.readers.safe_pickle import DTENSOR_FILE, load_rank_file
-
-ROOT = Path(__file__).resolve().parents[1]
 
 LAYOUTS = [
     "qwen2_fp32_ws2",  # FSDP2 fully_shard, Shard(0) on a 1-D mesh
@@ -145,26 +140,8 @@ def test_truncated_rank_file_is_a_typed_error(qwen2_fp32_ws2, tmp_path):
         load_rank_records(src)
 
 
-# A merge in a fresh interpreter; prints which torch.distributed modules it imported. hub_layout is
-# bypassed: its transformers import (which imports torch.distributed.tensor) is branch `moe`'s to cut.
-PROBE = """
-import importlib, json, sys
-hl = importlib.import_module("hf_merge.transforms.hub_layout")
-hl.hub_layout = lambda model, config: (model, [])
-from hf_merge.cli.app import main
-code = main(sys.argv[1:])
-print(json.dumps({"code": code, "dtensor": "torch.distributed.tensor" in sys.modules,
-                  "dcp": "torch.distributed.checkpoint" in sys.modules}))
-"""
-
-
 @pytest.mark.parametrize("name", ["hsdp_fsdp2_ckpt", "qwen2_fp32_ws2"])  # dense (LoRA imports peft)
 def test_merge_does_not_import_torch_distributed_tensor(name, checkpoint, tmp_path):
-    ck = checkpoint(name)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, "merge", str(ck.actor), str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"code": 0, "dtensor": False, "dcp": False}, proc.stderr[-2000:]
+    mods = ["torch.distributed.tensor", "torch.distributed.checkpoint"]
+    result = fresh_merge_imports(["merge", checkpoint(name).actor, tmp_path / "out"], mods)
+    assert result == {"code": 0, **dict.fromkeys(mods, False)}

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .safe_pickle import DTENSOR_FILE, Pair, load_pickle, torch_names
+from .safe_pickle import DTENSOR_FILE, Pair, StandIn, load_pickle, stand_in, torch_names
 from .torch_zip import read_records
 
 __all__ = ["LocalDTensor", "Placement", "load_rank_records"]
@@ -41,46 +41,17 @@ _DT = "torch.distributed.tensor"
 # --------------------------------------------------------------------------------------------
 
 
-class _StandIn:
-    """An object of an allowlisted class, as data: ``args`` from NEWOBJ, ``state`` from BUILD."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_StandIn":
-        obj = object.__new__(cls)
-        obj.__dict__.update(args=args, kwargs=kwargs, state={})
-        return obj
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
-            merged: dict = {}
-            for part in state:
-                if part is not None and not isinstance(part, dict):
-                    raise TypeError(f"{type(self).__name__} state holds a {type(part).__name__}")
-                merged.update(part or {})
-            state = merged
-        if not isinstance(state, dict):
-            raise TypeError(f"{type(self).__name__} state is a {type(state).__name__}, not a dict")
-        self.__dict__["state"] = {**self.__dict__["state"], **state}
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.__dict__["state"].get(key, default)
-
-
-def _stand_in(module: str, name: str) -> type:
-    """A :class:`_StandIn` subclass named like the class it stands for (so refusals name it)."""
-    return type(name, (_StandIn,), {"__qualname__": f"{module}.{name}", "__module__": __name__})
-
-
-_DTensorClass = _stand_in(_DT, "DTensor")
-_Spec = _stand_in(f"{_DT}._dtensor_spec", "DTensorSpec")
-_TensorMeta = _stand_in(f"{_DT}._dtensor_spec", "TensorMeta")
-_ShardOrderEntry = _stand_in(f"{_DT}._dtensor_spec", "ShardOrderEntry")
-_Shard = _stand_in(f"{_DT}.placement_types", "Shard")
-_Replicate = _stand_in(f"{_DT}.placement_types", "Replicate")
-_Partial = _stand_in(f"{_DT}.placement_types", "Partial")
-_StridedShard = _stand_in(f"{_DT}.placement_types", "_StridedShard")
-_Mesh = _stand_in("torch.distributed.device_mesh", "DeviceMesh")
-_MeshLayout = _stand_in("torch.distributed._mesh_layout", "_MeshLayout")
-_FlatLayout = _stand_in("torch.distributed._mesh_layout", "_FlatLayout")
+_DTensorClass = stand_in(_DT, "DTensor")
+_Spec = stand_in(f"{_DT}._dtensor_spec", "DTensorSpec")
+_TensorMeta = stand_in(f"{_DT}._dtensor_spec", "TensorMeta")
+_ShardOrderEntry = stand_in(f"{_DT}._dtensor_spec", "ShardOrderEntry")
+_Shard = stand_in(f"{_DT}.placement_types", "Shard")
+_Replicate = stand_in(f"{_DT}.placement_types", "Replicate")
+_Partial = stand_in(f"{_DT}.placement_types", "Partial")
+_StridedShard = stand_in(f"{_DT}.placement_types", "_StridedShard")
+_Mesh = stand_in("torch.distributed.device_mesh", "DeviceMesh")
+_MeshLayout = stand_in("torch.distributed._mesh_layout", "_MeshLayout")
+_FlatLayout = stand_in("torch.distributed._mesh_layout", "_FlatLayout")
 _CLASSES = (_DTensorClass, _Spec, _TensorMeta, _ShardOrderEntry, _Shard, _Replicate, _Partial, _StridedShard, _Mesh, _MeshLayout, _FlatLayout)
 
 _PLACEMENT_KINDS: dict[type, str] = {_Shard: "Shard", _Replicate: "Replicate", _Partial: "Partial", _StridedShard: "_StridedShard"}
@@ -150,7 +121,7 @@ def _rebuild_wrapper(cls: Any, dtype: Any, size: Any, *_rest: Any) -> _WrapperRe
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> _DTensorRecord:
     if func is not _rebuild_wrapper or new_type is not _DTensorClass or not isinstance(args, tuple):
         raise TypeError("a tensor subclass other than DTensor, or a DTensor rebuilt another way")
-    attrs = _StandIn.__new__(_StandIn)
+    attrs = StandIn()
     attrs.__setstate__(state)
     return _DTensorRecord(func(*args), attrs.__dict__["state"])
 

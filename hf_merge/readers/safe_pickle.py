@@ -497,3 +497,45 @@ def load_rank_file(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{path.name} holds a {type(state).__name__}, not a state dict")
     return state
+
+
+# --------------------------------------------------------------------------------------------
+# Inert stand-ins: substitutes for allowlisted classes that record what the pickle gave them
+# --------------------------------------------------------------------------------------------
+
+
+class StandIn:
+    """An object of an allowlisted class, as data: ``args`` from ``NEWOBJ``, ``state`` from
+    ``BUILD`` (a dict, or ``(dict state, slots state)``). Fields read as attributes or by
+    :meth:`get`; nothing of the class it stands for runs."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StandIn":
+        obj = object.__new__(cls)
+        obj.__dict__.update(args=args, kwargs=kwargs, state={})
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:
+            merged: dict = {}
+            for part in state:
+                if part is not None and not isinstance(part, dict):
+                    raise TypeError(f"{type(self).__qualname__} state holds a {type(part).__name__}")
+                merged.update(part or {})
+            state = merged
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise TypeError(f"{type(self).__qualname__} state is a {type(state).__name__}, not a dict of fields")
+        self.__dict__["state"] = {**self.__dict__["state"], **state}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.__dict__["state"].get(key, default)
+
+    def __getattr__(self, name: str) -> Any:
+        state = self.__dict__.get("state", {})
+        if name in state:
+            return state[name]
+        raise AttributeError(name)
+
+
+def stand_in(module: str, name: str, base: type = StandIn) -> type:
+    """A :class:`StandIn` subclass named ``module.name`` (so a refusal names the real class)."""
+    return type(name, (base,), {"__qualname__": f"{module}.{name}", "__module__": __name__})
