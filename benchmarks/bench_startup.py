@@ -10,7 +10,7 @@ environment (users get ``.pyc`` files) after one warm-up run; runs of this tree 
 (another checkout, e.g. the branch before a change) alternate, so both see the same load. Also
 timed: ``python -c "import torch"`` (the floor every merge pays). ``--no-hub-layout`` bypasses
 ``hf_merge.transforms.hub_layout`` (whose transformers import is another change), to show the
-rest. Prints the median and min wall per tree, the load average, and which heavy modules the
+rest. Prints the median and min wall and CPU time per tree, the load average, and which heavy modules the
 merge imported.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,8 @@ if {no_hub}:
     hl.hub_layout = lambda model, config: (model, [])
 from hf_merge.cli.app import main
 code = main(sys.argv[1:])
-print(json.dumps({{"code": code, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
+import hf_merge
+print(json.dumps({{"code": code, "tree": hf_merge.__file__, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
 """
 
 
@@ -48,13 +50,18 @@ def _env(tree: Path) -> dict[str, str]:
     return env
 
 
-def _once(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+def _once(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """``(wall s, CPU s (user + system of the child), stdout)``."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    # cwd "/": ``python -c`` puts the working directory first on sys.path, before PYTHONPATH's tree
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd="/")
     wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:4])} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return wall, proc.stdout
+    return wall, cpu, proc.stdout
 
 
 def main() -> None:
@@ -68,21 +75,31 @@ def main() -> None:
     code = RUN.format(no_hub=args.no_hub_layout, heavy=HEAVY)
     out = Path(tempfile.mkdtemp(prefix="bench-startup-")) / "out"
     walls: dict[str, list[float]] = {name: [] for name in [*trees, "import torch"]}
+    cpus: dict[str, list[float]] = {name: [] for name in walls}
     heavy: dict[str, list[str]] = {}
     load0 = os.getloadavg()
     for i in range(args.runs + 1):  # run 0: warm-up (writes .pyc files, warms the page cache)
         for name, tree in trees.items():
-            wall, stdout = _once([sys.executable, "-c", code, "merge", str(args.ckpt), str(out), "--overwrite"], _env(tree))
-            heavy[name] = json.loads(stdout.strip().splitlines()[-1])["heavy"]
+            wall, cpu, stdout = _once([sys.executable, "-c", code, "merge", str(args.ckpt), str(out), "--overwrite"], _env(tree))
+            report = json.loads(stdout.strip().splitlines()[-1])
+            if not report["tree"].startswith(str(tree)):
+                raise SystemExit(f"{name} ran {report['tree']}, not the tree {tree}")
+            heavy[name] = report["heavy"]
             if i:
                 walls[name].append(wall)
-        wall, _ = _once([sys.executable, "-c", "import torch"], _env(HERE))
+                cpus[name].append(cpu)
+        wall, cpu, _ = _once([sys.executable, "-c", "import torch"], _env(HERE))
         if i:
             walls["import torch"].append(wall)
+            cpus["import torch"].append(cpu)
     load1 = os.getloadavg()
     print(f"load average {load0[0]:.2f} -> {load1[0]:.2f} (1 min); {args.runs} runs each, after one warm-up")
     for name, w in walls.items():
-        print(f"{name:>12}: median {statistics.median(w):.3f} s, min {min(w):.3f} s  ({' '.join(f'{x:.2f}' for x in w)})")
+        c = cpus[name]
+        print(
+            f"{name:>12}: wall median {statistics.median(w):.3f} s, min {min(w):.3f} s | CPU (user+sys) median "
+            f"{statistics.median(c):.3f} s, min {min(c):.3f} s  (walls {' '.join(f'{x:.2f}' for x in w)})"
+        )
     for name, mods in heavy.items():
         print(f"{name:>12} imported: {', '.join(mods) or '-'}")
 

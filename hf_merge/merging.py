@@ -21,6 +21,7 @@ from .hub import push, write_card
 from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_target
 from .errors import HfMergeError, HubError
 from .plan import parse_size, plan_shards
+from .preload import preload
 from .spec import dtype_name, parse_dtype
 from .transforms import Cast, drop_tied
 from .verification import verify_or_raise
@@ -260,6 +261,7 @@ def merge(
                 result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
             )
     prepared = prepare()
+    card_imports = preload()  # the card's imports, while the weights are written
     try:
         with atomic_folder(target, overwrite=replace) as tmp:
             digests = None
@@ -267,6 +269,7 @@ def merge(
                 digests = write_shards(
                     prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums
                 )
+            card_imports.join()
             finish(prepared, tmp, digests)
     finally:
         prepared.ckpt.close()
