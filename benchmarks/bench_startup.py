@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The fixed (size-independent) cost of a merge: fresh-interpreter wall time of a tiny merge.
 
-    python benchmarks/bench_startup.py CKPT [--runs 7] [--ref OTHER_TREE] [--no-hub-layout]
+    python benchmarks/bench_startup.py CKPT [--runs 7] [--ref OTHER_TREE] [--no-hub-layout] [--merge-args ARGS]
 
 ``CKPT`` is a tiny verl FSDP checkpoint (e.g. ``python examples/make_fsdp_checkpoint.py /tmp/tiny``
 or a test fixture under ``$HF_MERGE_FIXTURE_CACHE``). Each run is ``python -m hf_merge merge CKPT
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--ref", type=Path, default=None, help="another checkout to time alternately (before/after)")
     ap.add_argument("--no-hub-layout", action="store_true")
+    ap.add_argument("--merge-args", default="", help='more merge arguments, one string (e.g. "--config DIR")')
     args = ap.parse_args()
     trees = {"this": HERE} | ({"ref": args.ref.resolve()} if args.ref else {})
     code = RUN.format(no_hub=args.no_hub_layout, heavy=HEAVY)
@@ -80,7 +82,7 @@ def main() -> None:
     load0 = os.getloadavg()
     for i in range(args.runs + 1):  # run 0: warm-up (writes .pyc files, warms the page cache)
         for name, tree in trees.items():
-            wall, cpu, stdout = _once([sys.executable, "-c", code, "merge", str(args.ckpt), str(out), "--overwrite"], _env(tree))
+            wall, cpu, stdout = _once([sys.executable, "-c", code, "merge", str(args.ckpt), str(out), "--overwrite", *shlex.split(args.merge_args)], _env(tree))
             report = json.loads(stdout.strip().splitlines()[-1])
             if not report["tree"].startswith(str(tree)):
                 raise SystemExit(f"{name} ran {report['tree']}, not the tree {tree}")
