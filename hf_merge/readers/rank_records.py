@@ -203,6 +203,7 @@ class _Mapped:
         self.path, self.records, self.prefix, self.where = path, records, prefix, where
         self._whole: torch.UntypedStorage | None = None
         self._storages: dict[str, torch.UntypedStorage] = {}
+        self.meshes: dict[int, tuple[Any, torch.Tensor]] = {}  # id(mesh stand-in) -> (it, ranks): one per file
 
     def storage(self, s: _Storage) -> torch.UntypedStorage:
         if s.key not in self._storages:
@@ -259,6 +260,14 @@ def _mesh_tensor(mesh: _Mesh, mapped: _Mapped) -> torch.Tensor:
     return ranks[offsets]
 
 
+def _cached_mesh(mesh: Any, mapped: _Mapped) -> torch.Tensor:
+    """The pickle memoizes one DeviceMesh for every DTensor of a file: compute its ranks once."""
+    hit = mapped.meshes.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        hit = mapped.meshes[id(mesh)] = (mesh, _mesh_tensor(mesh, mapped))
+    return hit[1]
+
+
 def _flat(value: Any) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
@@ -297,7 +306,7 @@ def _dtensor(rec: _DTensorRecord, mapped: _Mapped) -> LocalDTensor:
         dtype=rec.wrapper.dtype,
         _local_tensor=mapped.tensor(local),
         placements=tuple(_placement(p) for p in placements),
-        mesh=_mesh_tensor(mesh, mapped),
+        mesh=_cached_mesh(mesh, mapped),
         mesh_dim_names=tuple(names) if isinstance(names, (tuple, list)) else None,
         meta_shape=meta_shape,
     )

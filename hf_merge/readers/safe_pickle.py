@@ -24,7 +24,10 @@ API (what readers call; allowlists are data, combined with ``|``):
   ``torch.save`` zip whose records were first checked (:mod:`hf_merge.readers.torch_zip`) and
   whose ``data.pkl`` passed :func:`scan_pickle` under ``allow``; torch's own restricted
   unpickler then loads it with the same pairs registered.
-- :func:`load_rank_file` is ``torch_load`` with :data:`DTENSOR_FILE` (verl FSDP rank files).
+- :func:`load_rank_file` is ``torch_load`` with :data:`DTENSOR_FILE` (torch's own DTensors; the FSDP
+  reader interprets rank files with stand-ins instead: :mod:`hf_merge.readers.rank_records`).
+- :class:`StandIn` / :func:`stand_in`: inert substitutes for allowlisted classes (they record
+  NEWOBJ arguments and BUILD state; nothing of the real class runs).
 
 Allowlists: :data:`TORCH_NAMES` (dtypes, layouts, memory formats, legacy storage classes: names
 only), :data:`TENSOR_FILE` (plain tensors and state dicts), :data:`DTENSOR_FILE` (DTensor state
