@@ -21,6 +21,7 @@ from .hub import push, write_card
 from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_target
 from .errors import HfMergeError, HubError
 from .plan import parse_size, plan_shards
+from .preload import preload
 from .spec import dtype_name, parse_dtype
 from .transforms import Cast, drop_tied
 from .verification import verify_or_raise
@@ -266,12 +267,14 @@ def merge(
     # run on the same target is refused at once rather than after this one's reading.
     with atomic_folder(target, overwrite=replace) as tmp:
         prepared = prepare()
+        card_imports = preload()  # the card's imports, while the weights are written
         try:
             digests = None
             if prepared.model_plan is not None:
                 digests = write_shards(
                     prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums
                 )
+            card_imports.join()
             finish(prepared, tmp, digests)
         finally:
             prepared.ckpt.close()

@@ -127,3 +127,25 @@ def no_leftovers(target: Path) -> bool:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# A merge in a fresh interpreter, reporting which optional heavy modules it imported. hub_layout
+# is bypassed: its transformers import (which imports torch.distributed.tensor) is cut elsewhere.
+_FRESH_MERGE = """
+import importlib, json, sys
+hl = importlib.import_module("hf_merge.transforms.hub_layout")
+hl.hub_layout = lambda model, config: (model, [])
+from hf_merge.cli.app import main
+code = main(sys.argv[2:])
+print(json.dumps({"code": code, **{m: m in sys.modules for m in sys.argv[1].split(",")}}))
+"""
+
+
+def fresh_merge_imports(argv: list[str], modules: list[str]) -> dict:
+    """Run ``hf-merge ARGV`` in a new interpreter: ``{"code": exit code, module: imported?}``."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH_MERGE, ",".join(modules), *map(str, argv)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.stdout.strip(), proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

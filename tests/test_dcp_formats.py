@@ -24,7 +24,7 @@ from hf_merge.errors import MappingError, MissingConfigError
 from hf_merge.provenance import Provenance
 from hf_merge.transforms.name_table import NameRule, NameTable, NameTableView, rope_source_rows
 
-from helpers import assert_tensors_equal, folder_tensors, model_logits, read_json
+from helpers import assert_tensors_equal, folder_tensors, fresh_merge_imports, model_logits, read_json
 
 GENERATOR = Path(__file__).resolve().parents[1] / "examples" / "make_dcp_checkpoints.py"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -260,3 +260,48 @@ def test_lora_adapter_passes_the_row_path_through(lora_ckpt):
             want = adapter.read(name)
             assert ckpt.read_rows(adapter._table[name], want.dtype) is not None
             assert torch.equal(_rows(adapter, name, want.dtype), want)
+
+
+# --------------------------------------------------------------------------------------------
+# .metadata through stand-ins (readers/dcp_metadata.py) == through torch's own classes
+# --------------------------------------------------------------------------------------------
+
+
+def _torch_metadata(path: Path):
+    import torch.distributed.checkpoint  # noqa: F401  (torch's classes, as before the stand-ins)
+
+    from hf_merge.readers.safe_pickle import DCP_METADATA, load_pickle
+
+    return load_pickle((Path(path) / ".metadata").read_bytes(), DCP_METADATA, ".metadata")
+
+
+def _dcp_view(path: Path):
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    ck = DcpCheckpoint(path)
+    try:
+        return ck.specs(), ck._chunks, ck.byte_keys()
+    finally:
+        ck.close()
+
+
+def test_metadata_stand_ins_equal_torchs_objects(dcp_root, megatron_root, monkeypatch):
+    """Every real .metadata (accelerate, torchtitan, torch DCP, Megatron-Core dist checkpoints with
+    planner data and byte entries) gives the same specs, chunks and byte keys both ways."""
+    from hf_merge.readers import dcp
+
+    dirs = sorted({p.parent for root in (dcp_root, megatron_root) for p in root.rglob(".metadata")})
+    assert len(dirs) >= 8
+    ours = {d: _dcp_view(d) for d in dirs}
+    monkeypatch.setattr(dcp, "load_dcp_metadata", _torch_metadata)
+    for d in dirs:
+        specs, chunks, byte_keys = _dcp_view(d)
+        assert (specs, chunks, byte_keys) == ours[d], d
+        assert specs or byte_keys
+
+
+def test_dcp_merge_does_not_import_torch_distributed_checkpoint(dcp_root, tmp_path):
+    src = dcp_root / "accelerate" / "ckpt"
+    argv = ["merge", src, tmp_path / "out", "--config", dcp_root / "accelerate" / "config"]
+    mods = ["torch.distributed.checkpoint", "torch.distributed.tensor"]
+    assert fresh_merge_imports(argv, mods) == {"code": 0, **dict.fromkeys(mods, False)}

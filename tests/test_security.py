@@ -335,11 +335,16 @@ def megatron_copy(megatron_v1, tmp_path):
     return src
 
 
-def test_overlapping_dcp_chunks_that_add_up_are_refused_before_reading(megatron_copy, tmp_path, capsys):
-    from hf_merge.readers.dcp import load_dcp_metadata
+def _torch_dcp_metadata(dist):
+    """The ``.metadata`` as torch's own objects (hf_merge reads it into stand-ins), to damage and re-pickle."""
+    import torch.distributed.checkpoint  # noqa: F401
 
+    return sp.load_pickle((dist / ".metadata").read_bytes(), sp.DCP_METADATA, ".metadata")
+
+
+def test_overlapping_dcp_chunks_that_add_up_are_refused_before_reading(megatron_copy, tmp_path, capsys):
     dist = megatron_copy / "dist_ckpt"
-    md = load_dcp_metadata(dist)
+    md = _torch_dcp_metadata(dist)
     key, entry = next((k, e) for k, e in md.state_dict_metadata.items() if len(getattr(e, "chunks", ())) >= 2)
     moved = entry.chunks[1]
     old_index = next(i for i in md.storage_data if i.fqn == key and tuple(i.offset) == tuple(moved.offsets))
@@ -702,11 +707,9 @@ def test_fuzz_findings_are_typed_errors(megatron_copy, capsys):
     """Found by the 10-minute fuzz run: a metadata object missing a field, a non-list architectures."""
     import json
 
-    from hf_merge.readers.dcp import load_dcp_metadata
-
     dist = megatron_copy / "dist_ckpt"
     pristine = (dist / ".metadata").read_bytes()
-    md = load_dcp_metadata(dist)
+    md = _torch_dcp_metadata(dist)
     chunk = next(e for e in md.state_dict_metadata.values() if hasattr(e, "chunks")).chunks[0]
     object.__delattr__(chunk, "offsets")
     (dist / ".metadata").write_bytes(pickle.dumps(md))

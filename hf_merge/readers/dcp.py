@@ -54,6 +54,7 @@ from ..errors import (
 )
 from ..spec import TensorSpec, c_contiguous
 from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, torch_names
+from .dcp_metadata import metadata_substitutes
 from .torch_zip import Window, read_records
 
 METADATA_FILE = ".metadata"
@@ -72,14 +73,13 @@ def is_dcp_dir(path: Path) -> bool:
 # --------------------------------------------------------------------------------------------
 
 def load_dcp_metadata(path: Path) -> Any:
-    """Unpickle ``<path>/.metadata`` under :data:`~hf_merge.readers.safe_pickle.DCP_METADATA`."""
+    """Unpickle ``<path>/.metadata`` under :data:`~hf_merge.readers.safe_pickle.DCP_METADATA`, its
+    classes as inert stand-ins (:mod:`~hf_merge.readers.dcp_metadata`; no torch.distributed import)."""
     meta_path = Path(path) / METADATA_FILE
     if not meta_path.is_file():
         raise SourceNotFoundError(f"{path}: no {METADATA_FILE} file; not a torch.distributed.checkpoint folder")
-    import torch.distributed.checkpoint  # noqa: F401  (the metadata classes live there)
-
     with open(meta_path, "rb") as f:
-        md = load_pickle(f, DCP_METADATA, str(meta_path))
+        md = load_pickle(f, DCP_METADATA, str(meta_path), substitutes=metadata_substitutes())
     if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
         raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__})")
     return md

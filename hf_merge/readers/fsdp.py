@@ -31,7 +31,7 @@ from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedChe
 from ..formats import SourceFormat
 from ..spec import TensorSpec
 from ..hf_files import checkpoint_side_dir
-from .safe_pickle import load_rank_file
+from .rank_records import LocalDTensor, load_rank_records
 
 logger = logging.getLogger(__name__)
 
@@ -171,14 +171,11 @@ def _chunk_range(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(start + step, hi)
 
 
-def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piece, ...], str, tuple[tuple[int, int], ...]]:
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh = value.device_mesh
-    ranks = mesh.mesh  # tensor of global ranks, one axis per mesh dim
+def _dtensor_pieces(name: str, value: LocalDTensor, world_size: int) -> tuple[tuple[_Piece, ...], str, tuple[tuple[int, int], ...]]:
+    ranks = value.mesh  # tensor of global ranks, one axis per mesh dim
     placements = tuple(value.placements)
     for p in placements:
-        if type(p) not in (Shard, Replicate):
+        if p.kind not in ("Shard", "Replicate"):
             raise UnsupportedCheckpointError(
                 f"{name} has placement {p!r}; only Shard and Replicate are supported "
                 "(a Partial tensor is not reduced yet; _StridedShard comes from FSDP+TP and needs the TP layout)"
@@ -188,20 +185,20 @@ def _dtensor_pieces(name: str, value: Any, world_size: int) -> tuple[tuple[_Piec
             f"{name}: device mesh {tuple(ranks.shape)} has {ranks.numel()} ranks but the world size is {world_size}"
         )
     shape = tuple(value.shape)
-    if len(placements) != ranks.dim() or any(isinstance(p, Shard) and not 0 <= p.dim < len(shape) for p in placements):
+    if len(placements) != ranks.dim() or any(p.kind == "Shard" and not 0 <= p.dim < len(shape) for p in placements):
         raise CorruptCheckpointError(
             f"{name}: placements {placements} do not fit its {len(shape)}-D shape on a {ranks.dim()}-D device mesh"
         )
     pieces, replicas = [], []
     for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape]).reshape(-1, ranks.dim()).tolist():
-        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord)):
+        if any(p.kind == "Replicate" and c != 0 for p, c in zip(placements, coord)):
             # another replica of a piece read from coordinate 0 (verify checks that they agree)
-            primary = [0 if isinstance(p, Replicate) else c for p, c in zip(placements, coord)]
+            primary = [0 if p.kind == "Replicate" else c for p, c in zip(placements, coord)]
             replicas.append((int(ranks[tuple(coord)]), int(ranks[tuple(primary)])))
             continue
         bounds = [(0, n) for n in shape]
         for mesh_dim, (p, c) in enumerate(zip(placements, coord)):
-            if isinstance(p, Shard):
+            if p.kind == "Shard":
                 lo, hi = bounds[p.dim]
                 bounds[p.dim] = _chunk_range(lo, hi, ranks.shape[mesh_dim], c)
         rank = int(ranks[tuple(coord)])
@@ -257,7 +254,7 @@ class FsdpCheckpoint(LazyCheckpoint):
     def _state(self, rank: int) -> dict[str, Any]:
         if rank not in self._states:
             path = self.folder / rank_file_name(self.world_size, rank)
-            self._states[rank] = load_rank_file(path)
+            self._states[rank] = load_rank_records(path)
             # copy its tensors through the file, not its pages (the states keep the mapping alive)
             with _malformed(path.name, None):  # a damaged storage record fails here, not later
                 tensors = [t for t in map(_local, self._states[rank].values()) if isinstance(t, torch.Tensor)]
@@ -268,15 +265,12 @@ class FsdpCheckpoint(LazyCheckpoint):
         return self._states[rank]
 
     def _layout(self, name: str, value: Any, mesh_info: dict[str, Any]) -> _Layout:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
-            meta = value._spec.tensor_meta
-            if meta is not None and tuple(meta.shape) != tuple(value.shape):
-                raise CorruptCheckpointError(f"{name}: DTensor shape {tuple(value.shape)} != its spec {tuple(meta.shape)}")
+        if isinstance(value, LocalDTensor):
+            if value.meta_shape is not None and value.meta_shape != tuple(value.shape):
+                raise CorruptCheckpointError(f"{name}: DTensor shape {tuple(value.shape)} != its spec {value.meta_shape}")
             pieces, placements, replicas = _dtensor_pieces(name, value, self.world_size)
-            mesh_info.setdefault("mesh", list(value.device_mesh.mesh.shape))
-            mesh_info.setdefault("names", list(value.device_mesh.mesh_dim_names or ()))
+            mesh_info.setdefault("mesh", list(value.mesh.shape))
+            mesh_info.setdefault("names", list(value.mesh_dim_names or ()))
             spec = TensorSpec(name, tuple(value.shape), value.dtype)
         elif isinstance(value, torch.Tensor):
             # Plain tensors: the whole tensor at world size 1, or a buffer replicated on every rank.

@@ -31,7 +31,10 @@ API (what readers call; allowlists are data, combined with ``|``):
   ``torch.save`` zip whose records were first checked (:mod:`hf_merge.readers.torch_zip`) and
   whose ``data.pkl`` passed :func:`scan_pickle` under ``allow``; torch's own restricted
   unpickler then loads it with the same pairs registered.
-- :func:`load_rank_file` is ``torch_load`` with :data:`DTENSOR_FILE` (verl FSDP rank files).
+- :func:`load_rank_file` is ``torch_load`` with :data:`DTENSOR_FILE` (torch's own DTensors; the FSDP
+  reader interprets rank files with stand-ins instead: :mod:`hf_merge.readers.rank_records`).
+- :class:`StandIn` / :func:`stand_in`: inert substitutes for allowlisted classes (they record
+  NEWOBJ arguments and BUILD state; nothing of the real class runs).
 
 Allowlists: :data:`TORCH_NAMES` (dtypes, layouts, memory formats, legacy storage classes: names
 only), :data:`TENSOR_FILE` (plain tensors and state dicts), :data:`DTENSOR_FILE` (DTensor state
@@ -429,15 +432,15 @@ class _CScan(pickle.Unpickler):
 class _CLoad(pickle.Unpickler):
     """C pickle for real, after :class:`_CScan` passed the same bytes: exact pairs only."""
 
-    def __init__(self, file: IO[bytes], allow: Allowlist):
+    def __init__(self, file: IO[bytes], allow: Allowlist, substitutes: Mapping[Pair, Any] | None = None):
         super().__init__(file)
-        self._allow = allow
+        self._allow, self._substitutes = allow, substitutes or {}
 
     def find_class(self, module: str, name: str) -> Any:
         pair = (module, name)
         if not isinstance(module, str) or not isinstance(name, str) or "." in name or pair not in self._allow.pairs():
             raise _Refused()
-        obj = vars(importlib.import_module(module))[name]
+        obj = self._substitutes[pair] if pair in self._substitutes else vars(importlib.import_module(module))[name]
         if pair in self._allow.classes and not isinstance(obj, type):
             raise _Refused()
         return obj
@@ -503,7 +506,7 @@ def _only_allowed_opcodes(data: bytes) -> bool:
     return False
 
 
-def _fast_load(data: bytes, allow: Allowlist) -> Any:
+def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | None = None) -> Any:
     """Unpickle ``data`` with C pickle if the policy allows all of it; raise :class:`_Refused` (or
     anything) otherwise, and the caller runs the pure-Python machine, which decides and says why.
 
@@ -511,12 +514,13 @@ def _fast_load(data: bytes, allow: Allowlist) -> Any:
     (``INST``/``OBJ``/``EXT*``, persistent ids); (2) C pickle with every global an inert stand-in
     that checks each ``REDUCE`` against ``calls``, ``NEWOBJ`` against ``classes`` and ``BUILD``
     against instances of ``classes``, and refuses filling a class: the stack of (3) holds, slot for
-    slot, the real objects of these stand-ins, so (3) calls and fills only what (2) checked.
+    slot, the real objects of these stand-ins, so (3) calls and fills only what (2) checked
+    (or the caller's inert ``substitutes`` for them).
     """
     if not _only_allowed_opcodes(data):
         raise _Refused()
     _CScan(io.BytesIO(data), allow).load()
-    return _CLoad(io.BytesIO(data), allow).load()
+    return _CLoad(io.BytesIO(data), allow, substitutes).load()
 
 
 def load_pickle(
@@ -540,11 +544,11 @@ def load_pickle(
         UnsafeCheckpointError: the pickle asks for anything the policy refuses (nothing ran).
         CorruptCheckpointError: the pickle is truncated or malformed.
     """
-    if substitutes is None and persistent_load is None:  # plain pickles (.metadata): the fast path first
+    if persistent_load is None:  # plain pickles (.metadata): the fast path first
         data = bytes(file) if isinstance(file, (bytes, bytearray, memoryview)) else file.read()
         file = data
         try:
-            return _fast_load(data, allow | _names())
+            return _fast_load(data, allow | _names(), substitutes)
         except Exception:  # noqa: BLE001 - refused, malformed or failing: the pure machine decides
             pass
     f = io.BytesIO(file) if isinstance(file, (bytes, bytearray, memoryview)) else file
@@ -670,3 +674,45 @@ def load_rank_file(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{path.name} holds a {type(state).__name__}, not a state dict")
     return state
+
+
+# --------------------------------------------------------------------------------------------
+# Inert stand-ins: substitutes for allowlisted classes that record what the pickle gave them
+# --------------------------------------------------------------------------------------------
+
+
+class StandIn:
+    """An object of an allowlisted class, as data: ``args`` from ``NEWOBJ``, ``state`` from
+    ``BUILD`` (a dict, or ``(dict state, slots state)``). Fields read as attributes or by
+    :meth:`get`; nothing of the class it stands for runs."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StandIn":
+        obj = object.__new__(cls)
+        obj.__dict__.update(args=args, kwargs=kwargs, state={})
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:
+            merged: dict = {}
+            for part in state:
+                if part is not None and not isinstance(part, dict):
+                    raise TypeError(f"{type(self).__qualname__} state holds a {type(part).__name__}")
+                merged.update(part or {})
+            state = merged
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise TypeError(f"{type(self).__qualname__} state is a {type(state).__name__}, not a dict of fields")
+        self.__dict__["state"] = {**self.__dict__["state"], **state}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.__dict__["state"].get(key, default)
+
+    def __getattr__(self, name: str) -> Any:
+        state = self.__dict__.get("state", {})
+        if name in state:
+            return state[name]
+        raise AttributeError(name)
+
+
+def stand_in(module: str, name: str, base: type = StandIn) -> type:
+    """A :class:`StandIn` subclass named ``module.name`` (so a refusal names the real class)."""
+    return type(name, (base,), {"__qualname__": f"{module}.{name}", "__module__": __name__})

@@ -1,0 +1,374 @@
+"""verl FSDP rank files read without ``torch.distributed.tensor``: the pickle interpreted, not run.
+
+A rank file is a ``torch.save`` zip whose ``data.pkl`` builds, per key, either a plain tensor
+(``_rebuild_tensor_v2``) or a DTensor (``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor,
+...)`` filled with its ``_local_tensor`` and ``_spec``: device mesh, placements, tensor meta).
+Letting torch build real DTensors imports ``torch.distributed.tensor`` (~0.4 s, its op registry).
+The merge only needs what the pickle *says*, so it is read here with the package's one pickle
+policy (:func:`~hf_merge.readers.safe_pickle.load_pickle` under
+:data:`~hf_merge.readers.safe_pickle.DTENSOR_FILE`), with every DTensor-related pair bound to an
+inert stand-in that records its arguments and state, and every rebuild function bound to a
+recorder. Nothing from the file is called; torch is used only for dtypes, ``torch.Size`` and
+``torch.device`` (allowlisted) and, afterwards, by this module to view the memory-mapped storages
+(exactly what ``torch.load(mmap=True)`` does: one private mapping of the file, each storage a
+slice of it at its zip record's offset, each tensor ``set_`` on it after its extent is checked).
+
+:func:`load_rank_records` returns ``{key: torch.Tensor | LocalDTensor}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .safe_pickle import DTENSOR_FILE, Pair, StandIn, load_pickle, stand_in, torch_names
+from .torch_zip import read_records
+
+__all__ = ["LocalDTensor", "Placement", "load_rank_records"]
+
+_DT = "torch.distributed.tensor"
+
+
+# --------------------------------------------------------------------------------------------
+# Stand-ins: created by NEWOBJ, filled by BUILD; they keep what the pickle gave and run nothing
+# --------------------------------------------------------------------------------------------
+
+
+_DTensorClass = stand_in(_DT, "DTensor")
+_Spec = stand_in(f"{_DT}._dtensor_spec", "DTensorSpec")
+_TensorMeta = stand_in(f"{_DT}._dtensor_spec", "TensorMeta")
+_ShardOrderEntry = stand_in(f"{_DT}._dtensor_spec", "ShardOrderEntry")
+_Shard = stand_in(f"{_DT}.placement_types", "Shard")
+_Replicate = stand_in(f"{_DT}.placement_types", "Replicate")
+_Partial = stand_in(f"{_DT}.placement_types", "Partial")
+_StridedShard = stand_in(f"{_DT}.placement_types", "_StridedShard")
+_Mesh = stand_in("torch.distributed.device_mesh", "DeviceMesh")
+_MeshLayout = stand_in("torch.distributed._mesh_layout", "_MeshLayout")
+_FlatLayout = stand_in("torch.distributed._mesh_layout", "_FlatLayout")
+_CLASSES = (_DTensorClass, _Spec, _TensorMeta, _ShardOrderEntry, _Shard, _Replicate, _Partial, _StridedShard, _Mesh, _MeshLayout, _FlatLayout)
+
+_PLACEMENT_KINDS: dict[type, str] = {_Shard: "Shard", _Replicate: "Replicate", _Partial: "Partial", _StridedShard: "_StridedShard"}
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """A persistent id: storage record ``key`` of ``numel`` elements of ``dtype``."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """What a legacy ``torch.<X>Storage`` name stands for in a persistent id: its dtype."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _TensorRecord:
+    """What ``_rebuild_tensor_v2`` would have built: a strided view of one storage."""
+
+    storage: _Storage
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _WrapperRecord:
+    """What ``_rebuild_wrapper_subclass`` would have built: an empty DTensor of the global shape."""
+
+    cls: Any
+    dtype: torch.dtype
+    size: tuple[int, ...]
+
+
+@dataclass
+class _DTensorRecord:
+    wrapper: _WrapperRecord
+    attrs: dict[str, Any]
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{what} is {str(value)[:60]}, not a tuple of integers")
+    return tuple(int(v) for v in value)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *_rest: Any) -> _TensorRecord:
+    if not isinstance(storage, _Storage):
+        raise TypeError(f"tensor storage is a {type(storage).__name__}")
+    if not isinstance(storage_offset, int) or isinstance(storage_offset, bool):
+        raise TypeError(f"storage offset is {str(storage_offset)[:40]}")
+    return _TensorRecord(storage, storage_offset, _ints(size, "tensor size"), _ints(stride, "tensor stride"))
+
+
+def _rebuild_wrapper(cls: Any, dtype: Any, size: Any, *_rest: Any) -> _WrapperRecord:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"DTensor dtype is {str(dtype)[:40]}")
+    return _WrapperRecord(cls, dtype, _ints(size, "DTensor size"))
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> _DTensorRecord:
+    if func is not _rebuild_wrapper or new_type is not _DTensorClass or not isinstance(args, tuple):
+        raise TypeError("a tensor subclass other than DTensor, or a DTensor rebuilt another way")
+    attrs = StandIn()
+    attrs.__setstate__(state)
+    return _DTensorRecord(func(*args), attrs.__dict__["state"])
+
+
+def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
+    return data
+
+
+@functools.cache
+def _substitutes() -> dict[Pair, Any]:
+    subs: dict[Pair, Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+        ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper,
+        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    }
+    for cls in _CLASSES:  # every DTensor-related pair of DTENSOR_FILE (a test checks none is left out)
+        module, _, name = cls.__qualname__.rpartition(".")
+        subs[(module, name)] = cls
+    from torch.storage import _get_dtype_from_pickle_storage_type
+
+    for module, name in torch_names().names:
+        if name.endswith("Storage") and module == "torch":
+            try:
+                subs[(module, name)] = _StorageType(_get_dtype_from_pickle_storage_type(name))
+            except (KeyError, AttributeError, RuntimeError):
+                continue
+    return subs
+
+
+# --------------------------------------------------------------------------------------------
+# What the reader gets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A DTensor placement as pickled: ``kind`` ("Shard", "Replicate", "Partial", "_StridedShard")
+    and its fields; ``repr`` is torch's."""
+
+    kind: str
+    fields: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def dim(self) -> Any:
+        return dict(self.fields).get("dim")
+
+    def __repr__(self) -> str:
+        f = dict(self.fields)
+        if self.kind == "Shard":
+            return f"Shard(dim={f.get('dim')})"
+        if self.kind == "_StridedShard":
+            return f"_StridedShard(dim={f.get('dim')}, sf={f.get('split_factor')})"
+        if self.kind == "Partial":
+            return f"Partial({f.get('reduce_op')})"
+        return "Replicate()"
+
+
+@dataclass
+class LocalDTensor:
+    """One DTensor of a rank file, interpreted: global ``shape`` and ``dtype``, this rank's
+    ``_local_tensor`` (a memory-mapped view), ``placements``, the device ``mesh`` (an int tensor of
+    global ranks, one axis per mesh dimension), ``mesh_dim_names`` and the spec's ``meta_shape``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    _local_tensor: torch.Tensor
+    placements: tuple[Placement, ...]
+    mesh: torch.Tensor
+    mesh_dim_names: tuple[str, ...] | None
+    meta_shape: tuple[int, ...] | None = field(default=None)
+
+
+class _Mapped:
+    """The file mapped once (private, read-only use); storages are slices at their record offsets."""
+
+    def __init__(self, path: Path, records: dict, prefix: str, where: str):
+        self.path, self.records, self.prefix, self.where = path, records, prefix, where
+        self._whole: torch.UntypedStorage | None = None
+        self._storages: dict[str, torch.UntypedStorage] = {}
+        self.meshes: dict[int, tuple[Any, torch.Tensor]] = {}  # id(mesh stand-in) -> (it, ranks): one per file
+
+    def storage(self, s: _Storage) -> torch.UntypedStorage:
+        if s.key not in self._storages:
+            rec = self.records[f"{self.prefix}data/{s.key}"]
+            if self._whole is None:
+                self._whole = torch.UntypedStorage.from_file(str(self.path), False, os.path.getsize(self.path))
+            self._storages[s.key] = self._whole[rec.data_start : rec.data_start + rec.size]
+        return self._storages[s.key]
+
+    def tensor(self, rec: _TensorRecord) -> torch.Tensor:
+        size, stride, offset = rec.size, rec.stride, rec.offset
+        if len(size) != len(stride) or any(n < 0 for n in size) or any(s < 0 for s in stride) or offset < 0:
+            raise ValueError(f"tensor size {list(size)[:8]}, stride {list(stride)[:8]}, offset {offset} is not a valid view")
+        if math.prod(size):
+            end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+            if end > rec.storage.numel:
+                raise ValueError(f"a view up to element {end} of a storage of {rec.storage.numel} elements")
+        t = torch.empty((0,), dtype=rec.storage.dtype)
+        return t.set_(self.storage(rec.storage), offset, size, stride)
+
+
+def _mesh_tensor(mesh: _Mesh, mapped: _Mapped) -> torch.Tensor:
+    """The device mesh's rank tensor: pickled as ``mesh`` (older torch) or as ``_layout`` +
+    ``_rank_map`` (torch >= 2.9: mesh dim ``i`` walks ``_rank_map`` along the ``i``-th axis of the
+    layout, its nested modes row-major, as ``_MeshLayout.remap_to_tensor``)."""
+    full = mesh.get("mesh")
+    if isinstance(full, _TensorRecord):
+        return mapped.tensor(full).clone()
+    layout, rank_map = mesh.get("_layout"), mesh.get("_rank_map")
+    if not isinstance(layout, _MeshLayout) or not isinstance(rank_map, _TensorRecord):
+        raise ValueError("device mesh has neither a mesh tensor nor a layout and rank map")
+    ranks = mapped.tensor(rank_map).reshape(-1)
+    axes = layout.get("axes", layout.args[0] if layout.args else None)
+    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, _FlatLayout) for a in axes):
+        raise ValueError("device mesh layout has no axes")
+    sizes, shape, stride = [], [], []
+    for axis in axes:
+        s, t = _flat(axis.get("shape")), _flat(axis.get("stride"))
+        if len(s) != len(t):
+            raise ValueError("device mesh layout axis has mismatched shape and stride")
+        sizes.append(math.prod(s))
+        shape += s
+        stride += t
+    if math.prod(sizes) != ranks.numel() or not all(n > 0 for n in shape) or any(t < 0 for t in stride):
+        raise ValueError(f"device mesh layout {sizes} does not cover its rank map of {ranks.numel()} ranks (a sub-mesh)")
+    offsets = torch.zeros((), dtype=torch.long)
+    for n, t in zip(shape, stride):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n) * t
+    offsets = offsets.reshape(sizes)
+    if offsets.numel() and int(offsets.max()) >= ranks.numel():
+        raise ValueError("device mesh layout points past its rank map")
+    if torch.unique(offsets).numel() != offsets.numel():
+        raise ValueError("device mesh layout names a rank twice")
+    return ranks[offsets]
+
+
+def _cached_mesh(mesh: Any, mapped: _Mapped) -> torch.Tensor:
+    """The pickle memoizes one DeviceMesh for every DTensor of a file: compute its ranks once."""
+    hit = mapped.meshes.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        hit = mapped.meshes[id(mesh)] = (mesh, _mesh_tensor(mesh, mapped))
+    return hit[1]
+
+
+def _flat(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flat(v)]
+    raise TypeError(f"device mesh layout holds {str(value)[:40]}")
+
+
+def _placement(p: Any) -> Placement:
+    kind = _PLACEMENT_KINDS.get(type(p))
+    if kind is None:
+        raise TypeError(f"a placement is a {type(p).__name__}")
+    return Placement(kind, tuple(sorted(p.__dict__["state"].items())))
+
+
+def _dtensor(rec: _DTensorRecord, mapped: _Mapped) -> LocalDTensor:
+    local, spec = rec.attrs.get("_local_tensor"), rec.attrs.get("_spec")
+    if not isinstance(local, _TensorRecord) or not isinstance(spec, _Spec):
+        raise TypeError("DTensor without a local tensor and a spec")
+    mesh = spec.get("mesh")
+    if not isinstance(mesh, _Mesh):
+        raise TypeError("DTensor spec without a device mesh")
+    placements = spec.get("placements")
+    if not isinstance(placements, (tuple, list)):
+        raise TypeError("DTensor spec without placements")
+    names = mesh.get("_mesh_dim_names", mesh.get("mesh_dim_names"))
+    meta = spec.get("tensor_meta")
+    meta_shape = None
+    if isinstance(meta, _TensorMeta):
+        fields = meta.args or (meta.get("shape"),)
+        meta_shape = _ints(fields[0], "DTensor tensor_meta shape")
+    elif meta is not None:
+        raise TypeError(f"DTensor tensor_meta is a {type(meta).__name__}")
+    return LocalDTensor(
+        shape=rec.wrapper.size,
+        dtype=rec.wrapper.dtype,
+        _local_tensor=mapped.tensor(local),
+        placements=tuple(_placement(p) for p in placements),
+        mesh=_cached_mesh(mesh, mapped),
+        mesh_dim_names=tuple(names) if isinstance(names, (tuple, list)) else None,
+        meta_shape=meta_shape,
+    )
+
+
+def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
+    """One verl FSDP rank file, memory-mapped: plain tensors and :class:`LocalDTensor`\\ s.
+
+    Raises:
+        UnsafeCheckpointError: the pickle asks for anything outside :data:`DTENSOR_FILE`.
+        CorruptCheckpointError: truncated, records inconsistent, views outside their storage.
+        UnsupportedCheckpointError: big-endian data, or a tensor subclass other than DTensor.
+    """
+    path = Path(path)
+    where = path.name
+    with open(path, "rb") as f:
+        records = read_records(f, where)
+        pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise CorruptCheckpointError(f"{where}: not a torch.save file (no single data.pkl record); re-copy it")
+        prefix = pkl[0][: -len("data.pkl")]
+        order = records.get(prefix + "byteorder")
+        if order is not None:
+            f.seek(order.data_start)
+            if f.read(min(order.size, 16)).strip() not in (b"little", b""):
+                raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
+        f.seek(records[pkl[0]].data_start)
+        data = f.read(records[pkl[0]].size)
+
+    def persistent_load(pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CorruptCheckpointError(f"{where}: unexpected persistent id {str(pid)[:60]}; not a torch.save file")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, _StorageType) or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise CorruptCheckpointError(f"{where}: malformed storage reference {str(pid)[:60]}")
+        rec = records.get(f"{prefix}data/{key}")
+        if rec is None:
+            raise CorruptCheckpointError(f"{where}: storage record data/{key[:40]} is missing")
+        if rec.size != numel * stype.dtype.itemsize:
+            raise CorruptCheckpointError(
+                f"{where}: storage record data/{key[:40]} has {rec.size} bytes, its tensor needs {numel * stype.dtype.itemsize}"
+            )
+        return _Storage(key, stype.dtype, numel)
+
+    try:
+        state = load_pickle(data, DTENSOR_FILE, where, substitutes=_substitutes(), persistent_load=persistent_load)
+    except (TypeError, ValueError) as e:  # a stand-in refused what the pickle gave it
+        raise CorruptCheckpointError(f"{where}: inconsistent tensor metadata ({str(e)[:150]}); the file is damaged, re-copy it") from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
+    mapped = _Mapped(path, records, prefix, where)
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        try:
+            if isinstance(value, _TensorRecord):
+                out[key] = mapped.tensor(value)
+            elif isinstance(value, _DTensorRecord):
+                out[key] = _dtensor(value, mapped)
+            else:
+                out[key] = value  # the reader says what it is not
+        except (TypeError, ValueError, RuntimeError, IndexError) as e:
+            raise CorruptCheckpointError(
+                f"{str(key)[:80]} in {where}: inconsistent tensor metadata ({str(e)[:150]}); the file is damaged, re-copy it"
+            ) from None
+    return out
