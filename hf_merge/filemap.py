@@ -18,6 +18,7 @@ import ctypes
 import errno
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,10 @@ class _Storage:
     fd: int
     offset: int  # file offset of the storage's first byte
     nbytes: int
+    # a registered tensor on this storage: while it lives, so does the mapping at this address. Once
+    # it is gone the address may hold another file's mapping (a reader dropped without close(), its
+    # pages unmapped, the address reused by the next torch.load(mmap=True)): never trusted then.
+    owner: "weakref.ref[torch.Tensor]"
 
 
 _lock = threading.Lock()
@@ -93,7 +98,7 @@ def register(path: Path, tensors) -> int | None:
         n = min(PROBE_BYTES, nbytes)
         if os.pread(fd, n, offset) != bytes((ctypes.c_char * n).from_address(ptr)):
             continue  # not this file's bytes after all: never trusted
-        found[ptr] = _Storage(fd, offset, nbytes)
+        found[ptr] = _Storage(fd, offset, nbytes, weakref.ref(t))
     if not found:
         os.close(fd)
         return None
@@ -122,7 +127,7 @@ def locate(tensor: torch.Tensor) -> tuple[int, int] | None:
     storage = tensor.untyped_storage()
     with _lock:
         entry = _storages.get(storage.data_ptr())
-    if entry is None:
+    if entry is None or entry.owner() is None:
         return None
     start = tensor.data_ptr() - storage.data_ptr()
     if start < 0 or start + tensor.numel() * tensor.element_size() > entry.nbytes:

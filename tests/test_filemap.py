@@ -113,3 +113,31 @@ def test_kernel_refusal_falls_back_to_the_pages(llama_tied_bf16_ws4, tmp_path, m
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
     assert _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "fallback") == reference
+
+
+def test_a_registration_whose_tensors_are_gone_is_never_trusted(saved):
+    """A reader dropped without close() leaves its registration behind; once the registered tensor
+    is gone its address may be another file's mapping (seen: a DeepSpeed universal merge copied a
+    tensor from a ColossalAI .bin file of an earlier test), so a view that outlives it is not located."""
+    path, state, token = saved
+    a = state["a"]
+    view = torch.empty(0, dtype=a.dtype).set_(a.untyped_storage(), a.storage_offset() + 64, (32,))  # no ._base
+    assert filemap.locate(view) is not None
+    del a
+    del state["a"]
+    gc.collect()
+    assert filemap.locate(view) is None  # the storage lives on through the view, the registration does not
+
+
+def test_colossalai_reader_dropped_without_close_is_forgotten():
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "colossalai" / "ddp_bin_tied_ws2"
+    ck = open_checkpoint(folder)
+    name = next(iter(ck.specs()))
+    ck.read(name)  # maps a .bin shard and registers it
+    before = len(filemap._registrations)
+    assert before
+    del ck
+    gc.collect()
+    assert len(filemap._registrations) < before

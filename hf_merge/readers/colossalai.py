@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,7 +314,10 @@ class ColossalAICheckpoint(LazyCheckpoint):
             if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
                 raise CorruptCheckpointError(f"{file} holds a {type(state).__name__}, not a state dict of tensors; re-copy it")
             self._bins[file] = state
-            self._mapped.append(filemap.register(path, state.values()))
+            token = filemap.register(path, state.values())
+            if token is not None:
+                self._mapped.append(token)
+                weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
         return self._bins[file]
 
     def _box(self, piece: _Piece) -> torch.Tensor:
