@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .safe_pickle import DTENSOR_FILE, Pair, StandIn, load_pickle, stand_in, torch_names
-from .torch_zip import read_records
+from .safe_pickle import DTENSOR_FILE, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
+from .torch_zip import read_data_pickle
 
 __all__ = ["LocalDTensor", "Placement", "load_rank_records"]
 
@@ -323,28 +323,15 @@ def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
     path = Path(path)
     where = path.name
     with open(path, "rb") as f:
-        records = read_records(f, where)
-        pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
-        if len(pkl) != 1:
-            raise CorruptCheckpointError(f"{where}: not a torch.save file (no single data.pkl record); re-copy it")
-        prefix = pkl[0][: -len("data.pkl")]
+        records, prefix, data = read_data_pickle(f, where)
         order = records.get(prefix + "byteorder")
         if order is not None:
             f.seek(order.data_start)
             if f.read(min(order.size, 16)).strip() not in (b"little", b""):
                 raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
-        f.seek(records[pkl[0]].data_start)
-        data = f.read(records[pkl[0]].size)
 
     def persistent_load(pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CorruptCheckpointError(f"{where}: unexpected persistent id {str(pid)[:60]}; not a torch.save file")
-        _, stype, key, _location, numel = pid
-        if not isinstance(stype, _StorageType) or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise CorruptCheckpointError(f"{where}: malformed storage reference {str(pid)[:60]}")
-        rec = records.get(f"{prefix}data/{key}")
-        if rec is None:
-            raise CorruptCheckpointError(f"{where}: storage record data/{key[:40]} is missing")
+        stype, key, numel, rec = storage_reference(pid, records, prefix, where, _StorageType)
         if rec.size != numel * stype.dtype.itemsize:
             raise CorruptCheckpointError(
                 f"{where}: storage record data/{key[:40]} has {rec.size} bytes, its tensor needs {numel * stype.dtype.itemsize}"

@@ -608,17 +608,26 @@ def _quiet_device_mesh() -> None:
     logging.getLogger("torch.distributed.device_mesh").addFilter(_DropMeshPickleWarning())
 
 
+def storage_reference(pid: Any, records: Mapping[str, Any], prefix: str, where: str, storage_type: type) -> tuple[Any, str, int, Any]:
+    """A ``torch.save`` persistent id, ``('storage', <XStorage>, key, location, numel)``, checked:
+    the storage type (an instance of ``storage_type``), the key, ``numel`` and that the zip holds
+    the ``data/<key>`` record. Returns ``(storage type, key, numel, record)``."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise CorruptCheckpointError(f"{where}: unexpected persistent id {_short(pid, 60)}; not a torch.save file")
+    _, stype, key, _location, numel = pid
+    if not isinstance(stype, storage_type) or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+        raise CorruptCheckpointError(f"{where}: malformed storage reference {_short(pid, 60)}")
+    record = records.get(f"{prefix}data/{key}")
+    if record is None:
+        raise CorruptCheckpointError(f"{where}: storage record data/{_short(key, 40)} is missing")
+    return stype, key, numel, record
+
+
 def _storage_pid(records: Mapping[str, Any], prefix: str, where: str) -> Callable[[Any], Any]:
-    """Persistent ids of torch.save: ``('storage', <XStorage>, key, location, numel)`` naming a record."""
+    """Persistent ids of torch.save, for the scan: each must name a record of the zip."""
 
     def check(pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CorruptCheckpointError(f"{where}: unexpected persistent id {_short(pid, 60)}; not a torch.save file")
-        _, stype, key, _location, numel = pid
-        if not isinstance(stype, _Ref) or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise CorruptCheckpointError(f"{where}: malformed storage reference {_short(pid, 60)}")
-        if f"{prefix}data/{key}" not in records:
-            raise CorruptCheckpointError(f"{where}: storage record data/{_short(key, 40)} is missing")
+        stype, _key, _numel, _record = storage_reference(pid, records, prefix, where, _Ref)
         return _Made(stype.pair, False)
 
     return check
@@ -633,19 +642,12 @@ def torch_load(path: Path, allow: Allowlist, where: str | None = None) -> Any:
     """
     import torch
 
-    from .torch_zip import read_records
+    from .torch_zip import read_data_pickle
 
     path = Path(path)
     where = where or path.name
     with open(path, "rb") as f:
-        records = read_records(f, where)
-        pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
-        if len(pkl) != 1:
-            raise CorruptCheckpointError(f"{where}: not a torch.save file (no single data.pkl record); re-copy it")
-        rec = records[pkl[0]]
-        f.seek(rec.data_start)
-        data = f.read(rec.size)
-    prefix = pkl[0][: -len("data.pkl")]
+        records, prefix, data = read_data_pickle(f, where)
     scan_pickle(data, allow, where, persistent_load=_storage_pid(records, prefix, where))
     _register(allow)
     _quiet_device_mesh()

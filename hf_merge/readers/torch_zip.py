@@ -121,6 +121,16 @@ def read_records(f: IO[bytes], where: str, *, base: int = 0) -> dict[str, Record
     return out
 
 
+def read_data_pickle(f: IO[bytes], where: str) -> tuple[dict[str, Record], str, bytes]:
+    """A ``torch.save`` zip's checked records, its archive prefix (``"archive/"``) and the bytes of
+    its one ``data.pkl``."""
+    records = read_records(f, where)
+    pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise CorruptCheckpointError(f"{where}: not a torch.save file (no single data.pkl record); re-copy it")
+    return records, pkl[0][: -len("data.pkl")], _pread(f, records[pkl[0]].size, records[pkl[0]].data_start)
+
+
 def _check_record(f: IO[bytes], info: zipfile.ZipInfo, expected_at: int, where: str) -> "str | tuple[int, int]":
     """Check one record; return ``(data_start, end)`` or what is wrong with it."""
     if info.compress_type != zipfile.ZIP_STORED:
