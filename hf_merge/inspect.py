@@ -15,10 +15,13 @@ def describe(
     backend: str = "auto",
     config: "str | Path | None" = None,
     tensors: bool = False,
+    source_names: bool = False,
     source_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``source_options``: format-specific reader options, as :func:`hf_merge.merge` takes them
-    (DeepSpeed: ``{"tag": "global_step100", "source_weights": "module"}``)."""
+    (DeepSpeed: ``{"tag": "global_step100", "source_weights": "module"}``). ``source_names``: list
+    every tensor (as ``tensors``) with the source tensor it comes from, where a name table renamed
+    it (Megatron, torchtitan): ``decoder.layers.self_attention.linear_qkv.weight[1] (qkv: q)``."""
     ckpt = open_checkpoint(source, backend=backend, config=config, **(source_options or {}))
     try:
         info = ckpt.info
@@ -57,12 +60,16 @@ def describe(
             report["notes"] = info.notes
         if info.warnings:
             report["warnings"] = info.warnings
-        if tensors:
+        if tensors or source_names:
             placements = getattr(ckpt, "placements", lambda: {})()
             report["tensors"] = [
                 {"name": n, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."), "placement": placements.get(n, "")}
                 for n, s in specs.items()
             ]
+            source_of = getattr(ckpt, "describe_source", None)
+            if source_names:
+                for t in report["tensors"]:
+                    t["source"] = source_of(t["name"]) if source_of is not None else t["name"]
         return report
     finally:
         ckpt.close()

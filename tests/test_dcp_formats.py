@@ -197,7 +197,7 @@ def test_name_rules_are_validated():
     with pytest.raises(ValueError, match="two rules write"):
         NameTable("t", "s", ("llama",), (NameRule("a", "x"), NameRule("b", "x")))
     rule = NameRule("layers.{layer}.experts.w1", "model.layers.{layer}.experts.{expert}.gate.weight")
-    assert rule.unstack == "expert" and rule.pattern.match("layers.12.experts.w1")["layer"] == "12"
+    assert rule.stacked == ("expert",) and rule.pattern.match("layers.12.experts.w1")["layer"] == "12"
 
 
 def test_unknown_source_tensor_is_named(dcp_root):

@@ -330,22 +330,21 @@ def test_v2_manifest_paths_must_stay_inside(tmp_path):
 
 
 def test_mapping_tables_are_validated():
-    from hf_merge import mappings
+    from hf_merge.transforms.name_table import NameRule, NameTable, Split, find_table
 
-    text = mappings.describe("megatron")
-    for mt in ("llama", "mistral", "qwen2", "qwen3"):
-        assert mappings.get_table("megatron", mt)["model_types"] == (mt,)
-    assert "split qkv" in text
-    good = dict(mappings.get_table("megatron", "qwen2"))
-    bad = {**good, "head_split": True}  # a field no code reads is an error, not silently ignored
-    with pytest.raises(MappingError, match="unknown field"):
-        mappings.validate_table(bad)
-    with pytest.raises(MappingError, match="exactly the roles"):
-        mappings.validate_table({**good, "fused": {"x.weight": {"split": "qkv", "q": "a", "k": "b"}}})
-    with pytest.raises(MappingError, match="not mapped"):
-        mappings.validate_table({**good, "tensor_parallel": {"nope.weight": 0}})
-    with pytest.raises(MappingError, match="layer"):
-        mappings.validate_table({**good, "hf_layer_prefix": "model.layers."})
+    tables = {mt: find_table("megatron", {"model_type": mt}) for mt in ("llama", "mistral", "qwen2", "qwen3")}
+    for mt, table in tables.items():
+        assert table.model_types == (mt,) and table.order == "table"
+    assert "split qkv" in tables["qwen2"].describe()
+    good = tables["qwen2"]
+    with pytest.raises(TypeError, match="head_split"):  # a field no code reads is an error, not silently ignored
+        NameTable(**{f: getattr(good, f) for f in ("name", "source", "model_types", "rules")}, head_split=True)
+    with pytest.raises(ValueError, match="exactly the roles"):
+        Split("qkv", (("q", "a"), ("k", "b")))
+    with pytest.raises(ValueError, match="not a rule's source"):
+        NameTable(good.name, good.source, good.model_types, good.rules, required=("nope.weight",))
+    with pytest.raises(ValueError, match="lost"):
+        NameRule("decoder.layers.{layer}.x.weight", "model.layers.x.weight")
 
 
 def test_legacy_rank_files_tp_vpp_and_value_head(tmp_path):

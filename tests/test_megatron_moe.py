@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_merge import mappings
 from hf_merge.errors import MappingError
 from hf_merge.readers.dcp import DcpCheckpoint
-from hf_merge.readers.megatron import _heads, open_megatron, plan_names
+from hf_merge.readers.megatron import hf_names, open_megatron
+from hf_merge.transforms import Renamed
+from hf_merge.transforms.name_table import NameRule, NameTable, Split, find_table
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -201,16 +202,15 @@ def test_missing_expert_is_an_error_naming_it(megatron_moe_root):
     """A per-expert checkpoint lacking one expert is refused, naming the layer and expert."""
     ck = open_megatron(megatron_moe_root / "qwen3_moe_singleton" / "actor")
     dist = DcpCheckpoint(megatron_moe_root / "qwen3_moe_singleton" / "actor" / "model" / "dist_ckpt")
-    specs = dict(dist.specs())
-    del specs["decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight"]
+    lacking = Renamed(dist, {k: k for k in dist.specs() if k != "decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight"})
     config = json.loads((ck.info.hf_dir / "config.json").read_text())
-    table = mappings.get_table("megatron", "qwen3_moe")
-    with pytest.raises(MappingError, match=r"layer 1 mlp\.experts\.experts\.\{expert\}\.linear_fc2\.weight lacks experts \[3\]"):
-        plan_names(specs, table, config, _heads(config, None, Path("config.json")), is_value_model=None, where="x")
+    table = find_table("megatron", config)
+    with pytest.raises(MappingError, match=r"decoder\.layers\.1\.mlp\.experts\.experts\.\{expert\}\.linear_fc2\.weight lacks experts \[3\]"):
+        hf_names(lacking, table, config, is_value_model=None, where="x")
     config["num_experts"] = 8  # the stacked layout checks the expert axis against the config
-    stacked = DcpCheckpoint(megatron_moe_root / "qwen3_moe" / "actor" / "model" / "dist_ckpt").specs()
+    stacked = DcpCheckpoint(megatron_moe_root / "qwen3_moe" / "actor" / "model" / "dist_ckpt")
     with pytest.raises(MappingError, match=r"leading stacked axes should be num_hidden_layers=2, num_experts=8"):
-        plan_names(stacked, table, config, _heads(config, None, Path("config.json")), is_value_model=None, where="x")
+        hf_names(stacked, table, config, is_value_model=None, where="x")
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
@@ -225,20 +225,17 @@ def test_from_sharded_pretrained_gives_megatrons_logits(megatron_moe_root, name)
 
 
 def test_table_schema_checks_placeholders():
-    """Placeholders are validated when a table is registered; match_suffix reads them back."""
-    base = dict(mappings.get_table("megatron", "qwen3_moe"))
-    table = mappings.get_table("megatron", "qwen3_moe")
-    assert mappings.match_suffix(table, "mlp.experts.local_experts.12.linear_fc2.weight") == (
-        "mlp.experts.local_experts.{expert}.linear_fc2.weight", {"expert": 12})
-    assert mappings.match_suffix(table, "mlp.experts.linear_fc1.weight3") == ("mlp.experts.linear_fc1.weight{expert}", {"expert": 3})
-    assert mappings.match_suffix(table, "mlp.experts.linear_fc1.weightx") is None
-    bad = [
-        ({"mlp.experts.{expert}.w": "mlp.down_proj.weight"}, "does not"),  # source names it, target does not
-        ({"mlp.experts.{slot}.w": "mlp.experts.{slot}.w"}, "among"),  # unknown placeholder
-    ]
-    for extra, message in bad:
-        with pytest.raises(MappingError, match=message):
-            mappings.validate_table({**base, "layer_tensors": {**base["layer_tensors"], **extra}})
-    no_key = {k: v for k, v in base.items() if k != "experts_config_key"}
-    with pytest.raises(MappingError, match="experts_config_key"):
-        mappings.validate_table(no_key)
+    """Placeholders are validated when a table is built; match reads them back."""
+    table = find_table("megatron", {"model_type": "qwen3_moe"})
+    rule, values = table.match("decoder.layers.5.mlp.experts.local_experts.12.linear_fc2.weight")
+    assert rule.source == "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight"
+    assert values == {"layer": "5", "expert": "12"}
+    rule, values = table.match("decoder.layers.mlp.experts.linear_fc1.weight3")
+    assert rule.source == "decoder.layers.mlp.experts.linear_fc1.weight{expert}" and rule.stacked == ("layer",)
+    assert isinstance(rule.target, Split) and values == {"expert": "3"}
+    assert table.match("decoder.layers.0.mlp.experts.linear_fc1.weightx") is None
+    with pytest.raises(ValueError, match="lost"):  # the source names a placeholder, the target does not
+        NameRule("mlp.experts.{expert}.w", "mlp.down_proj.weight")
+    with pytest.raises(ValueError, match="needs a size"):  # every expert must be there: how many is a config key
+        NameTable(table.name, table.source, table.model_types, table.rules, sizes={"layer": "num_hidden_layers"},
+                  complete=("expert",))

@@ -14,6 +14,7 @@ from ._formats import add_backend_argument, add_source_option_arguments, source_
 EXAMPLES = """examples:
   hf-merge inspect checkpoints/                    # the newest step's actor/
   hf-merge inspect checkpoints/global_step_100/actor --tensors
+  hf-merge inspect megatron_ckpt/actor --source-names  # each HF tensor <- its Megatron tensor
   hf-merge inspect checkpoints/ --json | jq .world_size
   hf-merge inspect ds_run/ --tag global_step200     # a DeepSpeed tag other than `latest`
 """
@@ -34,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_source_option_arguments(p)
     p.add_argument("--json", action="store_true", help="print the description as JSON (for scripts)")
     p.add_argument("--tensors", action="store_true", help="also list every tensor (name, shape, dtype, placement)")
+    p.add_argument("--source-names", action="store_true",
+                   help="list every tensor with the source tensor it is read from (the checkpoint's own name, stacked "
+                        "index, split role), where a name table renames them (Megatron, torchtitan)")
     p.set_defaults(run=run)
 
 
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from ..inspect import describe
 
     report = describe(args.source, backend=args.backend, config=args.config, tensors=args.tensors,
-                      source_options=source_options(args))
+                      source_names=args.source_names, source_options=source_options(args))
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -143,6 +147,11 @@ def render(report: dict[str, Any]) -> str:
         name_w = max(len(t["name"]) for t in tensors)
         shape_w = max(len(str(tuple(t["shape"]))) for t in tensors)
         lines.append("")
+        if "source" in tensors[0]:  # --source-names
+            lines.append(f"{'tensor':<{name_w}}  {'shape':<{shape_w}}  {'dtype':<8}  source")
+            for t in tensors:
+                lines.append(f"{t['name']:<{name_w}}  {str(tuple(t['shape'])):<{shape_w}}  {t['dtype']:<8}  {t['source']}")
+            return "\n".join(lines)
         lines.append(f"{'tensor':<{name_w}}  {'shape':<{shape_w}}  {'dtype':<8}  placement")
         for t in tensors:
             lines.append(f"{t['name']:<{name_w}}  {str(tuple(t['shape'])):<{shape_w}}  {t['dtype']:<8}  {_placement(t.get('placement') or '-')}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..transforms.name_table import NameRule, NameTable
 
 # Entries of a torchtitan training checkpoint that are not model weights (CheckpointManager keys).
-NOT_MODEL = ("optimizer.", "lr_scheduler.", "train_state", "dataloader.")
+NOT_MODEL = ("optimizer", "optimizer.*", "lr_scheduler", "lr_scheduler.*", "train_state*", "dataloader", "dataloader.*")
 
 _L = "layers.{layer}."
 _HF = "model.layers.{layer}."

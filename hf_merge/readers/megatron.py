@@ -14,16 +14,23 @@ Layouts (``info.details["layout"]``):
   says so.
 - ``"legacy"``: ``model/mp_rank_XX[_PPP]/model.pt`` per-rank ``torch.save`` files (one
   ``GPTModel.state_dict()`` per virtual pipeline stage). TP shards are put back together along
-  the dims the mapping table declares (``tensor_parallel``), PP stages by their layer offsets.
+  the dims Megatron splits them on (``_TENSOR_PARALLEL``), PP stages by their layer offsets.
 - ``"dist_ckpt"``: a bare ``torch_dist`` folder outside a verl layout (``config_dir`` required).
 
-The ``torch_dist`` model tensors are read through :class:`~hf_merge.readers.dcp.DcpCheckpoint`.
-Their global layout does not depend on the training TP/PP: per-layer tensors carry a leading
-layer axis (``decoder.layers.self_attention.linear_qkv.weight`` is ``[L, (nq+2nkv)*hd, H]``), or
-are stored per layer (``decoder.layers.<i>.…``) when saved with ``singleton_local_shards``. Names
-are mapped by the family's table in :mod:`hf_merge.mappings.megatron_gpt`; fused QKV and gate/up
-tensors are split lazily by :mod:`hf_merge.transforms.fused`. A tensor the table does not know is
-a :class:`~hf_merge.errors.MappingError` naming it.
+Names (the contract): the reader yields Megatron-Core's own names and layouts, read with no
+renaming: the ``torch_dist`` entries as the folder's ``.metadata`` lists them, through
+:class:`~hf_merge.readers.dcp.DcpCheckpoint` (per-layer tensors with a leading layer axis,
+``decoder.layers.self_attention.linear_qkv.weight`` ``[L, (nq+2nkv)*hd, H]``, or one key per layer,
+``decoder.layers.<i>.…``, when saved with ``singleton_local_shards``), and the legacy rank files as
+the model's ``state_dict()`` (``decoder.layers.<i>.…`` with global layer numbers: the only layout
+work the reader does is joining TP shards and placing PP / virtual stages). Everything else is the
+family's name table (:mod:`hf_merge.name_tables.megatron_gpt`, :mod:`hf_merge.name_tables.megatron_moe`)
+applied by the one interpreter, :class:`~hf_merge.transforms.name_table.NameTableView`: stacked layer
+and expert axes unstacked, fused QKV and gate/up tensors split by role (lazily, as row regions),
+1:1 renames, and a tensor the table does not know is a :class:`~hf_merge.errors.MappingError`
+naming it. The reader adds what only the checkpoint's structure says: critic or actor, a tied
+output layer, layers that all hold the same tensors. ``open_megatron(...).base`` is the checkpoint
+under its Megatron names; ``hf-merge inspect --tensors`` shows the source of every HF tensor.
 
 Critic / value model: a ``[1, H]`` output layer (or ``is_value_model=True``) is written as
 ``score.weight`` of ``<Family>ForTokenClassification`` with ``num_labels=1``; the config changes
@@ -43,7 +50,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .. import mappings
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..config_overrides import ConfigOverrides
 from ..errors import (
@@ -56,7 +62,8 @@ from ..errors import (
 )
 from ..formats import SourceFormat
 from ..spec import TensorSpec
-from ..transforms.fused import FusedSplit, SplitFusedView
+from ..name_tables.megatron_gpt import HF_LAYER, LAYER, NOT_MODEL
+from ..transforms.name_table import NameTable, NameTableView, attention_heads, find_table
 from .dcp import DcpCheckpoint, is_dcp_dir
 from ..hf_files import checkpoint_side_dir, load_config
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
@@ -67,9 +74,25 @@ MANIFEST = "ckpt_contents.json"
 TRANSFORMER_CONFIG = "transformer_config.json"
 _MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _MAX_NAMED = 12
-# Entries of a dist_ckpt that are not model state, whatever the model family (the family tables
-# list them too). Used to tell an mbridge checkpoint (no model tensors) before any table is known.
-_NOT_MODEL = ("optimizer.*", "optimizer", "chained_*", "rng_state", "rng_state/*", "lr_scheduler*")
+# Megatron-Core's own names for the tensors whose role the reader decides (not a mapping: the
+# checkpoint's structure says whether the output layer is a language-model or a value head, tied
+# or not). The HF names come from the family's table (hf_merge.name_tables.megatron_*).
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+OUTPUT_BIAS = "output_layer.bias"
+# How legacy per-rank files split a tensor over TP ranks: the dim, or "gate_up" (each rank holds
+# [gate_r; up_r]); unlisted names are replicated. A data layout, the same for every family.
+_TENSOR_PARALLEL: dict[str, int | str] = {
+    EMBEDDING: 0,
+    OUTPUT_LAYER: 0,
+    "self_attention.linear_qkv.weight": 0,
+    "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1,
+    "self_attention.linear_proj.bias": 0,
+    "mlp.linear_fc1.weight": "gate_up",
+    "mlp.linear_fc1.bias": "gate_up",
+    "mlp.linear_fc2.weight": 1,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +292,8 @@ def _hf_weight_files(hf_dir: Path) -> list[Path]:
 
 
 # --------------------------------------------------------------------------------------------
-# Mapping Megatron names to HF names
+# From Megatron names to HF names: the name table (hf_merge.name_tables.megatron_*), plus what
+# only the checkpoint's structure can say (critic or actor, tied output layer, homogeneous layers)
 # --------------------------------------------------------------------------------------------
 
 
@@ -302,84 +326,20 @@ _INT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden
                "intermediate_size", "vocab_size")
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-@dataclass(frozen=True)
-class _Heads:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def _heads(config: Mapping[str, Any], tconf: Mapping[str, Any] | None, cfg_path: Path) -> _Heads:
-    missing = [k for k in ("num_attention_heads", "hidden_size") if not _positive_int(config.get(k))]
-    if missing:
-        raise MissingConfigError(
-            f"{cfg_path}: config.json has no positive integer {missing[0]}; cannot split the fused QKV tensors"
-        )
-    nq, hidden = config["num_attention_heads"], config["hidden_size"]
-    nkv = config.get("num_key_value_heads") or nq
-    hd = config.get("head_dim") or hidden // nq
-    if not (_positive_int(nkv) and _positive_int(hd)):
-        raise MissingConfigError(
-            f"{cfg_path}: num_key_value_heads={nkv!r} and head_dim={hd!r} (hidden_size // num_attention_heads if "
-            "absent) must be positive integers; cannot split the fused QKV tensors"
-        )
-    if tconf:
-        for ours, theirs, val in (
-            ("num_attention_heads", "num_attention_heads", nq),
-            ("num_key_value_heads", "num_query_groups", nkv),
-            ("head_dim", "kv_channels", hd),
-        ):
-            t = tconf.get(theirs)
-            if isinstance(t, int) and t != val:
-                raise MappingError(
-                    f"config.json {ours}={val} but the Megatron {TRANSFORMER_CONFIG} has {theirs}={t}; "
-                    "the HF config does not describe this checkpoint (pass the right config_dir)"
-                )
-    return _Heads(nq, nkv, hd)
-
-
-class _MegatronNames(LazyCheckpoint):
-    """Megatron tensors with the stacked axes removed and 1:1 names already in HF form.
-
-    ``entries`` maps an output name to ``(source key, index)``: ``index`` is ``None`` for a whole
-    tensor, or the positions on the source's leading stacked axes (``(layer,)`` for ``[L, ...]``,
-    ``(layer, expert)`` for ``[L, E, ...]``, ``(expert,)`` for a per-layer ``[E, ...]``).
-    """
-
-    def __init__(self, src: LazyCheckpoint, entries: Mapping[str, tuple[str, tuple[int, ...] | None]], info: CheckpointInfo):
-        self.src = src
-        self.info = info
-        self._entries = dict(entries)
-        src_specs = src.specs()
-        self._specs = {}
-        for name, (key, index) in self._entries.items():
-            spec = src_specs[key]
-            self._specs[name] = TensorSpec(name, spec.shape[len(index or ()) :], spec.dtype)
-
-    def specs(self) -> dict[str, TensorSpec]:
-        return self._specs
-
-    def read_into(self, name: str, out: torch.Tensor) -> None:
-        spec = self._specs[name]
-        check_out(spec, out)
-        self.read_region_into(name, (0,) * len(spec.shape), out)
-
-    def read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
-        key, index = self._entries[name]
-        if not index:
-            self.src.read_region_into(key, tuple(start), out)  # type: ignore[attr-defined]
-        else:
-            view = out
-            for _ in index:
-                view = view.unsqueeze(0)
-            self.src.read_region_into(key, (*index, *start), view)  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        self.src.close()
+def _check_heads(config: Mapping[str, Any], tconf: Mapping[str, Any] | None, cfg_path: Path) -> None:
+    """The head counts the QKV split uses (from config.json) agree with transformer_config.json."""
+    nq, nkv, hd = attention_heads(config, str(cfg_path))
+    for ours, theirs, val in (
+        ("num_attention_heads", "num_attention_heads", nq),
+        ("num_key_value_heads", "num_query_groups", nkv),
+        ("head_dim", "kv_channels", hd),
+    ):
+        t = (tconf or {}).get(theirs)
+        if isinstance(t, int) and t != val:
+            raise MappingError(
+                f"config.json {ours}={val} but the Megatron {TRANSFORMER_CONFIG} has {theirs}={t}; "
+                "the HF config does not describe this checkpoint (pass the right config_dir)"
+            )
 
 
 _LAYER_RE = re.compile(r"^(\d+)\.(.+)$")
@@ -392,324 +352,129 @@ def _name_list(names: Sequence[str]) -> str:
 
 
 @dataclass
-class _Plan:
-    entries: dict[str, tuple[str, tuple[int, ...] | None]]  # HF (or fused) name -> (source key, stacked index)
-    splits: dict[str, FusedSplit]
-    order: list[str]
+class _Head:
+    """What the output layer says: an actor (lm_head, maybe tied) or a critic (value head)."""
+
     value_model: bool
     tied: bool
     config_overrides: ConfigOverrides
     notes: list[str]
     warnings: list[str]
-    skipped: dict[str, int]
-    moe: str | None = None  # "MoE with E experts ...", for inspect; None for a dense model
 
 
-def _num_experts(table: Mapping[str, Any], config: Mapping[str, Any]) -> int | None:
-    ckey = table.get("experts_config_key")
-    if ckey is None:
-        return None
-    value = config.get(ckey)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _entry_targets(table: Mapping[str, Any], entry: str) -> list[str]:
-    if entry in table["layer_tensors"]:
-        return [table["layer_tensors"][entry]]
-    decl = table["fused"][entry]
-    return [v for r, v in decl.items() if r != "split"]
-
-
-def _stacked_positions(
-    key: str,
-    spec: TensorSpec,
-    entry: str,
-    named: dict[str, int],
-    table: Mapping[str, Any],
-    num_layers: int,
-    num_experts: int | None,
-    where: str,
-) -> list[dict[str, Any]]:
-    """Every (layer, expert) a source tensor holds, with its positions on the stacked axes.
-
-    Placeholders the source name gives (``named``) are fixed; the others the HF target needs are
-    leading axes of the tensor, layer first, then expert.
-    """
-    wanted = {"layer"} | {f for t in _entry_targets(table, entry) for f in mappings.placeholders(t)}
-    axes = [a for a in ("layer", "expert") if a in wanted and a not in named]
-    sizes = {"layer": num_layers, "expert": num_experts}
-    config_keys = {"layer": "num_hidden_layers", "expert": table.get("experts_config_key")}
-    if "expert" in wanted and num_experts is None:
-        raise MissingConfigError(
-            f"{where}: {key} holds MoE experts but config.json has no {table.get('experts_config_key')} "
-            "(the number of experts); pass the right config_dir"
-        )
-    for name, value in named.items():
-        if value >= sizes[name]:  # type: ignore[operator]
-            raise MappingError(f"{where}: {key} is {name} {value}, but config.json has {config_keys[name]}={sizes[name]}")
-    if len(spec.shape) < len(axes) or any(spec.shape[d] != sizes[a] for d, a in enumerate(axes)):
-        want = ", ".join(f"{config_keys[a]}={sizes[a]}" for a in axes)
-        raise MappingError(
-            f"{where}: {key} has shape {list(spec.shape)}; its leading stacked axes should be {want} "
-            "(is config.json the right one?)"
-        )
-    out: list[dict[str, Any]] = [dict(named, index=())]
-    for a in axes:
-        out = [dict(p, **{a: i}, index=p["index"] + (i,)) for p in out for i in range(sizes[a])]  # type: ignore[arg-type]
-    return out
-
-
-def plan_names(
-    src_specs: Mapping[str, TensorSpec],
-    table: Mapping[str, Any],
-    config: Mapping[str, Any],
-    heads: _Heads,
-    *,
-    is_value_model: bool | None,
-    where: str,
-) -> _Plan:
-    """Decide, from names and shapes only, which HF tensor each source tensor becomes."""
-    lp = table["layer_prefix"]
-    hf_lp = table["hf_layer_prefix"]
-    layer_tensors, fused = table["layer_tensors"], table.get("fused", {})
-    lm_head, value_head = table.get("lm_head", {}), table.get("value_head", {})
-    try:
-        num_layers = int(config["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError):
-        raise MissingConfigError(f"{where}: config.json lacks num_hidden_layers") from None
-
-    skipped = {"not_model": 0, "ignored": 0}
-    unknown: list[str] = []
-    globals_: dict[str, str] = {}
-    heads_present: dict[str, TensorSpec] = {}
-    # (layer, table entry, expert or None) -> (source key, positions on its stacked axes)
-    per_layer: dict[tuple[int, str, int | None], tuple[str, tuple[int, ...] | None]] = {}
-    num_experts = _num_experts(table, config)
-
-    for key, spec in src_specs.items():
-        if _matches(key, table.get("not_model", ())):
-            skipped["not_model"] += 1
-            continue
-        if _matches(key, table.get("ignore", ())):
-            skipped["ignored"] += 1
-            continue
-        if key in table["tensors"]:
-            globals_[key] = table["tensors"][key]
-            continue
-        if key in lm_head or key in value_head:
-            heads_present[key] = spec
-            continue
-        if key.startswith(lp):
-            rest = key[len(lp) :]
-            m = _LAYER_RE.match(rest)
-            found = mappings.match_suffix(table, m.group(2) if m else rest)
-            if found is not None:
-                entry, named = found
-                if m:
-                    named["layer"] = int(m.group(1))
-                for pos in _stacked_positions(key, spec, entry, named, table, num_layers, num_experts, where):
-                    slot = (pos["layer"], entry, pos.get("expert"))
-                    if slot in per_layer:
-                        what = f"layer {slot[0]}" + (f" expert {slot[2]}" if slot[2] is not None else "")
-                        raise MappingError(f"{where}: {what} {entry} is stored twice")
-                    per_layer[slot] = (key, pos["index"] or None)
-                continue
-        unknown.append(key)
-    if unknown:
-        raise MappingError(
-            f"{where}: {len(unknown)} tensor(s) the {table['name']} table does not know: {_name_list(unknown)}. "
-            f"Nothing was dropped; add them to hf_merge/mappings/{table['name'].split('.')[0]}.py if they are weights"
-        )
-    present_model = bool(globals_ or heads_present or per_layer)
-    if not present_model:
-        raise UnsupportedCheckpointError(f"{where}: no model tensors")
-
-    # Required tensors, and every layer complete.
-    required = table.get("required", ())
-    suffixes_by_layer: dict[int, set[str]] = {i: set() for i in range(num_layers)}
-    experts_held: dict[tuple[int, str], set[int]] = {}
-    for (i, entry, e) in per_layer:
-        suffixes_by_layer[i].add(entry)
-        if e is not None:
-            experts_held.setdefault((i, entry), set()).add(e)
-    missing = [r for r in required if r not in layer_tensors and r not in fused and r not in globals_]
-    for r in required:
-        if r in layer_tensors or r in fused:
-            lacking = [i for i in range(num_layers) if r not in suffixes_by_layer[i]]
-            if lacking:
-                missing.append(f"{lp}{r} (layers {lacking[:8]}{'...' if len(lacking) > 8 else ''})")
-    if missing:
-        raise MappingError(f"{where}: the {table['name']} table requires tensors this checkpoint lacks: {', '.join(missing)}")
-    for (i, entry), held in sorted(experts_held.items()):
-        absent = sorted(set(range(num_experts or 0)) - held)
-        if absent:
-            raise MappingError(
-                f"{where}: layer {i} {entry} lacks experts {absent[:8]}{'...' if len(absent) > 8 else ''} of "
-                f"{table.get('experts_config_key')}={num_experts}; the checkpoint is incomplete"
-            )
-    # Every layer holds what the first layer of its kind (dense / MoE) holds.
-    moe_layers = {i for i, _ in experts_held}
-    first_of_kind: dict[bool, int] = {}
-    for i, s in suffixes_by_layer.items():
-        j = first_of_kind.setdefault(i in moe_layers, i)
-        if s != suffixes_by_layer[j]:
-            raise MappingError(
-                f"{where}: layer {i} has tensors {sorted(s ^ suffixes_by_layer[j])} that layer {j} does not (or the "
-                "reverse); the checkpoint is incomplete or heterogeneous"
-            )
-    ref = set().union(*suffixes_by_layer.values()) if num_layers else set()
-
-    # Config agreement for optional tensors (biases...).
-    checks = table.get("config_checks", {})
-    present_names = set(globals_) | set(heads_present) | ref
-    for name in present_names:
-        for ckey, want in checks.get(name, {}).items():
-            if config.get(ckey) != want:
-                raise MappingError(
-                    f"{where}: the checkpoint has {name} but config.json has {ckey}={config.get(ckey)!r}; "
-                    f"set {ckey}: {json.dumps(want)} in config.json (or pass the right config_dir)"
-                )
-
-    # Output head: actor (lm_head / tied) or critic (value head).
+def _output_head(
+    specs: Mapping[str, TensorSpec], table: NameTable, config: Mapping[str, Any], is_value_model: bool | None, where: str
+) -> _Head:
+    present = {k: specs[k] for k in (OUTPUT_LAYER, OUTPUT_BIAS) if k in specs}
+    head_spec = present.get(OUTPUT_LAYER)
     notes: list[str] = []
     warnings: list[str] = []
     overrides = ConfigOverrides()
     vocab = config.get("vocab_size")
-    head_key = next(iter(lm_head), None)
-    head_spec = heads_present.get(head_key) if head_key else None
     looks_value = head_spec is not None and len(head_spec.shape) == 2 and head_spec.shape[0] == 1 and vocab != 1
     if is_value_model is None:
         value_model = looks_value
         if value_model:
-            notes.append(f"{head_key} is {list(head_spec.shape)}: a critic / value head, written as a token classifier")
+            notes.append(f"{OUTPUT_LAYER} is {list(head_spec.shape)}: a critic / value head, written as a token classifier")
     else:
         value_model = bool(is_value_model)
         if value_model and head_spec is not None and not looks_value:
             raise MappingError(
-                f"{where}: is_value_model was set but {head_key} is {list(head_spec.shape)}, a language-model head; "
+                f"{where}: is_value_model was set but {OUTPUT_LAYER} is {list(head_spec.shape)}, a language-model head; "
                 "drop --is-value-model"
             )
         if not value_model and looks_value:
             raise MappingError(
-                f"{where}: {head_key} is {list(head_spec.shape)}, a value head; this is a critic / reward "
+                f"{where}: {OUTPUT_LAYER} is {list(head_spec.shape)}, a value head; this is a critic / reward "
                 "checkpoint: pass is_value_model=True (--is-value-model)"
             )
-    entries: dict[str, tuple[str, int | None]] = {}
-    order_tail: list[str] = []
-    tied = False
     if value_model:
         if head_spec is None:
-            raise MappingError(f"{where}: a value model needs its value head {head_key}, which is not in the checkpoint")
-        for key in heads_present:
-            if key not in value_head:
-                raise MappingError(f"{where}: {key} has no value-model name in the {table['name']} table")
-            entries[value_head[key]] = (key, None)
-            order_tail.append(value_head[key])
-        arch = table["architectures"].get("value")
-        if arch is None:
-            raise MappingError(f"{where}: the {table['name']} table has no value-model architecture")
-        overrides = ConfigOverrides.value_head(arch, bias=any(k.endswith("bias") for k in heads_present))
-    else:
-        for key in heads_present:
-            if key not in lm_head:
-                raise MappingError(f"{where}: {key} is a value-head tensor but the checkpoint is not a value model")
-            entries[lm_head[key]] = (key, None)
-            order_tail.append(lm_head[key])
-        tied = table.get("tied_alias") not in heads_present
-        cfg_tied = config.get("tie_word_embeddings")
-        if tied and cfg_tied is not True:
-            overrides = ConfigOverrides(tie_word_embeddings=True)
-            warnings.append(
-                f"the checkpoint has no {table.get('tied_alias')} (Megatron shares the embedding as output layer) "
-                f"but config.json has tie_word_embeddings={cfg_tied!r}; the output config ties them"
+            raise MappingError(f"{where}: a value model needs its value head {OUTPUT_LAYER}, which is not in the checkpoint")
+        arch = table.architectures.get("value")
+        if arch is None or not table.value_rules:
+            raise MappingError(f"{where}: the {table.name} table has no value-model architecture")
+        overrides = ConfigOverrides.value_head(arch, bias=OUTPUT_BIAS in present)
+        return _Head(True, False, overrides, notes, warnings)
+    if OUTPUT_BIAS in present:
+        raise MappingError(f"{where}: {OUTPUT_BIAS} is a value-head tensor but the checkpoint is not a value model")
+    tied = OUTPUT_LAYER not in present
+    cfg_tied = config.get("tie_word_embeddings")
+    if tied and cfg_tied is not True:
+        overrides = ConfigOverrides(tie_word_embeddings=True)
+        warnings.append(
+            f"the checkpoint has no {OUTPUT_LAYER} (Megatron shares the embedding as output layer) "
+            f"but config.json has tie_word_embeddings={cfg_tied!r}; the output config ties them"
+        )
+    elif not tied and cfg_tied is True:
+        overrides = ConfigOverrides(tie_word_embeddings=False)
+        warnings.append(
+            f"config.json ties the embeddings but the checkpoint has a separate {OUTPUT_LAYER}; "
+            "it is kept as lm_head.weight and the output config unties them"
+        )
+    archs = config.get("architectures") or []
+    want = table.architectures.get("causal_lm")
+    if archs and want and want not in archs:
+        notes.append(f"config.json architectures {archs} kept (table default {want})")
+    return _Head(False, tied, overrides, notes, warnings)
+
+
+@dataclass
+class _Named:
+    view: NameTableView  # the checkpoint under HF names
+    head: _Head
+    moe: str | None  # "MoE with E experts ...", for inspect; None for a dense model
+
+
+def hf_names(
+    src: LazyCheckpoint, table: NameTable, config: Mapping[str, Any], *, is_value_model: bool | None, where: str
+) -> _Named:
+    """``src`` (Megatron names) under HF names by ``table``, with the checkpoint's structure checked."""
+    try:
+        num_layers = int(config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        raise MissingConfigError(f"{where}: config.json lacks num_hidden_layers") from None
+    head = _output_head(src.specs(), table, config, is_value_model, where)
+    view = NameTableView(src, table.for_value_model() if head.value_model else table, config, where=where)
+    if not view.specs():
+        raise UnsupportedCheckpointError(f"{where}: no model tensors")
+    # Every layer holds what the first layer of its kind (dense / MoE) holds.
+    held: dict[int, set[str]] = {i: set() for i in range(num_layers)}
+    moe_layers: set[int] = set()
+    for r in view.resolved():
+        if "layer" in r.values:
+            held[r.values["layer"]].add(dict(r.rule.targets)[r.role].removeprefix(HF_LAYER))
+            if "expert" in r.values:
+                moe_layers.add(r.values["layer"])
+    first_of_kind: dict[bool, int] = {}
+    for i, names in held.items():
+        j = first_of_kind.setdefault(i in moe_layers, i)
+        if names != held[j]:
+            raise MappingError(
+                f"{where}: layer {i} has tensors {sorted(names ^ held[j])} that layer {j} does not (or the "
+                "reverse); the checkpoint is incomplete or heterogeneous"
             )
-        elif not tied and cfg_tied is True:
-            overrides = ConfigOverrides(tie_word_embeddings=False)
-            warnings.append(
-                f"config.json ties the embeddings but the checkpoint has a separate {table.get('tied_alias')}; "
-                "it is kept as lm_head.weight and the output config unties them"
-            )
-        archs = config.get("architectures") or []
-        want = table["architectures"]["causal_lm"]
-        if archs and want not in archs:
-            notes.append(f"config.json architectures {archs} kept (table default {want})")
-
-    # Globals and layers, in HF order.
-    order: list[str] = []
-    splits: dict[str, FusedSplit] = {}
-    targets: dict[str, str] = {}
-
-    def claim(hf: str, src: str) -> None:
-        if hf in targets:
-            raise MappingError(f"{where}: both {targets[hf]} and {src} map to {hf}; the checkpoint holds two spellings of one tensor")
-        targets[hf] = src
-
-    emb = [k for k, v in globals_.items() if v.startswith("model.embed")]
-    rest_globals = [k for k in globals_ if k not in emb]
-    for key in emb:
-        claim(globals_[key], key)
-        entries[globals_[key]] = (key, None)
-        order.append(globals_[key])
-    layer_order = list(layer_tensors) + list(fused)
-    experts_of: dict[tuple[int, str], list[int | None]] = {}
-    for (i, entry, e) in per_layer:
-        experts_of.setdefault((i, entry), []).append(e)
-    for i in range(num_layers):
-        prefix = hf_lp.format(layer=i)
-        for entry in layer_order:
-            for e in sorted(experts_of.get((i, entry), ()), key=lambda x: -1 if x is None else x):
-                key, index = per_layer[(i, entry, e)]
-                fill = {"expert": e} if e is not None else {}
-                src_label = f"{lp}{i}.{entry.format(**fill)}"
-                if e is not None and "{expert}" not in entry:
-                    src_label += f"[expert {e}]"  # one expert of a stacked [E, ...] tensor
-                if entry in fused:
-                    decl = fused[entry]
-                    kind = decl["split"]
-                    outputs = {role: prefix + decl[role].format(**fill) for role in decl if role != "split"}
-                    inner = src_label  # the fused tensor keeps its (unstacked) Megatron name
-                    entries[inner] = (key, index)
-                    splits[inner] = FusedSplit(
-                        kind,
-                        outputs,
-                        num_heads=heads.num_heads if kind == "qkv" else None,
-                        num_kv_heads=heads.num_kv_heads if kind == "qkv" else None,
-                        head_dim=heads.head_dim if kind == "qkv" else None,
-                    )
-                    for hf in outputs.values():
-                        claim(hf, src_label)
-                    order.append(inner)
-                else:
-                    hf = prefix + layer_tensors[entry].format(**fill)
-                    claim(hf, src_label)
-                    entries[hf] = (key, index)
-                    order.append(hf)
-    for key in rest_globals:
-        claim(globals_[key], key)
-        entries[globals_[key]] = (key, None)
-        order.append(globals_[key])
-    for name in order_tail:
-        claim(name, entries[name][0])
-    order.extend(order_tail)
-    entries = {name: entries[name] for name in order}
-    if skipped["not_model"]:
-        notes.append(f"{skipped['not_model']} optimizer / rng entries in the dist_ckpt ignored")
+    if view.skipped:
+        head.notes.append(f"{len(view.skipped)} optimizer / rng entries in the dist_ckpt ignored")
     moe = None
     if moe_layers:
         topk = config.get("num_experts_per_tok")
+        example = sorted({t.removeprefix(HF_LAYER).replace("{expert}", "{e}") for r in table.rules
+                          for _, t in r.targets if "{expert}" in t})
         moe = (
-            f"MoE with {num_experts} experts" + (f" (top-{topk})" if isinstance(topk, int) else "")
+            f"MoE with {config.get(table.sizes['expert'])} experts" + (f" (top-{topk})" if isinstance(topk, int) else "")
             + f" in {len(moe_layers)} of {num_layers} layers; written one tensor per expert "
-            f"({hf_lp.format(layer='{i}')} + {_expert_example(table)}), as save_pretrained writes"
+            f"({HF_LAYER.format(layer='{i}')} + {', '.join(example)}), as save_pretrained writes"
         )
-    return _Plan(entries, splits, order, value_model, tied, overrides, notes, warnings, skipped, moe)
+    return _Named(view, head, moe)
 
 
-def _expert_example(table: Mapping[str, Any]) -> str:
-    targets = {v for v in table["layer_tensors"].values() if "{expert}" in v}
-    for entry in table.get("fused", {}).values():
-        targets |= {v for r, v in entry.items() if r != "split" and "{expert}" in v}
-    return ", ".join(sorted(t.replace("{expert}", "{e}") for t in targets))
+def _table_for(config: Mapping[str, Any], cdir: Path, tconf: Mapping[str, Any] | None) -> NameTable:
+    if not isinstance(config.get("model_type"), str):
+        raise MissingConfigError(f"{cdir / 'config.json'}: no model_type")
+    table = find_table("megatron", config)
+    _check_heads(config, tconf, cdir / "config.json")
+    return table
 
 
 def _infer_tp(dcp: DcpCheckpoint, key: str, stacked: bool) -> int | None:
@@ -809,7 +574,7 @@ def open_megatron(
     other = 0
     if dcp is not None:
         for k in dcp.specs():
-            if _matches(k, _NOT_MODEL):
+            if _matches(k, NOT_MODEL):
                 other += 1
             else:
                 model_keys.append(k)
@@ -872,19 +637,18 @@ def open_megatron(
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise MissingConfigError(f"{cdir / 'config.json'}: no model_type")
-    table = mappings.get_table("megatron", model_type)
-    heads = _heads(config, lay.transformer_config, cdir / "config.json")
+    table = _table_for(config, cdir, lay.transformer_config)
     assert dcp is not None
-    plan = plan_names(dcp.specs(), table, config, heads, is_value_model=is_value_model, where=str(lay.dist_dir))
+    named = hf_names(dcp, table, config, is_value_model=is_value_model, where=str(lay.dist_dir))
     if lay.hf_dir is not None and _hf_weight_files(lay.hf_dir):
-        plan.notes.append(f"{lay.hf_dir} also holds HF weights; the dist_ckpt model tensors are used")
+        named.head.notes.append(f"{lay.hf_dir} also holds HF weights; the dist_ckpt model tensors are used")
     details.update(
         num_layers=int(config["num_hidden_layers"]),
-        family=table["name"].split(".", 1)[-1],
-        moe=plan.moe,
+        family=table.name.split(".", 1)[-1],
+        moe=named.moe,
         model_type=model_type,
-        value_model=plan.value_model,
-        tied=plan.tied,
+        value_model=named.head.value_model,
+        tied=named.head.tied,
         dist_ckpt=str(lay.dist_dir),
     )
     info = CheckpointInfo(
@@ -894,12 +658,12 @@ def open_megatron(
         world_size=dcp.info.world_size,
         step=step,
         details=details,
-        notes=resolve_notes + plan.notes,
-        warnings=plan.warnings,
-        config_overrides=plan.config_overrides,
+        notes=resolve_notes + named.head.notes,
+        warnings=named.head.warnings,
+        config_overrides=named.head.config_overrides,
     )
-    names = _MegatronNames(dcp, plan.entries, info)
-    return SplitFusedView(names, plan.splits, info=info)
+    named.view.info = info
+    return named.view
 
 
 def _step_from(path: Path) -> int | None:
@@ -1047,13 +811,12 @@ def _open_legacy(
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise MissingConfigError(f"{cdir / 'config.json'}: no model_type")
-    table = mappings.get_table("megatron", model_type)
-    heads = _heads(config, lay.transformer_config, cdir / "config.json")
-    lp = table["layer_prefix"]
-    rules = table.get("tensor_parallel", {})
-    if tp > 1 and table.get("experts_config_key"):
+    table = _table_for(config, cdir, lay.transformer_config)
+    lp = LAYER
+    rules = _TENSOR_PARALLEL
+    if tp > 1 and "expert" in table.sizes:
         raise UnsupportedCheckpointError(
-            f"{lay.legacy_dir}: legacy per-rank files of an MoE model ({table['name']}) saved at TP={tp} are not "
+            f"{lay.legacy_dir}: legacy per-rank files of an MoE model ({table.name}) saved at TP={tp} are not "
             "supported (expert tensor-parallel layouts vary); re-save with dist checkpointing (torch_dist)"
         )
 
@@ -1095,7 +858,7 @@ def _open_legacy(
             if layers and layers != list(range(len(layers))):
                 raise CorruptCheckpointError(f"{where}: pipeline stage {p} has non-contiguous local layers {layers}")
             for k in keys:
-                if _matches(k, table.get("ignore", ())):
+                if table.ignored(k):
                     continue
                 m = _LAYER_RE.match(k[len(lp) :]) if k.startswith(lp) else None
                 if m:
@@ -1106,19 +869,19 @@ def _open_legacy(
                     name = k
                     rule = rules.get(k)
                     if k in seen_globals:
-                        if k == table.get("tied_alias") and drop_tied_copy:
+                        if k == OUTPUT_LAYER and drop_tied_copy:
                             continue
                         raise CorruptCheckpointError(
                             f"{where}: {k} is on pipeline stages {seen_globals[k][1]} and {p}; only a tied "
                             "output layer may repeat"
                         )
                     seen_globals[k] = (v, p)
-                    if k == table.get("tied_alias") and drop_tied_copy and "embedding.word_embeddings.weight" in seen_globals:
+                    if k == OUTPUT_LAYER and drop_tied_copy and EMBEDDING in seen_globals:
                         notes.append(f"{k} on the last pipeline stage is Megatron's copy of the tied embedding; not written")
                         del seen_globals[k]
                         continue
                 local = [sd[k] for sd in sds]
-                if k in table.get("value_head", {}) and local[0].ndim >= 1 and local[0].shape[0] == 1:
+                if k in (OUTPUT_LAYER, OUTPUT_BIAS) and local[0].ndim >= 1 and local[0].shape[0] == 1:
                     rule = None  # a [1, H] value head is replicated, not vocab-parallel
                 shape, pieces = _tp_pieces(name, rule, local, where)
                 src.add(name, shape, pieces)
@@ -1128,29 +891,29 @@ def _open_legacy(
             f"{where}: the rank files hold {offset} layers but config.json has num_hidden_layers="
             f"{config.get('num_hidden_layers')}; is config.json the right one?"
         )
-    if drop_tied_copy and table.get("tied_alias") in src.specs():
+    if drop_tied_copy and OUTPUT_LAYER in src.specs():
         # The copy was seen before the embedding (cannot happen in stage order); keep it honest.
         raise CorruptCheckpointError(f"{where}: tied output layer found before the embedding")
 
-    plan = plan_names(src.specs(), table, config, heads, is_value_model=is_value_model, where=where)
+    named = hf_names(src, table, config, is_value_model=is_value_model, where=where)
     details = {
         "layout": "legacy",
         "tp": tp,
         "pp": pp,
         "vpp": vpp_n if vpp_n > 1 else None,
         "num_layers": offset,
-        "family": table["name"].split(".", 1)[-1],
-        "moe": plan.moe,
+        "family": table.name.split(".", 1)[-1],
+        "moe": named.moe,
         "model_type": model_type,
-        "value_model": plan.value_model,
-        "tied": plan.tied,
+        "value_model": named.head.value_model,
+        "tied": named.head.tied,
     }
     info.details = {k: v for k, v in details.items() if v is not None}
-    info.notes = notes + plan.notes
-    info.warnings = plan.warnings
-    info.config_overrides = plan.config_overrides
-    names = _MegatronNames(src, plan.entries, info)
-    return SplitFusedView(names, plan.splits, info=info)
+    info.notes = notes + named.head.notes
+    info.warnings = named.head.warnings
+    info.config_overrides = named.head.config_overrides
+    named.view.info = info
+    return named.view
 
 
 FORMAT = SourceFormat(

@@ -1,15 +1,29 @@
-"""Rename a source's tensors to Hugging Face names through a typed name table.
+"""Rename a source's tensors to Hugging Face names through a typed name table: the one interpreter.
 
-A :class:`NameTable` is data: one :class:`NameRule` per source tensor pattern, with named
+Readers return their format's own names (torchtitan ``layers.0.attention.wo.weight``, Megatron
+``decoder.layers.self_attention.linear_qkv.weight``); this transform turns them into HF names. A
+:class:`NameTable` is data: one :class:`NameRule` per source tensor pattern, with named
 placeholders (``{layer}``, ``{expert}``, any identifier) that match decimal indices. A rule maps a
-source name to an HF name (``None``: not a weight, drop it) and may name a row operation:
+source name to an HF name (``None``: not a weight, drop it), or to several by role (:class:`Split`):
 
 - placeholders in both names carry the index over (``layers.{layer}.attention.wo.weight`` ->
   ``model.layers.{layer}.self_attn.o_proj.weight``);
-- a placeholder only in the HF name unstacks dim 0 of the source tensor (torchtitan's grouped
-  experts ``[E, F, D]`` -> one ``[F, D]`` tensor per ``{expert}``);
+- placeholders only in the HF name index the leading dims of the source tensor, in the order the
+  HF name lists them (Megatron's stacked ``decoder.layers.mlp.experts.experts.linear_fc2.weight``
+  ``[L, E, H, F]`` -> ``model.layers.{layer}.mlp.experts.{expert}.down_proj.weight``; torchtitan's
+  grouped experts ``[E, F, D]`` -> one ``[F, D]`` tensor per ``{expert}``);
+- a :class:`Split` target cuts the rows of a fused tensor into role tensors (``qkv``: Megatron's
+  per-query-group ``linear_qkv``, head counts from the HF config; ``gate_up``: ``[gate; up]``);
+  the row arithmetic is :mod:`hf_merge.transforms.fused`'s;
 - ``op="rope_q"`` / ``"rope_k"`` undo a per-head rotary row permutation (Meta's interleaved
   layout -> HF's half-split layout), head counts from the HF config.
+
+A table may also say what its model's checkpoints must hold (checked when the view is built):
+``sizes`` (placeholder -> config.json key: indices run over ``range(config[key])``, a stacked dim
+must have that length), ``required`` (rules whose tensors every index of their sized placeholders
+must have), ``complete`` (placeholders whose every index must be present wherever one is: all
+experts of a layer), ``config_checks`` (a present tensor needs these config.json values), and
+``value_rules`` (the rules of a critic / value model's head, :meth:`NameTable.for_value_model`).
 
 Tables are validated when they are built and found by :func:`find_table` among the modules of
 :mod:`hf_merge.name_tables` (each module defines ``TABLES``). :class:`NameTableView` applies one
@@ -19,58 +33,121 @@ survive renaming, and a source tensor no rule accounts for is an error naming it
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import json
 import importlib
+import itertools
 import pkgutil
 import re
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
-from ..errors import MappingError
+from ..errors import MappingError, MissingConfigError
 from ..spec import TensorSpec
+from .fused import FUSED_ROLES, FusedSplit, RowRange, read_region_into
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_DIGITS = re.compile(r"\d+")
 ROW_OPS = ("rope_q", "rope_k")
+ORDERS = ("source", "table")
+_MAX_NAMED = 12
+
+
+def placeholders(template: str) -> list[str]:
+    """The ``{name}`` fields of ``template``, in order."""
+    return _PLACEHOLDER.findall(template)
+
+
+def pattern_key(template: str) -> str:
+    """``model.layers.{layer}.x`` -> ``model.layers.{}.x`` (two patterns that can write one name)."""
+    return _PLACEHOLDER.sub("{}", template)
+
+
+def _skeleton(text: str) -> str:
+    """Digits and placeholders as ``#`` (runs collapsed): the index under which rules are looked up."""
+    return re.sub("#+", "#", _DIGITS.sub("#", _PLACEHOLDER.sub("#", text)))
+
+
+@dataclass(frozen=True)
+class Split:
+    """A fused tensor's role targets, in storage order: ``Split("qkv", (("q", ...), ("k", ...), ("v", ...)))``."""
+
+    kind: str
+    targets: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        roles = FUSED_ROLES.get(self.kind)
+        if roles is None:
+            raise ValueError(f"unknown split {self.kind!r} (known: {', '.join(FUSED_ROLES)})")
+        if tuple(r for r, _ in self.targets) != roles:
+            raise ValueError(f"a {self.kind} split needs exactly the roles {list(roles)} in that order, got {[r for r, _ in self.targets]}")
+        if not all(isinstance(t, str) and t for _, t in self.targets):
+            raise ValueError(f"a {self.kind} split's targets must be names")
+
+
+def qkv(q: str, k: str, v: str) -> Split:
+    """Megatron-Core's per-query-group fused ``linear_qkv`` -> q, k, v."""
+    return Split("qkv", (("q", q), ("k", k), ("v", v)))
+
+
+def gate_up(gate: str, up: str) -> Split:
+    """A gated MLP's ``[gate; up]`` fused ``linear_fc1`` -> gate, up."""
+    return Split("gate_up", (("gate", gate), ("up", up)))
 
 
 @dataclass(frozen=True)
 class NameRule:
-    """``source`` pattern -> ``target`` HF pattern (None: drop), with an optional row ``op``."""
+    """``source`` pattern -> ``target`` HF pattern (None: drop; a :class:`Split`: role tensors),
+    with an optional row ``op``. ``alt``: another spelling of tensors an earlier rule of the table
+    writes (a checkpoint holding both spellings is an error)."""
 
     source: str
-    target: str | None
+    target: str | Split | None
     op: str | None = None
+    alt: bool = False
 
     def __post_init__(self) -> None:
-        src = _PLACEHOLDER.findall(self.source)
+        src = placeholders(self.source)
         if len(set(src)) != len(src):
             raise ValueError(f"name rule {self.source!r}: a placeholder appears twice")
         if self.target is None:
             if self.op is not None:
                 raise ValueError(f"name rule {self.source!r}: a dropped tensor has no op")
             return
-        tgt = _PLACEHOLDER.findall(self.target)
-        if len(set(tgt)) != len(tgt):
-            raise ValueError(f"name rule {self.target!r}: a placeholder appears twice")
-        if len(set(tgt) - set(src)) > 1:
-            raise ValueError(f"name rule {self.source!r} -> {self.target!r}: at most one placeholder may unstack dim 0")
-        if set(src) - set(tgt):
-            raise ValueError(f"name rule {self.source!r} -> {self.target!r}: placeholder(s) {sorted(set(src) - set(tgt))} lost")
+        fields = {tuple(placeholders(t)) for _, t in self.targets}
+        for tgt in fields:
+            if len(set(tgt)) != len(tgt):
+                raise ValueError(f"name rule {self.source!r}: a placeholder appears twice in a target")
+        if len({frozenset(t) for t in fields}) != 1:
+            raise ValueError(f"name rule {self.source!r}: its targets name different placeholders")
+        tgt = set(next(iter(fields)))
+        if set(src) - tgt:
+            raise ValueError(f"name rule {self.source!r} -> {self.target!r}: placeholder(s) {sorted(set(src) - tgt)} lost")
         if self.op is not None and self.op not in ROW_OPS:
             raise ValueError(f"name rule {self.source!r}: unknown op {self.op!r} (known: {', '.join(ROW_OPS)})")
-        if self.op is not None and self.unstack is not None:
-            raise ValueError(f"name rule {self.source!r}: an unstacked tensor cannot also have op {self.op!r}")
+        if self.op is not None and (self.stacked or isinstance(self.target, Split)):
+            raise ValueError(f"name rule {self.source!r}: an unstacked or split tensor cannot also have op {self.op!r}")
 
     @property
-    def unstack(self) -> str | None:
-        """The placeholder only the HF name has (it indexes dim 0 of the source tensor)."""
+    def targets(self) -> tuple[tuple[str | None, str], ...]:
+        """``((role, HF pattern), ...)``: one ``(None, target)`` for a 1:1 rule, none for a dropped one."""
         if self.target is None:
-            return None
-        extra = set(_PLACEHOLDER.findall(self.target)) - set(_PLACEHOLDER.findall(self.source))
-        return next(iter(extra), None)
+            return ()
+        if isinstance(self.target, Split):
+            return self.target.targets
+        return ((None, self.target),)
+
+    @property
+    def stacked(self) -> tuple[str, ...]:
+        """The placeholders only the HF name has: they index the source's leading dims, in this order."""
+        if not self.targets:
+            return ()
+        src = set(placeholders(self.source))
+        return tuple(p for p in placeholders(self.targets[0][1]) if p not in src)
 
     @functools.cached_property
     def pattern(self) -> re.Pattern[str]:
@@ -83,8 +160,12 @@ class NameRule:
 class NameTable:
     """One source family's names: ``source`` (e.g. ``"torchtitan"``) x HF ``model_types``.
 
-    ``skip`` are prefixes of entries that are not model weights (optimizer state...). Rules are
-    tried in order; the first match wins.
+    Rules are tried in order; the first match wins. ``skip`` (training state: optimizer...) and
+    ``ignore`` (model entries that are not weights: ``*._extra_state``) are fnmatch patterns of
+    entries dropped before the rules. ``order``: ``"source"`` keeps the source's order;
+    ``"table"`` lists the HF tensors as the table lists its rules, the rules with the ``{layer}``
+    placeholder layer by layer (embeddings, layer 0, layer 1, ..., final norm, head). The other
+    fields are described in the module docstring.
     """
 
     name: str
@@ -92,35 +173,122 @@ class NameTable:
     model_types: tuple[str, ...]
     rules: tuple[NameRule, ...]
     skip: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
     description: str = ""
     citation: str = ""  # where the mapping comes from (file at version)
+    sizes: Mapping[str, str] = field(default_factory=dict)
+    required: tuple[str, ...] = ()
+    complete: tuple[str, ...] = ()
+    config_checks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    value_rules: tuple[NameRule, ...] = ()
+    architectures: Mapping[str, str] = field(default_factory=dict)  # "causal_lm" / "value" -> HF class
+    order: str = "source"
 
     def __post_init__(self) -> None:
         if not self.rules or not self.model_types:
             raise ValueError(f"name table {self.name!r} has no rules or no model types")
         seen: set[str] = set()
-        targets: set[str] = set()
+        written: set[str] = set()
+        used: set[str] = set()
         for rule in self.rules:
             if not isinstance(rule, NameRule):
                 raise TypeError(f"name table {self.name!r}: {rule!r} is not a NameRule")
             if rule.source in seen:
                 raise ValueError(f"name table {self.name!r}: {rule.source!r} appears twice")
             seen.add(rule.source)
-            if rule.target is not None:
-                key = _PLACEHOLDER.sub("{}", rule.target)
-                if key in targets:
-                    raise ValueError(f"name table {self.name!r}: two rules write {rule.target!r}")
-                targets.add(key)
+            keys = {pattern_key(t) for _, t in rule.targets}
+            if rule.alt and not keys <= written:
+                raise ValueError(f"name table {self.name!r}: {rule.source!r} is an alternative spelling but no earlier rule writes {sorted(keys - written)}")
+            if not rule.alt and keys & written:
+                raise ValueError(f"name table {self.name!r}: two rules write {sorted(keys & written)[0]!r} (mark the later one alt=True if it is another spelling)")
+            written |= keys
+            used.update(placeholders(rule.source))
+            for _, t in rule.targets:
+                used.update(placeholders(t))
+        for p in list(self.sizes) + list(self.complete):
+            if p not in used:
+                raise ValueError(f"name table {self.name!r}: sizes / complete name {p!r}, which no rule uses")
+        for p in self.complete:
+            if p not in self.sizes:
+                raise ValueError(f"name table {self.name!r}: complete placeholder {p!r} needs a size (config key)")
+        for src in list(self.required) + list(self.config_checks):
+            if src not in seen:
+                raise ValueError(f"name table {self.name!r}: required / config_checks entry {src!r} is not a rule's source")
+        for rule in self.value_rules:
+            if not isinstance(rule, NameRule) or rule.target is None:
+                raise ValueError(f"name table {self.name!r}: value rule {rule!r} must be a NameRule with a target")
+        if self.value_rules and "value" not in self.architectures:
+            raise ValueError(f"name table {self.name!r} has value rules but no 'value' architecture")
+        if self.order not in ORDERS:
+            raise ValueError(f"name table {self.name!r}: order {self.order!r} is not one of {ORDERS}")
+        for pat in self.skip + self.ignore:
+            if not isinstance(pat, str) or not pat:
+                raise ValueError(f"name table {self.name!r}: bad skip / ignore pattern {pat!r}")
+
+    @functools.cached_property
+    def _index(self) -> tuple[dict[str, list[NameRule]], list[NameRule]]:
+        by_skeleton: dict[str, list[NameRule]] = {}
+        loose = []  # a placeholder next to a digit or another placeholder: no reliable skeleton
+        for rule in self.rules:
+            if re.search(r"\d\{|\}\d|\}\{", rule.source):
+                loose.append(rule)
+            else:
+                by_skeleton.setdefault(_skeleton(rule.source), []).append(rule)
+        return by_skeleton, loose
 
     def match(self, name: str) -> tuple[NameRule, dict[str, str]] | None:
-        for rule in self.rules:
+        by_skeleton, loose = self._index
+        hits = []
+        for rule in itertools.chain(by_skeleton.get(_skeleton(name), ()), loose):
             m = rule.pattern.match(name)
             if m:
-                return rule, m.groupdict()
-        return None
+                hits.append((self._position[rule.source], rule, m.groupdict()))
+        if not hits:
+            return None
+        _, rule, values = min(hits, key=lambda h: h[0])  # the first rule of the table that matches
+        return rule, values
+
+    @functools.cached_property
+    def _position(self) -> dict[str, int]:
+        return {r.source: i for i, r in enumerate(self.rules)}
+
+    @functools.cached_property
+    def _skip_rx(self) -> re.Pattern[str] | None:
+        return re.compile("|".join(fnmatch.translate(p) for p in self.skip)) if self.skip else None
+
+    @functools.cached_property
+    def _ignore_rx(self) -> re.Pattern[str] | None:
+        return re.compile("|".join(fnmatch.translate(p) for p in self.ignore)) if self.ignore else None
 
     def skipped(self, name: str) -> bool:
-        return any(name == p.rstrip(".") or name.startswith(p) for p in self.skip)
+        """Training state, not the model (``skip``)."""
+        return self._skip_rx is not None and self._skip_rx.match(name) is not None
+
+    def ignored(self, name: str) -> bool:
+        """A model entry that is not a weight (``ignore``)."""
+        return self._ignore_rx is not None and self._ignore_rx.match(name) is not None
+
+    def for_value_model(self) -> "NameTable":
+        """This table for a critic / value model: ``value_rules`` replace the rules of the same
+        source (and the others are added after the rules)."""
+        if not self.value_rules:
+            raise MappingError(f"name table {self.name!r} has no value-model rules")
+        by_source = {r.source: r for r in self.value_rules}
+        rules = tuple(by_source.pop(r.source, r) for r in self.rules) + tuple(by_source.values())
+        return replace(self, name=f"{self.name}+value", rules=rules, value_rules=())
+
+    def describe(self) -> str:
+        """The table as text, one rule a line (for review and the README)."""
+        lines = [f"{self.name} [{self.source}] model_types={list(self.model_types)}: {self.description}"]
+        for r in self.rules:
+            if r.target is None:
+                lines.append(f"  {r.source} -> (dropped)")
+            elif isinstance(r.target, Split):
+                roles = ", ".join(f"{role}={t}" for role, t in r.target.targets)
+                lines.append(f"  {r.source} -> split {r.target.kind}: {roles}")
+            else:
+                lines.append(f"  {r.source} -> {r.target}" + (f" ({r.op})" if r.op else ""))
+        return "\n".join(lines)
 
 
 @functools.cache
@@ -135,6 +303,9 @@ def all_tables() -> tuple[NameTable, ...]:
     names = [t.name for t in found]
     if len(set(names)) != len(names):
         raise RuntimeError(f"two name tables share a name: {names}")
+    claims = [(t.source, m) for t in found for m in t.model_types]
+    if len(set(claims)) != len(claims):
+        raise RuntimeError(f"two name tables of one source claim one model_type: {sorted(c for c in claims if claims.count(c) > 1)}")
     return tuple(found)
 
 
@@ -147,14 +318,35 @@ def find_table(source: str, config: Mapping[str, Any]) -> NameTable:
             return table
     known = sorted({m for t in candidates for m in t.model_types})
     raise MappingError(
-        f"no {source} name table for model_type {model_type!r} (config.json); known: {', '.join(known) or 'none'}; "
+        f"no {source} name table for model_type {model_type!r} (config.json); supported: {', '.join(known) or 'none'}; "
         "pass --config with the matching Hugging Face config, or add a table in hf_merge/name_tables/"
     )
 
 
 # --------------------------------------------------------------------------------------------
-# Rotary permutation (pure functions)
+# Head counts and the rotary permutation (pure functions)
 # --------------------------------------------------------------------------------------------
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def attention_heads(config: Mapping[str, Any], where: str = "config.json") -> tuple[int, int, int]:
+    """``(num_attention_heads, num_key_value_heads, head_dim)`` of an HF config (kv heads default to
+    the query heads, head_dim to hidden_size // heads). MissingConfigError if they are not positive."""
+    missing = [k for k in ("num_attention_heads", "hidden_size") if not _positive_int(config.get(k))]
+    if missing:
+        raise MissingConfigError(f"{where}: config.json has no positive integer {missing[0]}; cannot split the fused QKV tensors")
+    nq, hidden = config["num_attention_heads"], config["hidden_size"]
+    nkv = config.get("num_key_value_heads") or nq
+    hd = config.get("head_dim") or hidden // nq
+    if not (_positive_int(nkv) and _positive_int(hd)):
+        raise MissingConfigError(
+            f"{where}: num_key_value_heads={nkv!r} and head_dim={hd!r} (hidden_size // num_attention_heads if "
+            "absent) must be positive integers; cannot split the fused QKV tensors"
+        )
+    return nq, nkv, hd
 
 
 def rope_source_rows(rows: int, n_heads: int) -> torch.Tensor:
@@ -171,7 +363,7 @@ def rope_source_rows(rows: int, n_heads: int) -> torch.Tensor:
     return torch.arange(rows).view(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def _heads(config: Mapping[str, Any], op: str) -> int:
+def _rope_heads(config: Mapping[str, Any], op: str) -> int:
     try:
         n_q = int(config["num_attention_heads"])
     except (KeyError, TypeError, ValueError):
@@ -190,75 +382,239 @@ def _heads(config: Mapping[str, Any], op: str) -> int:
 class _Target:
     source: str
     rule: NameRule
-    index: int | None = None  # unstacked: the dim-0 index of the source
+    values: Mapping[str, int]  # every placeholder's value (from the name and from the stacked dims)
+    index: tuple[int, ...] = ()  # positions on the source's leading stacked dims
+    role: str | None = None  # a Split's role
+    ranges: tuple[RowRange, ...] | None = None  # a Split role's rows in the (unstacked) source
     heads: int | None = None  # rope ops: head count
 
 
-@dataclass
-class _Plan:
-    targets: dict[str, _Target] = field(default_factory=dict)
-    dropped: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
+@dataclass(frozen=True)
+class Resolved:
+    """How one HF tensor comes from the source: for ``inspect`` and a reader's own checks."""
+
+    name: str
+    source: str
+    rule: NameRule
+    values: Mapping[str, int]
+    role: str | None
+
+    def describe(self) -> str:
+        """``decoder.layers.mlp.linear_fc1.weight[1] (gate_up: up)``."""
+        text = self.source + "".join(f"[{self.values[p]}]" for p in self.rule.stacked)
+        if self.role is not None:
+            text += f" ({self.rule.target.kind}: {self.role})"  # type: ignore[union-attr]
+        elif self.rule.op:
+            text += f" ({self.rule.op})"
+        return text
 
 
 class NameTableView(LazyCheckpoint):
     """``base`` under HF names by ``table`` (see the module docstring).
 
     Raises:
-        MappingError: a base tensor no rule (and no skip prefix) accounts for, or two source
-            tensors that would get the same HF name.
+        MappingError: a base tensor no rule (and no skip / ignore pattern) accounts for, two source
+            tensors that would get the same HF name, an index or stacked dim that disagrees with
+            the config's sizes, or a table requirement the checkpoint does not meet.
+        MissingConfigError: a size or head count the table needs is not in the config.
     """
 
-    def __init__(self, base: LazyCheckpoint, table: NameTable, config: Mapping[str, Any]):
+    def __init__(self, base: LazyCheckpoint, table: NameTable, config: Mapping[str, Any], *, where: str | None = None):
         self.base, self.table = base, table
         self.info = base.info
-        plan = _Plan()
-        base_specs = base.specs()
+        self._where = f"{where}: " if where else ""
+        self.skipped: list[str] = []
+        self.ignored: list[str] = []
+        self._dropped: list[str] = []
+        self._sizes = self._config_sizes(config)
+        self._qkv_heads = None
         unknown: list[str] = []
-        self._specs: dict[str, TensorSpec] = {}
-        self._targets: dict[str, _Target] = {}
+        found: list[tuple[tuple, str, _Target, tuple[int, ...]]] = []
+        base_specs = base.specs()
         for name, spec in base_specs.items():
             if table.skipped(name):
-                plan.skipped.append(name)
+                self.skipped.append(name)
+                continue
+            if table.ignored(name):
+                self.ignored.append(name)
                 continue
             hit = table.match(name)
             if hit is None:
                 unknown.append(name)
                 continue
-            rule, values = hit
+            rule, named = hit
             if rule.target is None:
-                plan.dropped.append(name)
+                self._dropped.append(name)
                 continue
-            heads = _heads(config, rule.op) if rule.op else None
-            if rule.unstack is not None:
-                if not spec.shape:
-                    raise MappingError(f"{name}: a scalar cannot be unstacked into {rule.target}")
-                for i in range(spec.shape[0]):
-                    self._add(rule.target.format(**values, **{rule.unstack: i}), _Target(name, rule, i), spec.shape[1:], spec)
-            else:
-                if heads is not None and len(spec.shape) != 2:
-                    raise MappingError(f"{name}: rotary un-permutation needs a 2-D weight, got shape {list(spec.shape)}")
-                self._add(rule.target.format(**values), _Target(name, rule, None, heads), spec.shape, spec)
+            values = {k: int(v) for k, v in named.items()}
+            for key, target, shape in self._expand(name, spec, rule, values, config):
+                found.append((key, target.rule.source, target, shape))
         if unknown:
-            more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
+            more = f" (and {len(unknown) - _MAX_NAMED} more)" if len(unknown) > _MAX_NAMED else ""
             raise MappingError(
-                f"{unknown[0]}{more}: no rule of name table {table.name!r} maps it to a Hugging Face name; "
-                f"is the config's model_type right (pass --config), or does the table need a rule?"
+                f"{self._where}{', '.join(unknown[:_MAX_NAMED])}{more}: no rule of name table {table.name!r} "
+                f"(model_type {config.get('model_type')!r}) maps {'it' if len(unknown) == 1 else 'them'} to a Hugging Face "
+                "name. Nothing was dropped; is the config's model_type right (pass --config), or does the table in "
+                "hf_merge/name_tables/ need a rule?"
             )
-        self._plan = plan
+        if table.order == "table":
+            found.sort(key=lambda f: f[0])
+        self._specs: dict[str, TensorSpec] = {}
+        self._targets: dict[str, _Target] = {}
+        for _, _, target, shape in found:
+            self._add(target, shape, base_specs[target.source])
+        self._check(config)
+        if hasattr(base, "read_region_into"):  # box reads survive renaming (layer / head slices)
+            self.read_region_into = self._read_region_into
 
-    def _add(self, hf: str, target: _Target, shape: tuple[int, ...], spec: TensorSpec) -> None:
-        if hf in self._specs:
+    # ---- planning ---------------------------------------------------------------------------
+
+    def _config_sizes(self, config: Mapping[str, Any]) -> dict[str, int | None]:
+        sizes: dict[str, int | None] = {}
+        for p, key in self.table.sizes.items():
+            value = config.get(key)
+            sizes[p] = value if _positive_int(value) else None
+        return sizes
+
+    def _size(self, p: str, source: str) -> int:
+        size = self._sizes.get(p)
+        if size is None:
+            raise MissingConfigError(
+                f"{self._where}{source} needs config.json {self.table.sizes[p]} (the number of {p}s, a positive integer); "
+                "pass the right config_dir (--config)"
+            )
+        return size
+
+    def _expand(self, name: str, spec: TensorSpec, rule: NameRule, values: dict[str, int], config: Mapping[str, Any]):
+        """``(order key, target, shape)`` of every HF tensor ``name`` holds."""
+        for p, v in values.items():
+            if p in self.table.sizes and v >= self._size(p, name):
+                raise MappingError(f"{self._where}{name} is {p} {v}, but config.json has {self.table.sizes[p]}={self._sizes[p]}")
+        stacked = rule.stacked
+        dims: list[int] = []
+        for d, p in enumerate(stacked):
+            if p in self.table.sizes:
+                dims.append(self._size(p, name))
+            elif d < len(spec.shape):
+                dims.append(spec.shape[d])
+        if len(spec.shape) < len(stacked) or tuple(spec.shape[: len(stacked)]) != tuple(dims):
+            want = ", ".join(f"{self.table.sizes.get(p, p)}={n}" for p, n in zip(stacked, dims))
             raise MappingError(
-                f"{target.source} and {self._targets[hf].source} both map to {hf} (name table {self.table.name!r})"
+                f"{self._where}{name} has shape {list(spec.shape)}; its leading stacked axes should be {want} "
+                "(is config.json the right one?)"
+            )
+        shape = tuple(spec.shape[len(stacked):])
+        heads = _rope_heads(config, rule.op) if rule.op else None
+        if heads is not None and len(shape) != 2:
+            raise MappingError(f"{self._where}{name}: rotary un-permutation needs a 2-D weight, got shape {list(shape)}")
+        split = None
+        if isinstance(rule.target, Split):
+            if not shape:
+                raise MappingError(f"{self._where}{name}: a scalar cannot be split as {rule.target.kind}")
+            split = self._split(rule.target, name, config).ranges(shape[0])
+        for index in itertools.product(*(range(n) for n in dims)):
+            vals = {**values, **dict(zip(stacked, index))}
+            for r, (role, pattern) in enumerate(rule.targets):
+                target = _Target(name, rule, vals, tuple(index), role, tuple(split[role]) if split else None, heads)
+                role_shape = (sum(n for _, _, n in split[role]),) + shape[1:] if split else shape
+                yield self._order_key(rule, vals, r), target, role_shape
+
+    def _split(self, split: Split, name: str, config: Mapping[str, Any]) -> FusedSplit:
+        outputs = dict(split.targets)
+        if split.kind != "qkv":
+            return FusedSplit(split.kind, outputs)
+        if self._qkv_heads is None:
+            self._qkv_heads = attention_heads(config)
+        nq, nkv, hd = self._qkv_heads
+        return FusedSplit(split.kind, outputs, num_heads=nq, num_kv_heads=nkv, head_dim=hd)
+
+    def _order_key(self, rule: NameRule, values: Mapping[str, int], role: int) -> tuple:
+        pos = self.table._position[rule.source]
+        rest = tuple(values[p] for p in placeholders(rule.targets[0][1]) if p != "layer")
+        if "layer" in values:
+            return (1, values["layer"], pos, rest, role)
+        return (0 if pos < self._first_layer_rule else 2, pos, 0, rest, role)
+
+    @functools.cached_property
+    def _first_layer_rule(self) -> int:
+        return next((i for i, r in enumerate(self.table.rules) if r.targets and "layer" in placeholders(r.targets[0][1])), len(self.table.rules))
+
+    def _add(self, target: _Target, shape: tuple[int, ...], spec: TensorSpec) -> None:
+        pattern = dict(target.rule.targets)[target.role]
+        hf = pattern.format(**target.values)
+        if hf in self._specs:
+            other = self._targets[hf]
+            raise MappingError(
+                f"{self._where}both {_label(other)} and {_label(target)} map to {hf} (name table {self.table.name!r}): "
+                "the checkpoint holds two spellings of one tensor"
             )
         self._specs[hf] = TensorSpec(hf, tuple(shape), spec.dtype)
         self._targets[hf] = target
 
+    def _check(self, config: Mapping[str, Any]) -> None:
+        """The table's requirements: required tensors at every index, complete placeholders, config values."""
+        table = self.table
+        written: dict[str, set[tuple]] = {}  # HF pattern key -> value tuples present
+        for t in self._targets.values():
+            pattern = dict(t.rule.targets)[t.role]
+            written.setdefault(pattern_key(pattern), set()).add(tuple(t.values[p] for p in placeholders(pattern)))
+        rules = {r.source: r for r in table.rules}
+        missing = []
+        for src in table.required:
+            pattern = rules[src].targets[0][1]
+            fields = placeholders(pattern)
+            have = written.get(pattern_key(pattern), set())
+            sized = [p for p in fields if p in table.sizes]
+            if not have:
+                missing.append(src)
+                continue
+            if sized and len(sized) == len(fields):
+                want = set(itertools.product(*(range(self._size(p, src)) for p in fields)))
+                lacking = sorted(want - have)
+                if lacking:
+                    shown = [v[0] if len(v) == 1 else v for v in lacking]
+                    missing.append(f"{src} ({'/'.join(fields)} {shown[:8]}{'...' if len(shown) > 8 else ''})")
+        if missing:
+            raise MappingError(f"{self._where}the {table.name} table requires tensors this checkpoint lacks: {', '.join(missing)}")
+        for p in table.complete:
+            size = self._sizes.get(p)
+            groups: dict[tuple, tuple[set[int], _Target]] = {}
+            for t in self._targets.values():
+                if p in t.values:
+                    other = tuple(sorted((f, v) for f, v in t.values.items() if f != p))
+                    held, _ = groups.setdefault((other, pattern_key(dict(t.rule.targets)[t.role])), (set(), t))
+                    held.add(t.values[p])
+            for (other, _), (held, t) in sorted(groups.items(), key=lambda g: g[0]):
+                absent = sorted(set(range(size or 0)) - held)
+                if absent:
+                    label = t.rule.source
+                    for f, v in other:
+                        label = label.replace("{" + f + "}", str(v))
+                    raise MappingError(
+                        f"{self._where}{label} lacks {p}s {absent[:8]}{'...' if len(absent) > 8 else ''} of "
+                        f"{table.sizes[p]}={size}; the checkpoint is incomplete"
+                    )
+        for src, wants in table.config_checks.items():
+            if not any(pattern_key(t) in written for _, t in rules[src].targets):
+                continue
+            for ckey, want in wants.items():
+                if config.get(ckey) != want:
+                    raise MappingError(
+                        f"{self._where}the checkpoint has {src} but config.json has {ckey}={config.get(ckey)!r}; "
+                        f"set {ckey}: {json.dumps(want)} in config.json (or pass the right config_dir)"
+                    )
+
+    # ---- what it resolved -------------------------------------------------------------------
+
     @property
     def dropped(self) -> list[str]:
-        """Source tensors the table drops (not weights), and those under a skip prefix."""
-        return self._plan.dropped + self._plan.skipped
+        """Source tensors the table drops (not weights), and those skipped or ignored by pattern."""
+        return self._dropped + self.skipped + self.ignored
+
+    def resolved(self) -> Iterator[Resolved]:
+        """Every HF tensor with the source tensor (and index, role) it comes from, in order."""
+        for name, t in self._targets.items():
+            yield Resolved(name, t.source, t.rule, t.values, t.role)
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
@@ -266,32 +622,56 @@ class NameTableView(LazyCheckpoint):
     def source_name(self, name: str) -> str:
         return self._targets[name].source
 
+    def describe_source(self, name: str) -> str:
+        """Where ``name`` comes from: ``decoder.layers.self_attention.linear_qkv.weight[1] (qkv: q)``."""
+        t = self._targets[name]
+        return Resolved(name, t.source, t.rule, t.values, t.role).describe()
+
+    # ---- reading ----------------------------------------------------------------------------
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
         t = self._targets[name]
-        if t.index is not None:
-            self._read_unstacked(t, out)
-        elif t.heads is not None:
+        if t.heads is not None:
             for first, rows in self._rope_rows(t, out.dtype, ROW_CHUNK_BYTES):
                 out[first : first + len(rows)].copy_(rows)
-        else:
+        elif not t.index and t.ranges is None:
             self.base.read_into(t.source, out)
+        else:
+            self._read_box(t, (0,) * out.dim(), out)
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         t = self._targets[name]
-        if t.index is None and t.heads is None:
+        if t.heads is not None:
+            return self._rope_rows(t, dtype, max_bytes) if hasattr(self.base, "read_region_into") else None
+        if not t.index and t.ranges is None:
             return self.base.read_rows(t.source, dtype, max_bytes)
-        if t.heads is not None and hasattr(self.base, "read_region_into"):
-            return self._rope_rows(t, dtype, max_bytes)
-        return None
+        return super().read_rows(name, dtype, max_bytes)  # row chunks by region reads, when the base has them
 
-    def _read_unstacked(self, t: _Target, out: torch.Tensor) -> None:
-        region = getattr(self.base, "read_region_into", None)
-        spec = self.base.specs()[t.source]
-        if region is not None:
-            region(t.source, (t.index,) + (0,) * (len(spec.shape) - 1), out.unsqueeze(0))
-        else:  # a base without box reads: the stacked tensor, once per expert
-            out.copy_(self.base.read(t.source)[t.index])
+    def _read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
+        t = self._targets[name]
+        if t.heads is not None:  # rows of a permuted tensor: read it whole, then cut the box
+            full = self.read(name, dtype=out.dtype)
+            out.copy_(full[tuple(slice(s, s + n) for s, n in zip(start, out.shape))])
+        else:
+            self._read_box(t, tuple(start), out)
+
+    def _read_box(self, t: _Target, start: Sequence[int], out: torch.Tensor) -> None:
+        """The box ``[start, start + out.shape)`` of HF tensor ``t``: region reads of its source."""
+        if t.ranges is None:
+            self._source_box(t, tuple(start), out)
+            return
+        r0, nrows = start[0], out.shape[0]
+        for src, dst, n in t.ranges:
+            lo, hi = max(r0, dst), min(r0 + nrows, dst + n)
+            if lo < hi:
+                self._source_box(t, (src + lo - dst, *start[1:]), out[lo - r0 : hi - r0])
+
+    def _source_box(self, t: _Target, start: tuple[int, ...], out: torch.Tensor) -> None:
+        view = out
+        for _ in t.index:
+            view = view.unsqueeze(0)
+        read_region_into(self.base, t.source, (*t.index, *start), view)
 
     def _rope_rows(self, t: _Target, dtype: torch.dtype, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
         """The HF rows, one head at a time: a head's rows are a permutation of the same head's
@@ -312,3 +692,7 @@ class NameTableView(LazyCheckpoint):
 
     def close(self) -> None:
         self.base.close()
+
+
+def _label(t: _Target) -> str:
+    return Resolved("", t.source, t.rule, t.values, t.role).describe().split(" (")[0]

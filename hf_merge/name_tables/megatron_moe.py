@@ -37,16 +37,16 @@ rename.
 
 from __future__ import annotations
 
-from . import register
-from .megatron_gpt import _COMMON, _GATE_UP, _LAYER_TENSORS, _QK_NORM, _QKV, _QKV_BIAS, _REQUIRED
+from ..transforms.name_table import Split, gate_up
+from .megatron_gpt import GATE_UP, LAYER_TENSORS, QK_NORM, QKV, QKV_BIAS, REQUIRED, arch, megatron_table
 
-_REQUIRED_ATTN = [r for r in _REQUIRED if r != "mlp.linear_fc2.weight"]
+_REQUIRED_ATTN = [r for r in REQUIRED if r != "mlp.linear_fc2.weight"]
 
 
-def _experts(hf_block: str, gate: str, up: str, down: str) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+def _experts(hf_block: str, gate: str, up: str, down: str) -> tuple[dict[str, str], dict[str, Split]]:
     """1:1 and fused entries of the routed experts, in every spelling megatron-core writes."""
     g, u, d = (f"{hf_block}.experts.{{expert}}.{n}.weight" for n in (gate, up, down))
-    gate_up = {"split": "gate_up", "gate": g, "up": u}
+    fc1 = gate_up(g, u)
     one_to_one = {
         # torch_dist, stacked experts axis [E, H, F]
         "mlp.experts.experts.linear_fc2.weight": d,
@@ -59,87 +59,28 @@ def _experts(hf_block: str, gate: str, up: str, down: str) -> tuple[dict[str, st
         "mlp.experts.linear_fc2.weight{expert}": d,
     }
     fused = {
-        "mlp.experts.experts.linear_fc1.weight": gate_up,
-        "mlp.experts.local_experts.{expert}.linear_fc1.weight": gate_up,
-        "mlp.experts.linear_fc1.weight{expert}": gate_up,
+        "mlp.experts.experts.linear_fc1.weight": fc1,
+        "mlp.experts.local_experts.{expert}.linear_fc1.weight": fc1,
+        "mlp.experts.linear_fc1.weight{expert}": fc1,
     }
     return one_to_one, fused
 
 
-def _shared(hf: str) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+def _shared(hf: str) -> tuple[dict[str, str], dict[str, Split]]:
     one_to_one = {
         "mlp.shared_experts.linear_fc2.weight": f"{hf}.down_proj.weight",
         "mlp.shared_experts.linear_fc1.weight_w": f"{hf}.gate_proj.weight",
         "mlp.shared_experts.linear_fc1.weight_v": f"{hf}.up_proj.weight",
     }
-    fused = {
-        "mlp.shared_experts.linear_fc1.weight": {
-            "split": "gate_up",
-            "gate": f"{hf}.gate_proj.weight",
-            "up": f"{hf}.up_proj.weight",
-        }
-    }
+    fused = {"mlp.shared_experts.linear_fc1.weight": gate_up(f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight")}
     return one_to_one, fused
 
 
 _EXPERTS, _EXPERTS_FUSED = _experts("mlp", "gate_proj", "up_proj", "down_proj")
 _ROUTER = {"mlp.router.weight": "mlp.gate.weight"}
-_DENSE_FUSED = {"self_attention.linear_qkv.weight": _QKV, "mlp.linear_fc1.weight": _GATE_UP}
-
-register(
-    {
-        **_COMMON,
-        "name": "megatron_moe.qwen3_moe",
-        "summary": "Qwen3-MoE (q/k RMSNorm, routed experts, optional dense mlp_only_layers)",
-        "model_types": ["qwen3_moe"],
-        "architectures": {"causal_lm": "Qwen3MoeForCausalLM", "value": "Qwen3MoeForTokenClassification"},
-        "experts_config_key": "num_experts",
-        "layer_tensors": {**_LAYER_TENSORS, **_QK_NORM, **_ROUTER, **_EXPERTS},
-        "fused": {**_DENSE_FUSED, **_EXPERTS_FUSED},
-        "required": [*_REQUIRED_ATTN, "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"],
-    }
-)
-
+_DENSE_FUSED = {"self_attention.linear_qkv.weight": QKV, "mlp.linear_fc1.weight": GATE_UP}
 _QWEN2_SHARED, _QWEN2_SHARED_FUSED = _shared("mlp.shared_expert")
-register(
-    {
-        **_COMMON,
-        "name": "megatron_moe.qwen2_moe",
-        "summary": "Qwen2-MoE (q/k/v biases, routed experts, a shared expert with a sigmoid gate)",
-        "model_types": ["qwen2_moe"],
-        "architectures": {"causal_lm": "Qwen2MoeForCausalLM", "value": "Qwen2MoeForTokenClassification"},
-        "experts_config_key": "num_experts",
-        "layer_tensors": {
-            **_LAYER_TENSORS,
-            **_ROUTER,
-            **_EXPERTS,
-            **_QWEN2_SHARED,
-            "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
-        },
-        "fused": {**_DENSE_FUSED, "self_attention.linear_qkv.bias": _QKV_BIAS, **_EXPERTS_FUSED, **_QWEN2_SHARED_FUSED},
-        "required": [*_REQUIRED_ATTN, "self_attention.linear_qkv.bias"],
-    }
-)
-
 _MIXTRAL, _MIXTRAL_FUSED = _experts("block_sparse_moe", "w1", "w3", "w2")
-register(
-    {
-        **_COMMON,
-        "name": "megatron_moe.mixtral",
-        "summary": "Mixtral (Llama attention, routed experts as block_sparse_moe w1/w3/w2)",
-        "model_types": ["mixtral"],
-        "architectures": {"causal_lm": "MixtralForCausalLM", "value": "MixtralForTokenClassification"},
-        "experts_config_key": "num_local_experts",
-        "layer_tensors": {
-            **{k: v for k, v in _LAYER_TENSORS.items() if not v.startswith("mlp.")},  # no dense MLP
-            "mlp.router.weight": "block_sparse_moe.gate.weight",
-            **_MIXTRAL,
-        },
-        "fused": {"self_attention.linear_qkv.weight": _QKV, **_MIXTRAL_FUSED},
-        "required": _REQUIRED_ATTN,
-    }
-)
-
 _MLA = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
@@ -154,15 +95,55 @@ _MLA = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
 }
 _DS_SHARED, _DS_SHARED_FUSED = _shared("mlp.shared_experts")
-register(
-    {
-        **_COMMON,
-        "name": "megatron_moe.deepseek_v3",
-        "summary": "DeepSeek-V3 (multi-latent attention, dense first layers, routed + shared experts, router bias)",
-        "model_types": ["deepseek_v3"],
-        "architectures": {"causal_lm": "DeepseekV3ForCausalLM", "value": "DeepseekV3ForTokenClassification"},
-        "experts_config_key": "n_routed_experts",
-        "layer_tensors": {
+
+TABLES = [
+    megatron_table(
+        name="megatron_moe.qwen3_moe",
+        summary="Qwen3-MoE (q/k RMSNorm, routed experts, optional dense mlp_only_layers)",
+        model_types=("qwen3_moe",),
+        architectures=arch("Qwen3Moe"),
+        experts_config_key="num_experts",
+        layer_tensors={**LAYER_TENSORS, **QK_NORM, **_ROUTER, **_EXPERTS},
+        fused={**_DENSE_FUSED, **_EXPERTS_FUSED},
+        required=[*_REQUIRED_ATTN, "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"],
+    ),
+    megatron_table(
+        name="megatron_moe.qwen2_moe",
+        summary="Qwen2-MoE (q/k/v biases, routed experts, a shared expert with a sigmoid gate)",
+        model_types=("qwen2_moe",),
+        architectures=arch("Qwen2Moe"),
+        experts_config_key="num_experts",
+        layer_tensors={
+            **LAYER_TENSORS,
+            **_ROUTER,
+            **_EXPERTS,
+            **_QWEN2_SHARED,
+            "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+        },
+        fused={**_DENSE_FUSED, "self_attention.linear_qkv.bias": QKV_BIAS, **_EXPERTS_FUSED, **_QWEN2_SHARED_FUSED},
+        required=[*_REQUIRED_ATTN, "self_attention.linear_qkv.bias"],
+    ),
+    megatron_table(
+        name="megatron_moe.mixtral",
+        summary="Mixtral (Llama attention, routed experts as block_sparse_moe w1/w3/w2)",
+        model_types=("mixtral",),
+        architectures=arch("Mixtral"),
+        experts_config_key="num_local_experts",
+        layer_tensors={
+            **{k: v for k, v in LAYER_TENSORS.items() if not v.startswith("mlp.")},  # no dense MLP
+            "mlp.router.weight": "block_sparse_moe.gate.weight",
+            **_MIXTRAL,
+        },
+        fused={"self_attention.linear_qkv.weight": QKV, **_MIXTRAL_FUSED},
+        required=_REQUIRED_ATTN,
+    ),
+    megatron_table(
+        name="megatron_moe.deepseek_v3",
+        summary="DeepSeek-V3 (multi-latent attention, dense first layers, routed + shared experts, router bias)",
+        model_types=("deepseek_v3",),
+        architectures=arch("DeepseekV3"),
+        experts_config_key="n_routed_experts",
+        layer_tensors={
             **_MLA,
             "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
             "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -174,8 +155,8 @@ register(
             **_EXPERTS,
             **_DS_SHARED,
         },
-        "fused": {"mlp.linear_fc1.weight": _GATE_UP, **_EXPERTS_FUSED, **_DS_SHARED_FUSED},
-        "required": ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "self_attention.linear_proj.weight",
-                     "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight"],
-    }
-)
+        fused={"mlp.linear_fc1.weight": GATE_UP, **_EXPERTS_FUSED, **_DS_SHARED_FUSED},
+        required=["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "self_attention.linear_proj.weight",
+                  "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight"],
+    ),
+]
