@@ -114,6 +114,32 @@ def test_tensors_are_exact_splits_of_the_dcp(megatron_root):
     assert not any("_extra_state" in n or n.startswith("optimizer") for n in names)
 
 
+def test_reader_yields_megatron_names_and_inspect_shows_them(megatron_root, capsys):
+    """The reader's own layer holds the dist_ckpt's keys exactly as torch's DCP metadata lists
+    them; HF names come from the name table on top, and `inspect --source-names` says which
+    Megatron tensor (stacked index, split role) each HF tensor is read from."""
+    from hf_merge.cli.app import main
+    from hf_merge.transforms.name_table import NameTableView
+
+    root = role_dir(megatron_root, "qwen2_v1")
+    meta = FileSystemReader(str(root / "dist_ckpt")).read_metadata()
+    ckpt = open_megatron(root)
+    assert isinstance(ckpt, NameTableView) and ckpt.table.name == "megatron_gpt.qwen2"
+    assert set(ckpt.base.specs()) == {k for k, m in meta.state_dict_metadata.items() if hasattr(m, "chunks")}
+    assert "decoder.layers.self_attention.linear_qkv.weight" in ckpt.base.specs()
+    assert ckpt.describe_source("model.layers.1.self_attn.k_proj.weight") == "decoder.layers.self_attention.linear_qkv.weight[1] (qkv: k)"
+    assert ckpt.describe_source("model.embed_tokens.weight") == "embedding.word_embeddings.weight"
+    assert main(["inspect", str(root), "--source-names", "--json"]) == 0
+    rows = {t["name"]: t["source"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert rows["model.layers.0.mlp.up_proj.weight"] == "decoder.layers.mlp.linear_fc1.weight[0] (gate_up: up)"
+    assert len(rows) == len(ckpt.specs())
+    legacy = open_megatron(role_dir(megatron_root, "qwen2_legacy_tied"))  # a state_dict(): one key per layer
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in legacy.base.specs()
+    assert legacy.describe_source("model.layers.1.self_attn.q_proj.weight") == "decoder.layers.1.self_attention.linear_qkv.weight (qkv: q)"
+    assert main(["inspect", str(role_dir(megatron_root, "qwen2_legacy_tied")), "--source-names"]) == 0
+    assert "model.layers.1.mlp.down_proj.weight" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", MBRIDGE)
 def test_mbridge_weights_are_served_as_they_are(megatron_root, name):
     from safetensors.torch import load_file
@@ -258,6 +284,8 @@ def test_row_chunks_equal_whole_reads(tmp_path, dtype):
 def test_unknown_tensor_is_an_error_naming_it(tmp_path):
     root = synthetic(tmp_path, _tensors(**{"decoder.layers.mlp.router.weight": torch.zeros(L, 4, H)}), _config())
     with pytest.raises(MappingError, match=r"decoder\.layers\.mlp\.router\.weight.*Nothing was dropped"):
+        open_megatron(root)
+    with pytest.raises(MappingError, match=r"megatron_gpt\.llama' \(model_type 'llama'\)"):  # the table and the model
         open_megatron(root)
 
 
