@@ -16,6 +16,9 @@ RssAnon of the process tree sampled every 20 ms, CPU seconds of the process tree
               folder itself and writes one model.safetensors, no config)
   hf-merge    `python -m hf_merge.cli.app merge CKPT OUT --config CFG --dtype float32`
 
+  copy floor  `cat pytorch_model_fsdp_0/*.distcp > one file` + fsync: the bytes both tools must read (about
+              the output's size); if 0.3x accelerate's wall is below it, no tool meets that on this disk
+
 and the two outputs are compared tensor by tensor (names, dtype, shape, bytes). Targets (issue 14):
 hf-merge wall <= 0.3x accelerate's, peak anonymous memory <= 512 MB.
 """
@@ -99,13 +102,19 @@ def main() -> None:
     ours, ours_cpu = bm.measure_cpu(size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(ckpt), str(ours_out),
                                                        "--config", str(src / "config"), "--dtype", "float32"],
                                     ours_out, args.workdir / "hfm.log", inputs, env=env)
+    # the floor: cat of the .distcp files (the bytes both tools must read, ~ the output's size) into one file, fsynced
+    distcp = sorted(p for p in inputs if p.suffix == ".distcp")
+    floor, floor_cpu = bm.measure_copy_floor(size, distcp, args.workdir / "floor.bin", args.workdir / "floor.log",
+                                             peer.wall_s if peer.ok else None)
     same, detail = bm.compare_outputs(peer_out, ours_out) if peer.ok and ours.ok else (False, "a run failed")
     ratio = ours.wall_s / peer.wall_s if peer.ok and ours.ok and peer.wall_s else None
     print(f"  {size}: outputs {'identical' if same else 'DIFFER'} ({detail}); "
           f"wall ratio hf-merge / accelerate = {ratio:.2f}" if ratio else f"  {size}: {detail}", flush=True)
     result = {"layers": args.layers, "input_bytes": sum(p.stat().st_size for p in inputs), "same": same, "detail": detail,
               "wall_ratio": ratio, "load_avg": os.getloadavg(),
-              "cpu_s": {"accelerate": peer_cpu, "hf_merge": ours_cpu}, "accelerate": asdict(peer), "hf_merge": asdict(ours)}
+              "floor_bytes": sum(p.stat().st_size for p in distcp), "output_bytes": ours.output_bytes,
+              "cpu_s": {"accelerate": peer_cpu, "hf_merge": ours_cpu, "copy_floor": floor_cpu},
+              "accelerate": asdict(peer), "hf_merge": asdict(ours), "copy_floor": asdict(floor)}
     (args.workdir / "results.json").write_text(json.dumps(result, indent=1))
 
 

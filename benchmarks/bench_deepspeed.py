@@ -13,6 +13,9 @@ bench_merge.py (warm page cache, fsync of the outputs, RssAnon of the process tr
   zero_to_fp32  `python zero_to_fp32.py SAVE_DIR OUT --safe_serialization` (DeepSpeed's script, fp32 output)
   hf-merge      `python -m hf_merge.cli.app merge SAVE_DIR OUT --config CFG --dtype float32` (same fp32 output)
 
+  copy floor    `cat *_optim_states.pt > one file` + fsync: the fp32 partitions both tools must read
+                (about the output's size); if 0.3x zero_to_fp32's wall is below it, no tool meets that on this disk
+
 and the two outputs are compared tensor by tensor (names, dtype, shape, bytes). Besides wall time
 and memory, the CPU seconds (user + system) of each tool's process tree are reported: on a busy
 machine they compare the tools where wall times do not.
@@ -98,11 +101,18 @@ def main() -> None:
         ours, ours_cpu = bm.measure_cpu(size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(src), str(ours_out),
                                              "--config", str(src / "config"), "--dtype", "float32"],
                           ours_out, args.workdir / f"hfm_{stage}.log", inputs, env=env)
+        # the floor: both tools must read the fp32 partitions (the optim_states files, ~ the output's size)
+        # and write as many bytes; cat of those files into one file, fsynced, is the least that costs
+        partitions = sorted(p for p in inputs if p.name.endswith("optim_states.pt"))
+        floor, floor_cpu = bm.measure_copy_floor(size, partitions, args.workdir / f"floor_{stage}.bin",
+                                                 args.workdir / f"floor_{stage}.log", peer.wall_s if peer.ok else None)
         same, detail = bm.compare_outputs(peer_out, ours_out) if peer.ok and ours.ok else (False, "a run failed")
         print(f"  zero{stage}: outputs {'identical' if same else 'DIFFER'} ({detail})", flush=True)
         results.append({"stage": stage, "input_bytes": sum(p.stat().st_size for p in inputs), "same": same,
-                        "detail": detail, "load_avg": os.getloadavg(), "cpu_s": {"zero_to_fp32": peer_cpu, "hf_merge": ours_cpu},
-                        "zero_to_fp32": asdict(peer), "hf_merge": asdict(ours)})
+                        "floor_bytes": sum(p.stat().st_size for p in partitions), "output_bytes": ours.output_bytes,
+                        "detail": detail, "load_avg": os.getloadavg(),
+                        "cpu_s": {"zero_to_fp32": peer_cpu, "hf_merge": ours_cpu, "copy_floor": floor_cpu},
+                        "zero_to_fp32": asdict(peer), "hf_merge": asdict(ours), "copy_floor": asdict(floor)})
     (args.workdir / "results.json").write_text(json.dumps(results, indent=1))
 
 

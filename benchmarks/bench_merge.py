@@ -278,6 +278,23 @@ def measure_cpu(*args, **kwargs) -> tuple[Result, float]:
     return res, cpu
 
 
+def measure_copy_floor(size: str, inputs: list[Path], output: Path, log_path: Path, peer_wall: float | None = None,
+                       target: float = 0.3) -> tuple[Result, float]:
+    """The copy floor: ``cat`` of exactly ``inputs`` into the one file ``output``, fsynced, measured as
+    the tools are (warm page cache, CPU seconds). When the peer's wall is given, a note says whether
+    ``target`` x the peer's wall is below this floor (then no tool can meet it on this disk)."""
+    script = "cat " + " ".join(shlex.quote(str(p)) for p in inputs) + " > " + shlex.quote(str(output))
+    res, cpu = measure_cpu(size, "copy floor (cat + fsync)", ["bash", "-c", script], output, log_path, inputs)
+    remove(output)
+    if res.ok and peer_wall:
+        goal = target * peer_wall
+        res.notes.append(f"{target}x the peer's wall is {goal:.2f} s, the copy floor {res.wall_s:.2f} s "
+                         f"({res.wall_s / peer_wall:.2f}x the peer): the target is "
+                         + ("below the floor, out of reach on this disk" if goal < res.wall_s else "above the floor"))
+        print("  " + res.notes[-1], flush=True)
+    return res, cpu
+
+
 def measure_best(repeat: int, size: str, tool: str, argv: list[str], output: Path, log_path: Path,
                  inputs: list[Path], env: dict | None = None, fsync: bool = True) -> Result:
     """``measure`` ``repeat`` times: the fastest successful run's times, the largest memory peaks."""

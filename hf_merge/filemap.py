@@ -120,6 +120,33 @@ def unregister(token: int | None) -> None:
         os.close(fd)
 
 
+def register_within(token: int, parent: torch.Tensor, tensors) -> int:
+    """Add to registration ``token`` tensors whose storages lie inside ``parent``'s registered
+    storage (e.g. ``torch.frombuffer`` views, at any byte offset, of the mapping ``parent`` covers):
+    their file offsets follow from the parent's, with no ``/proc/self/maps`` walk and no extra file
+    descriptor. The caller keeps ``parent``'s mapping alive while they live. Returns how many were
+    added (none when the parent is not registered under ``token``)."""
+    base = parent.untyped_storage().data_ptr()
+    with _lock:
+        entry = _storages.get(base)
+        fd, pointers = _registrations.get(token, (None, None))
+        if entry is None or entry.fd != fd or entry.owner() is None or pointers is None:
+            return 0
+        added = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if not nbytes or t.device.type != "cpu" or ptr < base or ptr + nbytes > base + entry.nbytes:
+                continue
+            held = _storages.get(ptr)
+            if held is not None and held.owner() is not None:
+                continue
+            _storages[ptr] = _Storage(fd, entry.offset + (ptr - base), nbytes, weakref.ref(t))
+            pointers.append(ptr)
+            added += 1
+    return added
+
+
 def locate(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(fd, offset)`` of the file bytes of a contiguous tensor whose storage was registered."""
     if not _storages or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():

@@ -240,3 +240,36 @@ def test_corrupt_chunk_bytes_are_reported(tmp_path):
     ck = DcpCheckpoint(path)
     with pytest.raises((CorruptCheckpointError, dcp_mod.UnsupportedCheckpointError)):
         ck.read("w")
+
+
+def test_row_chunks_are_runs_copied_from_the_file(sample):
+    """Chunks that split dim 0 only are zero-copy runs located in their .distcp file (the writer
+    copies them with copy_file_range); chunks cut along another dimension, or stored transposed,
+    are read by box. Every run set equals the tensor, in its own dtype and cast."""
+    from hf_merge import filemap
+
+    path, tensors = sample
+    ck = DcpCheckpoint(path)
+    backed = {}
+    for name, t in tensors.items():
+        if not t.dim():
+            assert ck.read_rows(name, t.dtype) is None
+            continue
+        runs = list(ck.read_rows(name, t.dtype))
+        located = [filemap.locate(rows) for _, rows in runs]
+        backed[name] = all(located)
+        for (first, rows), where in zip(runs, located):
+            assert torch.equal(rows, t[first : first + len(rows)]), name
+            if where is not None:  # the located bytes are the run's bytes
+                fd, offset = where
+                assert os.pread(fd, rows.numel() * rows.element_size(), offset) == rows.reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        assert sum(len(rows) for _, rows in runs) == len(t), name
+        if t.is_floating_point():
+            cast = torch.cat([rows.clone() for _, rows in ck.read_rows(name, torch.float64, max_bytes=64)])
+            assert torch.equal(cast, t.double()), name
+    # emb: three row chunks at unaligned byte offsets; half, ids (cut on dim 1 -> boxes), flag: whole
+    assert backed == {"stacked.qkv": False, "stacked.proj": False, "emb": True, "half": True, "ids": False,
+                      "flag": True, "transposed": False}
+    runs = list(ck.read_rows("emb", torch.bfloat16))
+    ck.close()
+    assert all(filemap.locate(rows) is None for _, rows in runs)  # closed: never copied through the file again

@@ -35,7 +35,9 @@ a fused tensor, without reading the rest.
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import weakref
 import re
 import threading
 from bisect import bisect_left
@@ -45,7 +47,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from .. import filemap
+from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
     CorruptCheckpointError,
     SourceNotFoundError,
@@ -111,6 +114,17 @@ class _Chunk:
     start: int  # byte offset of the embedded torch.save archive
     length: int
     layout: _Layout | None = None
+    view: torch.Tensor | None = None  # the chunk as a view of its mapped file (read_rows), once made
+
+
+@dataclass(frozen=True)
+class _Mapped:
+    """A ``.distcp`` file mapped copy-on-write, as one uint8 tensor registered with :mod:`~hf_merge.filemap`
+    (``token`` None when it could not be: the views then are plain memory views)."""
+
+    buffer: mmap.mmap
+    whole: torch.Tensor
+    token: int | None
 
 
 class _RebuildRecord:
@@ -257,6 +271,7 @@ class DcpCheckpoint(LazyCheckpoint):
                         f"{key} needs bytes up to {c.start + c.length})"
                     )
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, _Mapped | None] = {}
         self._lock = threading.Lock()
         ranks = {int(m.group(1)) for f in files if (m := _DISTCP_RANK.search(f))}
         self.info = info or CheckpointInfo(
@@ -404,6 +419,66 @@ class DcpCheckpoint(LazyCheckpoint):
             dst = out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))]
             self._copy_box(name, chunk, src_start, box_size, dst)
 
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        """Chunks that split dim 0 only (FSDP's ``Shard(0)``, as accelerate and torchtitan save) are
+        runs of whole rows: views of the ``.distcp`` file mapped copy-on-write, registered with
+        :mod:`~hf_merge.filemap`, so the writer copies them file to file (``copy_file_range``)
+        instead of reading them into a buffer and writing it out. Other layouts (a chunk cut along
+        another dimension, a file that cannot be mapped) are read box by box (the default)."""
+        spec = self._spec(name)
+        views = self._row_views(name, spec) if spec.shape and spec.shape[0] else None
+        if views is None:
+            return super().read_rows(name, dtype, max_bytes)
+        return (run for first, view in views for run in row_runs(view, first, dtype, max_bytes))
+
+    def _row_views(self, name: str, spec: TensorSpec) -> list[tuple[int, torch.Tensor]] | None:
+        """``(first row, chunk view)`` of every non-empty chunk in row order, when the chunks are
+        bands of whole rows stored in C order and their files map; else None."""
+        rest = (0,) * (len(spec.shape) - 1)
+        bands = sorted((c for c in self._chunks[name] if math.prod(c.sizes)), key=lambda c: c.offsets)
+        if any(c.offsets[1:] != rest or c.sizes[1:] != spec.shape[1:] for c in bands):
+            return None
+        views = []
+        for chunk in bands:
+            view = self._view(name, chunk)
+            if view is None:
+                return None
+            views.append((chunk.offsets[0], view))
+        return views
+
+    def _view(self, name: str, chunk: _Chunk) -> torch.Tensor | None:
+        """The chunk as a zero-copy tensor over its mapped file (its storage registered with
+        :mod:`~hf_merge.filemap`), or None when it is not C-ordered or the file does not map."""
+        if chunk.view is None:
+            lay = self._layout(name, chunk)
+            mapped = self._map(chunk.file)
+            if mapped is None or not c_contiguous(lay.size, lay.stride):
+                return None
+            # frombuffer at the chunk's byte offset: the archive's start in the file, hence its
+            # data, is not aligned to the element size, which a view of ``whole`` would need.
+            view = torch.frombuffer(mapped.buffer, dtype=lay.dtype, count=math.prod(lay.size),
+                                    offset=lay.data_start).view(lay.size)
+            if mapped.token is not None:
+                filemap.register_within(mapped.token, mapped.whole, [view])
+            chunk.view = view
+        return chunk.view
+
+    def _map(self, rel: str) -> _Mapped | None:
+        with self._lock:
+            if rel not in self._maps:
+                self._maps[rel] = None
+                try:
+                    with open(self.path / rel, "rb") as f:
+                        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    whole = torch.frombuffer(buffer, dtype=torch.uint8)
+                except (OSError, ValueError):  # an empty file, a file system without mmap
+                    return None
+                token = filemap.register(self.path / rel, [whole])
+                if token is not None:
+                    weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
+                self._maps[rel] = _Mapped(buffer, whole, token)
+            return self._maps[rel]
+
     def _chunks_near(self, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> list[_Chunk]:
         """The chunks that may overlap a box: a bisect on the chunks sorted by offsets, narrowed
         dimension by dimension while the box and the chunks pin that dimension to one index (a
@@ -486,6 +561,13 @@ class DcpCheckpoint(LazyCheckpoint):
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
+            maps, self._maps = self._maps, {}
+        for chunks in self._chunks.values():
+            for chunk in chunks:
+                chunk.view = None
+        for mapped in maps.values():
+            if mapped is not None and mapped.token is not None:
+                filemap.unregister(mapped.token)
         for fd in fds.values():
             try:
                 os.close(fd)

@@ -173,13 +173,24 @@ def _reverse_conversions(model) -> list:
 
 def _may_convert(config: dict[str, Any], arch: str) -> bool:
     """Whether transformers declares a conversion for this class, its model type or a sub-model
-    (nested configs); False only for a plain model whose names save_pretrained keeps."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    (nested configs); False only for a plain model whose names save_pretrained keeps.
+
+    The declared keys are read from transformers' source when they can be
+    (:mod:`hf_merge.conversion_keys`: no import of transformers for a dense model), else asked of
+    ``transformers.conversion_mapping``."""
+    from ..conversion_keys import declared_keys
 
     nested = [v for v in config.values() if isinstance(v, dict) and "model_type" in v]
+    if nested:
+        return True
     base = arch.split("For")[0]
-    keys = [arch, config.get("model_type"), f"{base}Model"]  # sub-models are looked up by class name too
-    return bool(nested) or any(k and get_checkpoint_conversion_mapping(k) for k in keys)
+    keys = [k for k in (arch, config.get("model_type"), f"{base}Model") if k]  # sub-models are looked up by class name too
+    declared = declared_keys()
+    if declared is not None:
+        return any(k in declared for k in keys)
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return any(get_checkpoint_conversion_mapping(k) for k in keys)
 
 
 def _check_operations(conversions: list, arch: str) -> None:
@@ -462,8 +473,6 @@ PLAN_FORMAT = 1  # bump when the meaning of a stored plan changes
 
 def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
     """``(architecture, recipes, output specs)`` from transformers itself, or :data:`_PASSTHROUGH`."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     names = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     if not names or not _may_convert(config, names[0]):
         # transformers declares no conversion for this class, its model type or a sub-model:
@@ -489,6 +498,8 @@ def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
     if not conversions:
         return _PASSTHROUGH
     _check_operations(conversions, arch)
+    from transformers.core_model_loading import revert_weight_conversion
+
     symbolic = {
         name: _Symbolic(torch.empty(spec.shape, dtype=spec.dtype, device="meta"), _Leaf(name))
         for name, spec in specs.items()
