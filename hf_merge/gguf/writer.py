@@ -170,7 +170,9 @@ def write_file(
     ``durable`` (not for a temporary file) the file is on disk when this returns."""
     import gguf
 
-    writer = gguf.GGUFWriter(path, arch_name)
+    from .kv import writer_class
+
+    writer = writer_class()(path, arch_name)
     try:
         add_keys(writer)
         for t in planned:
