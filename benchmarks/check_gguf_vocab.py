@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             if folder is not None:
                 cases.append((folder, vocab_size(folder), ""))
     trees = {"old": old_tree(args.old_rev, args.workdir / f"old-{args.old_rev}"), "new": REPO}
+    outdir = Path(tempfile.mkdtemp(prefix="outputs-", dir=args.workdir))  # this run's own files
     print("| tokenizer | vocab | pre | identical | load_vocab CPU s old → new | write keys CPU s old → new |")
     print("|---|---:|---|---|---:|---:|")
     ok = True
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         files: dict[str, bytes | None] = {}
         for _ in range(args.repeat):
             for which in ("old", "new"):
-                out = args.workdir / f"{which}.gguf"
+                out = outdir / f"{which}.gguf"
                 out.unlink(missing_ok=True)
                 results[which].append(run(trees[which], folder, size, pre, out))
                 files[which] = out.read_bytes() if out.is_file() else None
