@@ -135,7 +135,7 @@ class _StreamedTensor:
 
     def tofile(self, fout) -> None:
         written = 0
-        for encoded in prefetched(self._chunks()):
+        for encoded in prefetched(self._chunks(), one_thread=self._planned.type_name == "Q8_0"):
             encoded.tofile(fout)
             written += encoded.nbytes
         if written != self.nbytes:
