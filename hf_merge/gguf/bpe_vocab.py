@@ -50,7 +50,7 @@ def _plain_added_tokens(files: TokenizerFiles, vocab: dict[str, int]) -> dict[in
     by_id = {int(e["id"]): e for e in added}
     if len(by_id) != len(added):
         return None
-    ids = {t: i for i, t in ((i, e["content"]) for i, e in by_id.items())}
+    ids = {e["content"]: i for i, e in by_id.items()}
     reverse = {i: t for t, i in vocab.items()}
     for i, entry in by_id.items():  # an added token is new, or the model's own token at its own id
         if reverse.get(i, entry["content"]) != entry["content"] or vocab.get(entry["content"], i) != i:

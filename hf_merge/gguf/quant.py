@@ -152,15 +152,15 @@ def _q8_0_into(blocks: "torch.Tensor", out: "torch.Tensor") -> None:
     import torch
 
     group = max(1, (_Q8_GROUP_ALONE if torch.get_num_threads() == 1 else _Q8_GROUP) // 32)
+    quants = out[:, 2:].view(torch.int8)  # the float -> int8 cast writes straight into the blocks
     for first in range(0, blocks.shape[0], group):
         x = blocks[first:first + group].to(torch.float32, copy=True)
         d = x.abs().amax(dim=1, keepdim=True).div_(127)
         inv = d.reciprocal().masked_fill_(d == 0, 0.0)
         x.mul_(inv)
         x.add_(torch.sign(x), alpha=_HALF_BELOW)
-        dest = out[first:first + group]
-        dest[:, 2:] = x.to(torch.int8).view(torch.uint8)
-        dest[:, :2] = d.to(torch.float16).view(torch.uint8)
+        quants[first:first + group].copy_(x)  # truncates toward zero, as .to(torch.int8)
+        out[first:first + group, :2] = d.to(torch.float16).view(torch.uint8)
 
 
 _SPLIT_WORKERS = min(2, os.cpu_count() or 1)

@@ -6,6 +6,10 @@ special tokens CONTROL, other added tokens USER_DEFINED), merges, special token 
 flags and the chat template (the last three through ``gguf.SpecialVocab``). The pre-tokenizer is
 identified as llama.cpp identifies it: the sha256 of the tokenization of a fixed text, looked up
 in ``pre_tokenizers.json`` (a table taken from llama.cpp's converter); an unknown hash is an error.
+``tokenizer.json`` is read and parsed once (:mod:`.tokenizer_files`); the vocabulary comes from that
+parse without transformers wherever transformers would read the folder the same way
+(:mod:`.bpe_vocab` says when), else through transformers' ``AutoTokenizer`` as llama.cpp's
+converter reads it; both give the same keys.
 
 SentencePiece tokenizers (Llama-2 style: a ``tokenizer.model`` in the folder) become
 ``tokenizer.ggml.model = llama`` as llama.cpp's converter writes them: every piece with its score
