@@ -49,7 +49,7 @@ def _item_type(values: Sequence[Any], sub_type: "int | None") -> int:
         return 0
     first = gguf.GGUFValueType.get_type(values[0])
     plain = {_STRING: str, _INT32: int, _FLOAT32: float}.get(int(first))
-    # the package's rule: every item of the first one's type (checked for plain str / int / float items at C speed)
+    # the package's rule: every item of the first one's type (one quick pass when all are plain str / int / float)
     if not (plain is not None and all(type(item) is plain for item in values)):
         if not all(gguf.GGUFValueType.get_type(item) is first for item in values[1:]):
             raise ValueError("All items in a GGUF array should be of the same type")
