@@ -47,7 +47,11 @@ def _added_flags(entry: dict[str, Any]) -> tuple[Any, bool, bool]:
 def _plain_added_tokens(files: TokenizerFiles, vocab: dict[str, int]) -> dict[int, dict[str, Any]] | None:
     """``tokenizer.json``'s added tokens by id, or None when transformers could see others."""
     added = files.data.get("added_tokens") or []
-    by_id = {int(e["id"]): e for e in added}
+    if not isinstance(added, list) or not all(
+        isinstance(e, dict) and type(e.get("id")) is int and e["id"] >= 0 and isinstance(e.get("content"), str) for e in added
+    ):
+        return None  # not what tokenizers writes: transformers says what is wrong
+    by_id = {e["id"]: e for e in added}
     if len(by_id) != len(added):
         return None
     ids = {e["content"]: i for i, e in by_id.items()}
@@ -72,6 +76,7 @@ def json_bpe_vocab(files: TokenizerFiles, vocab_size: int, pre_tokenizer: str | 
     data, config = files.data, files.config
     model = data.get("model") or {}
     if (model.get("type") != "BPE" or model.get("byte_fallback") or not isinstance(model.get("vocab"), dict)
+            or not all(type(i) is int and i >= 0 for i in model["vocab"].values())
             or (data.get("decoder") or {}).get("type") != "ByteLevel"
             or config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")):
         return None
