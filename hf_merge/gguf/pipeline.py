@@ -23,8 +23,9 @@ class _Failed:
         self.error = error
 
 
-def prefetched(items: Iterator[T], depth: int = 1) -> Iterator[T]:
-    """Yield what ``items`` yields, produced on a thread up to ``depth`` items ahead.
+def prefetched(items: Iterator[T], depth: int = 1, *, one_thread: bool = False) -> Iterator[T]:
+    """Yield what ``items`` yields, produced on a thread up to ``depth`` items ahead (which runs
+    torch with one intra-op thread with ``one_thread``: see :func:`.quant.one_torch_thread`).
 
     An exception in ``items`` is raised here, at the point it would have been; closing this
     generator early (or an exception in the consumer) stops the thread after its current item.
@@ -43,6 +44,10 @@ def prefetched(items: Iterator[T], depth: int = 1) -> Iterator[T]:
 
     def run() -> None:
         try:
+            if one_thread:
+                from .quant import one_torch_thread
+
+                one_torch_thread()
             for item in items:
                 if not put(item):
                     return

@@ -6,6 +6,10 @@ special tokens CONTROL, other added tokens USER_DEFINED), merges, special token 
 flags and the chat template (the last three through ``gguf.SpecialVocab``). The pre-tokenizer is
 identified as llama.cpp identifies it: the sha256 of the tokenization of a fixed text, looked up
 in ``pre_tokenizers.json`` (a table taken from llama.cpp's converter); an unknown hash is an error.
+``tokenizer.json`` is read and parsed once (:mod:`.tokenizer_files`); the vocabulary comes from that
+parse without transformers wherever transformers would read the folder the same way
+(:mod:`.bpe_vocab` says when), else through transformers' ``AutoTokenizer`` as llama.cpp's
+converter reads it; both give the same keys.
 
 SentencePiece tokenizers (Llama-2 style: a ``tokenizer.model`` in the folder) become
 ``tokenizer.ggml.model = llama`` as llama.cpp's converter writes them: every piece with its score
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MappingError
+from .tokenizer_files import TokenizerFiles, read_json, special_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +50,25 @@ def known_pre_tokenizers() -> list[str]:
     return sorted({v["name"] for v in _pre_table()["hashes"].values()})
 
 
-def pre_tokenizer_hash(tokenizer) -> str:
-    """llama.cpp's identifier of a BPE pre-tokenizer: sha256 of ``str(tokenizer.encode(check_text))``."""
-    ids = tokenizer.encode(_pre_table()["check_text"])
+def check_text() -> str:
+    """The fixed text llama.cpp tokenizes to identify a BPE pre-tokenizer."""
+    return _pre_table()["check_text"]
+
+
+def ids_hash(ids: list[int]) -> str:
+    """llama.cpp's identifier of a BPE pre-tokenizer: sha256 of ``str(ids)``, ids of :func:`check_text`."""
     return hashlib.sha256(str(ids).encode()).hexdigest()
+
+
+def pre_tokenizer_hash(tokenizer) -> str:
+    """:func:`ids_hash` of ``tokenizer.encode(check_text())`` (a transformers tokenizer)."""
+    return ids_hash(tokenizer.encode(check_text()))
+
+
+def known_pre_tokenizer(digest: str) -> str | None:
+    """The ``tokenizer.ggml.pre`` name llama.cpp gives the hash ``digest``; None if it has none."""
+    entry = _pre_table()["hashes"].get(digest)
+    return None if entry is None else entry["name"]
 
 
 def pre_tokenizer_name(tokenizer, override: str | None = None) -> str:
@@ -60,14 +80,14 @@ def pre_tokenizer_name(tokenizer, override: str | None = None) -> str:
             )
         return override
     digest = pre_tokenizer_hash(tokenizer)
-    entry = _pre_table()["hashes"].get(digest)
-    if entry is None:
+    name = known_pre_tokenizer(digest)
+    if name is None:
         raise MappingError(
             f"the tokenizer's pre-tokenizer is unknown to llama.cpp (hash {digest[:16]}…); if you know which one it "
             "is (e.g. it is byte-level BPE with the GPT-2 split rule), pass --gguf-pre-tokenizer NAME "
             "(gpt-2, llama-bpe, qwen2, ...)"
         )
-    return entry["name"]
+    return name
 
 
 @dataclass
@@ -83,12 +103,6 @@ class Vocab:
     add_space_prefix: bool | None = None
 
 
-def _is_sentencepiece_style(tokenizer) -> bool:
-    """A Unigram model, or BPE with byte fallback (what converting a SentencePiece model gives)."""
-    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-    return type(model).__name__ == "Unigram" or bool(getattr(model, "byte_fallback", False))
-
-
 def _looks_special(token: str) -> bool:
     """Added tokens llama.cpp's converter makes CONTROL even when not marked special."""
     return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
@@ -97,8 +111,7 @@ def _looks_special(token: str) -> bool:
 
 def load_vocab(folder: Path, vocab_size: int, *, pre_tokenizer: str | None = None) -> Vocab:
     """Read the tokenizer in ``folder`` (never running remote code) for a model of ``vocab_size`` rows."""
-    import gguf
-    from transformers import AutoTokenizer
+    from .bpe_vocab import json_bpe_vocab, transformers_bpe_vocab
 
     folder = Path(folder)
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
@@ -106,44 +119,14 @@ def load_vocab(folder: Path, vocab_size: int, *, pre_tokenizer: str | None = Non
             f"no tokenizer in {folder} (tokenizer.json); llama.cpp needs one inside the GGUF: pass --config DIR "
             "with the base model's config.json and tokenizer files"
         )
+    files = TokenizerFiles.read(folder)
     if (folder / "tokenizer.model").is_file():
-        return sentencepiece_vocab(folder, vocab_size)
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    if _is_sentencepiece_style(tokenizer):
-        raise MappingError(
-            f"the tokenizer in {folder} is SentencePiece-style but its tokenizer.model is missing; llama.cpp needs the "
-            "pieces' scores from it: copy the base model's tokenizer.model into that folder (or pass --config DIR)"
-        )
-    vocab: dict[str, int] = tokenizer.get_vocab()
-    if max(vocab.values()) >= vocab_size:
-        raise MappingError(
-            f"the tokenizer has id {max(vocab.values())} but the model's vocab_size is {vocab_size}; "
-            "pass --config DIR with the tokenizer that belongs to this model"
-        )
-    pre = pre_tokenizer_name(tokenizer, pre_tokenizer)
-    reverse = {i: t for t, i in vocab.items()}
-    added = tokenizer.get_added_vocab()
-    decoder = tokenizer.added_tokens_decoder
-    tokens: list[str] = []
-    types: list[int] = []
-    for i in range(vocab_size):
-        token = reverse.get(i)
-        if token is None:
-            tokens.append(f"[PAD{i}]")
-            types.append(int(gguf.TokenType.UNUSED))
-        elif token in added:
-            if not decoder[i].normalized:  # llama.cpp expects added tokens pre-normalized
-                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
-            special = decoder[i].special or _looks_special(token)
-            tokens.append(token)
-            types.append(int(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED))
-        else:
-            tokens.append(token)
-            types.append(int(gguf.TokenType.NORMAL))
-    special_vocab = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)
-    if not special_vocab.merges:
-        raise MappingError(f"the BPE tokenizer in {folder} has no merges; it cannot be written as a GGUF gpt2 tokenizer")
-    return Vocab("gpt2", pre, tokens, types, special_vocab)
+        return sentencepiece_vocab(files, vocab_size)
+    vocab = json_bpe_vocab(files, vocab_size, pre_tokenizer)
+    if vocab is None:
+        logger.debug("%s: reading the tokenizer through transformers", folder)
+        vocab = transformers_bpe_vocab(folder, vocab_size, pre_tokenizer)
+    return vocab
 
 
 def _load_sentencepiece(path: Path):
@@ -171,10 +154,11 @@ def _piece_type(processor, i: int) -> "gguf.TokenType":
     return gguf.TokenType.NORMAL
 
 
-def sentencepiece_vocab(folder: Path, vocab_size: int) -> Vocab:
-    """The ``tokenizer.model`` of ``folder`` (+ its added tokens) as llama.cpp's ``llama`` vocabulary."""
+def sentencepiece_vocab(files: TokenizerFiles, vocab_size: int) -> Vocab:
+    """The ``tokenizer.model`` of ``files.folder`` (+ its added tokens) as llama.cpp's ``llama`` vocabulary."""
     import gguf
 
+    folder = files.folder
     processor = _load_sentencepiece(folder / "tokenizer.model")
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     scores = [-10000.0] * vocab_size
@@ -190,11 +174,11 @@ def sentencepiece_vocab(folder: Path, vocab_size: int) -> Vocab:
         types[i] = int(_piece_type(processor, i))
     added = {}
     if (folder / "added_tokens.json").is_file():
-        added = {t: {"content": t, "special": False, "_id": i} for t, i in _read_json(folder / "added_tokens.json").items()}
-    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        added = {t: {"content": t, "special": False, "_id": i} for t, i in read_json(folder / "added_tokens.json").items()}
+    config = files.config
     decoder = {int(key): entry for key, entry in (config.get("added_tokens_decoder") or {}).items()}
-    if (folder / "tokenizer.json").is_file():  # transformers 5 keeps its added tokens there only
-        for entry in _read_json(folder / "tokenizer.json").get("added_tokens") or []:
+    if files.data is not None:  # transformers 5 keeps its added tokens in tokenizer.json only
+        for entry in files.data.get("added_tokens") or []:
             decoder.setdefault(int(entry["id"]), entry)
     for key, entry in sorted(decoder.items()):
         added[f"#{key}"] = {**entry, "_id": key, "_from_config": True}
@@ -209,19 +193,8 @@ def sentencepiece_vocab(folder: Path, vocab_size: int) -> Vocab:
         tokens[i], scores[i] = token, -1000.0
         types[i] = int(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
     space_prefix = config.get("add_prefix_space")
-    special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=vocab_size)
-    return Vocab("llama", "default", tokens, types, special, scores=scores,
+    return Vocab("llama", "default", tokens, types, special_vocab(files, vocab_size), scores=scores,
                  add_space_prefix=space_prefix if isinstance(space_prefix, bool) else None)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise MappingError(f"{path} is not valid JSON ({str(e)[:120]}); fix or delete it") from None
-    if not isinstance(value, dict):
-        raise MappingError(f"{path} is not a JSON object; fix or delete it")
-    return value
 
 
 def add_to_writer(writer, vocab: Vocab) -> None:

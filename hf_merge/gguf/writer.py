@@ -135,7 +135,7 @@ class _StreamedTensor:
 
     def tofile(self, fout) -> None:
         written = 0
-        for encoded in prefetched(self._chunks()):
+        for encoded in prefetched(self._chunks(), one_thread=self._planned.type_name == "Q8_0"):
             encoded.tofile(fout)
             written += encoded.nbytes
         if written != self.nbytes:
@@ -170,7 +170,9 @@ def write_file(
     ``durable`` (not for a temporary file) the file is on disk when this returns."""
     import gguf
 
-    writer = gguf.GGUFWriter(path, arch_name)
+    from .kv import writer_class
+
+    writer = writer_class()(path, arch_name)
     try:
         add_keys(writer)
         for t in planned:
