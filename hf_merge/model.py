@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,8 @@ import torch
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
 from .hf_files import find_config_dir, load_config
+from . import filemap
+from .mapped import Mapper
 from .merging import build_views, model_view
 
 if TYPE_CHECKING:
@@ -190,13 +193,6 @@ def from_sharded_pretrained(
         for warning in ckpt.info.warnings:
             logger.warning(warning)
 
-        prefetch = None
-        if _may_prefetch(auto_class, config_dict, device_map, quantization_config, strict, lora):
-            from .prefetch import Prefetch
-
-            # the weights' bytes are read while the model's code is imported and the model built
-            prefetch = Prefetch(view, list(view.specs()), LOAD_THREADS)
-            opened.append(prefetch)
         model_class, config_obj = _resolve_model_class(auto_class, config_obj, hf_dir, trust_remote_code)
         load_dtype = out_dtype or _dominant_float_dtype(view) or torch.get_default_dtype()
         _set_config_dtype(config_obj, load_dtype)
@@ -218,7 +214,6 @@ def from_sharded_pretrained(
             offload_folder=offload_folder,
             offload_buffers=offload_buffers,
             name=str(source),
-            prefetch=prefetch,
         )
         model.eval()
         _set_generation_config(model, hf_dir, generation_config)
@@ -590,7 +585,6 @@ def _load_model(
     offload_folder,
     offload_buffers: bool,
     name: str,
-    prefetch: Any = None,
 ):
     from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
 
@@ -622,7 +616,7 @@ def _load_model(
             offload_buffers=offload_buffers,
             name=name,
         )
-    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype, prefetch=prefetch)
+    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype)
     _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
         from transformers.integrations.accelerate import accelerate_dispatch
@@ -631,23 +625,10 @@ def _load_model(
     return model
 
 
-def _may_prefetch(auto_class, config_dict: dict, device_map, quantization_config, strict: bool, lora: str) -> bool:
-    """Whether to read the weights ahead (:mod:`hf_merge.prefetch`): only when every tensor read
-    ahead will be used, on the CPU, as read: a plain CPU load of the class the checkpoint was
-    trained as (not the bare ``AutoModel``, which skips heads; not ``strict=False``, which may skip
-    tensors), without quantization or an adapter."""
-    name = auto_class if isinstance(auto_class, str) else getattr(auto_class, "__name__", None)
-    on_cpu = device_map is None or (isinstance(device_map, (str, torch.device)) and str(device_map) == "cpu")
-    return (
-        on_cpu and strict and lora == "fuse" and name != "AutoModel" and quantization_config is None
-        and not config_dict.get("quantization_config")
-    )
-
-
-def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool,
-          prefetch: Any = None) -> None:
-    """Allocate every planned tensor on its device, in its dtype, and read it into place (or take
-    it from ``prefetch``, which read it ahead)."""
+def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool) -> None:
+    """Allocate every planned tensor on its device, in its dtype, and read it into place; a CPU
+    tensor the checkpoint holds as memory-mapped pieces in that dtype is mapped instead
+    (:mod:`hf_merge.mapped`: the rank files' pages, no copy)."""
     from transformers.core_model_loading import build_glob_alternation
     from transformers.integrations.accelerate import expand_device_map
     from transformers.utils.logging import tqdm
@@ -667,12 +648,24 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
             return have
         return want
 
+    mapper = Mapper()
+
     def read(key: str) -> tuple[str, torch.Tensor]:
-        if prefetch is not None:
-            ready = prefetch.take(plan.assign[key], tuple(meta[key].shape), target_dtype(key), devices[key])
-            if ready is not None:
-                return key, ready
-        out = torch.empty(meta[key].shape, dtype=target_dtype(key), device=devices[key])
+        name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
+        if (
+            str(devices[key]) == "cpu" and filemap.registered() and specs[name].dtype == dtype
+            and mapper.worth(specs[name].nbytes) and (rows := view.read_rows(name, dtype)) is not None
+        ):
+            runs = iter(rows)
+            first = next(runs)
+            runs = itertools.chain([first], runs)
+            if mapper.maps(first[1]):
+                return key, mapper.tensor(shape, dtype, runs)
+            out = torch.empty(shape, dtype=dtype)
+            for row, run in runs:  # computed rows (a LoRA-fused weight...): copied, as the writer does
+                out[row : row + len(run)] = run
+            return key, out
+        out = torch.empty(shape, dtype=dtype, device=devices[key])
         view.read_into(plan.assign[key], out)
         return key, out
 
