@@ -168,7 +168,7 @@ def _mapped_files(tensor) -> set[str]:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
 @pytest.mark.parametrize("min_pages", [None, 1])
-def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_pages, monkeypatch):
+def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_pages, monkeypatch, tmp_path):
     """A sharded tensor in its stored dtype is mapped from the rank files (copy-on-write pages of
     the page cache, as from_pretrained maps a safetensors file), not copied: every weight equals
     the unsharded model's, the logits are exact, writing a weight leaves the rank file alone, and
@@ -200,6 +200,10 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
     logits = torch.load(ck.logits)
     assert torch.equal(_logits(model, logits["input_ids"]), logits["logits"])
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)  # safetensors reads the mapped pages like any tensor
+    again = AutoModelForCausalLM.from_pretrained(saved, dtype="auto").state_dict()
+    assert all(torch.equal(again[n], t) for n, t in theirs.items())
     rank_files = {str(f.resolve()) for f in ck.rank_files}
     backed = [n for n, t in ours.items() if _mapped_files(t) & rank_files]
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(backed)
@@ -208,7 +212,7 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
         weight.add_(1)
     assert not torch.equal(weight, theirs[backed[0]])
     assert [f.read_bytes() for f in ck.rank_files] == before  # private: the files are untouched
-    del model, ours, weight
+    del model, ours, weight, again
     gc.collect()
     maps = Path("/proc/self/maps").read_text()
     assert not any(f in maps for f in rank_files), "a rank file is still mapped after the model was freed"
