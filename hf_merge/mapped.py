@@ -104,7 +104,7 @@ class Mapper:
 
     def maps(self, rows: torch.Tensor) -> bool:
         """Whether :meth:`tensor` would map ``rows`` (a run of a tensor): file-backed, on Linux."""
-        return self.available and filemap.locate(rows) is not None
+        return self.available and self._budget > 2 and filemap.locate(rows) is not None
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """The tensor of ``shape`` / ``dtype`` made of ``runs`` (``(first row, rows)``, as
@@ -121,6 +121,7 @@ class Mapper:
         if shift % dtype.itemsize:
             shift = 0
         length = -(-(shift + total) // PAGE) * PAGE
+        self._take(1)  # the range itself
         addr = _mmap(None, length, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buffer = (ctypes.c_char * total).from_address(addr + shift)
         finalizer = weakref.finalize(buffer, _unmap, addr, length)

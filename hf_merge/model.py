@@ -97,6 +97,7 @@ def from_sharded_pretrained(
     strict: bool = True,
     offload_folder: "str | os.PathLike | None" = None,
     offload_buffers: bool = False,
+    disable_mmap: bool | None = None,
     **kwargs: Any,
 ) -> "PreTrainedModel":
     """Load a sharded training checkpoint as a transformers model, without merging it to disk first.
@@ -135,6 +136,10 @@ def from_sharded_pretrained(
             model lacks or lacks weights the model needs. ``False``: initialise what is missing
             (like ``from_pretrained``, e.g. a new classification head) and skip what is unused.
         offload_folder, offload_buffers: disk offload, as in ``from_pretrained``.
+        disable_mmap: as in ``from_pretrained``: ``True`` reads every weight into the process's
+            own memory. By default a CPU weight the rank files hold in its load dtype is mapped from
+            them (copy-on-write pages, like ``from_pretrained``'s mapping of safetensors), so the
+            rank files must not be rewritten in place while the model lives (deleting them is fine).
         **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
             config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
 
@@ -214,6 +219,7 @@ def from_sharded_pretrained(
             offload_folder=offload_folder,
             offload_buffers=offload_buffers,
             name=str(source),
+            map_weights=not disable_mmap,
         )
         model.eval()
         _set_generation_config(model, hf_dir, generation_config)
@@ -585,6 +591,7 @@ def _load_model(
     offload_folder,
     offload_buffers: bool,
     name: str,
+    map_weights: bool = True,
 ):
     from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
 
@@ -616,7 +623,7 @@ def _load_model(
             offload_buffers=offload_buffers,
             name=name,
         )
-    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype)
+    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype, map_weights=map_weights)
     _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
         from transformers.integrations.accelerate import accelerate_dispatch
@@ -625,7 +632,8 @@ def _load_model(
     return model
 
 
-def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool) -> None:
+def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool,
+          map_weights: bool = True) -> None:
     """Allocate every planned tensor on its device, in its dtype, and read it into place; a CPU
     tensor the checkpoint holds as memory-mapped pieces in that dtype is mapped instead
     (:mod:`hf_merge.mapped`: the rank files' pages, no copy)."""
@@ -648,12 +656,12 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
             return have
         return want
 
-    mapper = Mapper()
+    mapper = Mapper() if map_weights else None
 
     def read(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
         if (
-            str(devices[key]) == "cpu" and filemap.registered() and specs[name].dtype == dtype
+            mapper is not None and str(devices[key]) == "cpu" and filemap.registered() and specs[name].dtype == dtype
             and mapper.worth(specs[name].nbytes) and (rows := view.read_rows(name, dtype)) is not None
         ):
             runs = iter(rows)

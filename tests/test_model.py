@@ -218,6 +218,18 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
     assert not any(f in maps for f in rank_files), "a rank file is still mapped after the model was freed"
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
+def test_disable_mmap_reads_every_weight_into_own_memory(qwen2_vocab2k_ws2):
+    """``disable_mmap=True`` (from_pretrained's flag): no weight is backed by a rank file."""
+    ck = qwen2_vocab2k_ws2
+    model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep", disable_mmap=True)
+    rank_files = {str(f.resolve()) for f in ck.rank_files}
+    ours = model.state_dict()
+    assert not [n for n, t in ours.items() if _mapped_files(t) & rank_files]
+    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto").state_dict()
+    assert all(torch.equal(ours[n], t) for n, t in theirs.items())
+
+
 def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_fp32_ws2):
     assert json.loads((qwen2_fp32_ws2.hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor)  # dtype: the config's
