@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -661,18 +660,15 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     def read(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
         if (
-            mapper is not None and str(devices[key]) == "cpu" and filemap.registered() and specs[name].dtype == dtype
-            and mapper.worth(specs[name].nbytes) and (rows := view.read_rows(name, dtype)) is not None
+            mapper is not None and str(devices[key]) == "cpu" and filemap.registered()
+            and specs[name].dtype == dtype and mapper.worth(specs[name].nbytes)
         ):
-            runs = iter(rows)
-            first = next(runs)
-            runs = itertools.chain([first], runs)
-            if mapper.maps(first[1]):
-                return key, mapper.tensor(shape, dtype, runs)
-            out = torch.empty(shape, dtype=dtype)
-            for row, run in runs:  # computed rows (a LoRA-fused weight...): copied, as the writer does
-                out[row : row + len(run)] = run
-            return key, out
+            # a run that is cast or computed (LoRA) comes one row long here: cheap to drop, and such
+            # a tensor is read_into its buffer below in one pass, as before
+            probe = view.read_rows(name, dtype, 1)
+            first = next(iter(probe), None) if probe is not None else None
+            if first is not None and mapper.maps(first[1]):
+                return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype))
         out = torch.empty(shape, dtype=dtype, device=devices[key])
         view.read_into(plan.assign[key], out)
         return key, out

@@ -219,15 +219,18 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
-def test_disable_mmap_reads_every_weight_into_own_memory(qwen2_vocab2k_ws2):
-    """``disable_mmap=True`` (from_pretrained's flag): no weight is backed by a rank file."""
+@pytest.mark.parametrize("kwargs", [dict(dtype="keep", disable_mmap=True), dict(dtype="bfloat16")])
+def test_weights_read_into_own_memory_when_disabled_or_cast(qwen2_vocab2k_ws2, kwargs):
+    """``disable_mmap=True`` (from_pretrained's flag), and a load that casts (fp32 shards as bf16),
+    read every weight into the process's own memory: none is backed by a rank file."""
     ck = qwen2_vocab2k_ws2
-    model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep", disable_mmap=True)
+    model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, **kwargs)
     rank_files = {str(f.resolve()) for f in ck.rank_files}
     ours = model.state_dict()
     assert not [n for n, t in ours.items() if _mapped_files(t) & rank_files]
-    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto").state_dict()
-    assert all(torch.equal(ours[n], t) for n, t in theirs.items())
+    dtype = "auto" if kwargs["dtype"] == "keep" else kwargs["dtype"]
+    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype=dtype).state_dict()
+    assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
 
 
 def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_fp32_ws2):
