@@ -156,8 +156,14 @@ class Mapper:
         fd, offset = located
         lo, hi = at, at + nbytes
         page_lo, page_hi = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE
+        mapped = False
         if (lo - offset) % PAGE == 0 and page_hi - page_lo >= MIN_MAPPED_PAGES * PAGE and self._take(2):
-            _mmap(addr + page_lo, page_hi - page_lo, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset + (page_lo - lo))
+            try:
+                _mmap(addr + page_lo, page_hi - page_lo, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset + (page_lo - lo))
+                mapped = True
+            except OSError:  # a failed MAP_FIXED may have dropped the pages there: make them anonymous again
+                _mmap(addr + page_lo, page_hi - page_lo, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED)
+        if mapped:
             self.mapped_bytes += page_hi - page_lo
         else:
             page_lo = page_hi = hi

@@ -219,6 +219,30 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
+def test_a_piece_the_kernel_refuses_to_map_is_read(qwen2_vocab2k_ws2, monkeypatch):
+    """mmap of a rank file failing (ENOMEM: the process's mapping limit) leaves those pages
+    anonymous and reads them: same weights, none backed by the file."""
+    import errno
+
+    import hf_merge.mapped
+
+    real = hf_merge.mapped._mmap
+
+    def refuse_files(addr, length, flags, fd=-1, offset=0):
+        if fd != -1:
+            raise OSError(errno.ENOMEM, "refused by the test")
+        return real(addr, length, flags, fd, offset)
+
+    monkeypatch.setattr(hf_merge.mapped, "_mmap", refuse_files)
+    ck = qwen2_vocab2k_ws2
+    ours = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep").state_dict()
+    rank_files = {str(f.resolve()) for f in ck.rank_files}
+    assert not [n for n, t in ours.items() if _mapped_files(t) & rank_files]
+    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto").state_dict()
+    assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
 @pytest.mark.parametrize("kwargs", [dict(dtype="keep", disable_mmap=True), dict(dtype="bfloat16")])
 def test_weights_read_into_own_memory_when_disabled_or_cast(qwen2_vocab2k_ws2, kwargs):
     """``disable_mmap=True`` (from_pretrained's flag), and a load that casts (fp32 shards as bf16),
