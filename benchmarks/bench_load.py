@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark ``from_sharded_pretrained`` against ``from_pretrained`` of the merged folder.
 
-    .venv/bin/python benchmarks/bench_load.py [CKPT] [--repeat 3] [--dtype bfloat16]
+    .venv/bin/python benchmarks/bench_load.py [CKPT] [--repeat 3] [--dtype bfloat16] [--floor] [--code NAME=DIR ...]
 
 CKPT is a verl FSDP checkpoint folder (default: the synthetic Qwen2-7B-width one that
 ``benchmarks/bench_merge.py`` caches under ``bench_out/bench/ckpt/``; if there is none, a 1-layer
@@ -12,10 +12,17 @@ source is unchanged), then each load runs in a fresh interpreter, alternating th
   from_sharded_pretrained   ``AutoModelForCausalLM.from_sharded_pretrained(CKPT, dtype=...)``
   from_pretrained           ``AutoModelForCausalLM.from_pretrained(WORKDIR/<ckpt name>/merged, dtype=...)``
 
+``--floor`` adds the copy floor: the rank files' bytes ``preadv``-ed into fresh ``torch.empty``
+buffers (page cache to anonymous memory, nothing else), on 1 and on 2 threads, in fresh
+interpreters like the loads. ``--code NAME=DIR`` adds ``from_sharded_pretrained`` as imported from
+another tree of hf_merge (``git archive COMMIT | tar -x -C DIR``), for A/B runs of two versions;
+every run of a round is interleaved, the order rotating each round.
+
 Before each load the input files are read once (warm page cache for both). Inside the child a
 thread samples ``/proc/self/status`` every 5 ms: ``RssAnon`` (anonymous memory: tensors, heap;
 memory-mapped file pages excluded) and ``VmRSS`` (includes them). Wall time is the load call
-alone (imports excluded, measured separately). Each child also fingerprints every tensor
+alone (imports excluded, measured separately); CPU is user + system seconds of the process
+(``os.times``, all threads) over the same span. Each child also fingerprints every tensor
 (float64 sum and a sample of bytes); both loads must agree. Prints a markdown table with the
 median time, the worst peaks, and the targets: load + first forward <= 1.5x from_pretrained's, peak anon <=
 1.1x model + 512 MB.
@@ -103,12 +110,12 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None) -> d
     baseline_anon, baseline_rss = _Sampler.read()
     sampler = _Sampler()
     sampler.start()
-    t0 = time.perf_counter()
-    if tool == "from_sharded_pretrained":
+    c0, t0 = os.times(), time.perf_counter()
+    if tool.startswith("from_sharded_pretrained"):
         model = AutoModelForCausalLM.from_sharded_pretrained(source, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    wall = time.perf_counter() - t0
+    wall, c1 = time.perf_counter() - t0, os.times()
     load_peak_anon, load_peak_rss = sampler.peak_anon, sampler.peak_rss
     # First use: a forward pass over 8 tokens touches every weight. from_pretrained's weights are
     # memory-mapped file pages that are only read now; ours were read during the load.
@@ -116,7 +123,7 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None) -> d
     t1 = time.perf_counter()
     with torch.no_grad():
         model(input_ids=ids)
-    forward = time.perf_counter() - t1
+    forward, c2 = time.perf_counter() - t1, os.times()
     sampler.stop()
     seen = set()
     model_bytes = 0
@@ -128,6 +135,9 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None) -> d
         "tool": tool,
         "wall_s": wall,
         "forward_s": forward,
+        "cpu_s": _cpu(c0, c1),
+        "forward_cpu_s": _cpu(c1, c2),
+        "sys_s": c1.system - c0.system,
         "import_s": import_s,
         "load_peak_anon": load_peak_anon,
         "load_peak_rss": load_peak_rss,
@@ -142,6 +152,39 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None) -> d
     if fingerprint_path:
         Path(fingerprint_path).write_text(json.dumps(_fingerprint(model)))
     return result
+
+
+def _cpu(a, b) -> float:
+    return (b.user - a.user) + (b.system - a.system)
+
+
+def floor_child(source: str, threads: int) -> dict:
+    """The copy floor: every rank file read with ``preadv`` into one fresh ``torch.empty`` buffer
+    each (the files split over ``threads`` threads); wall, CPU and system seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    files = sorted(Path(source).glob("*.pt"))
+
+    def read(path: Path) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+            done = 0
+            while done < size:
+                done += os.preadv(fd, [view[done : done + (256 << 20)]], done)
+            return size
+        finally:
+            os.close(fd)
+
+    c0, t0 = os.times(), time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, files))
+    wall, c1 = time.perf_counter() - t0, os.times()
+    return {"tool": f"preadv floor ({threads} thread{'s' if threads > 1 else ''})", "wall_s": wall, "forward_s": 0.0,
+            "cpu_s": _cpu(c0, c1), "forward_cpu_s": 0.0, "sys_s": c1.system - c0.system, "bytes": total}
 
 
 # --------------------------------------------------------------------------- the parent
@@ -192,11 +235,11 @@ def ensure_merged(ckpt: Path, workdir: Path, dtype: str) -> Path:
     return merged
 
 
-def run_child(tool: str, source: Path, dtype: str, fingerprint: Path | None) -> dict:
+def run_child(tool: str, source: Path, dtype: str, fingerprint: Path | None, code: Path = REPO) -> dict:
     cmd = [sys.executable, __file__, "--child", tool, str(source), "--dtype", dtype]
     if fingerprint:
         cmd += ["--fingerprint", str(fingerprint)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         sys.exit(f"error: {tool} failed:\n{p.stderr[-4000:]}")
@@ -211,29 +254,38 @@ def compare(a: Path, b: Path) -> tuple[bool, str]:
     return (not bad), (f"{len(bad)} tensors differ, e.g. {bad[:3]}" if bad else f"all {len(fa)} tensors equal")
 
 
-def table(rows: list[dict], model_bytes: int) -> str:
+def table(rows: list[dict], model_bytes: int, tools: list[str]) -> str:
     def med(tool: str, key) -> float:
         return statistics.median(key(r) for r in rows if r["tool"] == tool)
 
     ref_load = med("from_pretrained", lambda r: r["wall_s"])
     ref_total = med("from_pretrained", lambda r: r["wall_s"] + r["forward_s"])
+    ref_cpu = med("from_pretrained", lambda r: r["cpu_s"] + r["forward_cpu_s"])
     budget = 1.1 * model_bytes + 512 * 2**20
     lines = [
-        "| load | load s (median) | load runs | x | load + 1st forward s | x | peak anon MB (load / +forward) "
-        "| anon - baseline MB | peak RSS MB (load / +forward) | anon <= 1.1x model + 512 MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| load | load s (median) | load runs | x | load + 1st forward s | x | CPU s load + forward (of it system) | x "
+        "| peak anon MB (load / +forward) | anon - baseline MB | peak RSS MB (load / +forward) | anon <= 1.1x model + 512 MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for tool in ("from_sharded_pretrained", "from_pretrained"):
+    for tool in tools:
         rs = [r for r in rows if r["tool"] == tool]
         load = med(tool, lambda r: r["wall_s"])
         total = med(tool, lambda r: r["wall_s"] + r["forward_s"])
+        cpu = med(tool, lambda r: r["cpu_s"] + r["forward_cpu_s"])
+        sys_s = med(tool, lambda r: r["sys_s"])
+        runs = ", ".join(f"{r['wall_s']:.2f}" for r in rs)
+        head = (
+            f"| {tool} | {load:.2f} | {runs} | {load / ref_load:.2f} | {total:.2f} | {total / ref_total:.2f} "
+            f"| {cpu:.2f} ({sys_s:.2f}) | {cpu / ref_cpu:.2f} "
+        )
+        if "peak_anon" not in rs[0]:  # the copy floor
+            lines.append(head + "| | | | |")
+            continue
         anon = max(r["peak_anon"] for r in rs)
         delta = max(r["peak_anon"] - r["baseline_anon"] for r in rs)
         ok = "ok" if anon <= budget else "OVER"
-        runs = ", ".join(f"{r['wall_s']:.2f}" for r in rs)
         lines.append(
-            f"| {tool} | {load:.2f} | {runs} | {load / ref_load:.2f} | "
-            f"{total:.2f} | {total / ref_total:.2f} | {max(r['load_peak_anon'] for r in rs) / MB:,.0f} / {anon / MB:,.0f} | "
+            head + f"| {max(r['load_peak_anon'] for r in rs) / MB:,.0f} / {anon / MB:,.0f} | "
             f"{delta / MB:,.0f} | {max(r['load_peak_rss'] for r in rs) / MB:,.0f} / {max(r['peak_rss'] for r in rs) / MB:,.0f} | "
             f"{ok} ({budget / MB:,.0f}) |"
         )
@@ -246,46 +298,68 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--dtype", default="bfloat16", help="load dtype for both (default bfloat16)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--floor", action="store_true", help="also time the preadv copy floor on 1 and 2 threads")
+    p.add_argument("--code", action="append", default=[], metavar="NAME=DIR",
+                   help="also run from_sharded_pretrained from the hf_merge tree in DIR (repeatable)")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "SOURCE"), help=argparse.SUPPRESS)
     p.add_argument("--fingerprint", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.dtype, a.fingerprint)))
+        tool, source = a.child
+        if tool.startswith("floor"):
+            print(json.dumps(floor_child(source, int(tool[len("floor"):]))))
+        else:
+            print(json.dumps(child(tool, source, a.dtype, a.fingerprint)))
         return 0
 
+    codes = {"from_sharded_pretrained": REPO}
+    for item in a.code:
+        name, sep, folder = item.partition("=")
+        if not sep or not (Path(folder) / "hf_merge" / "__init__.py").is_file():
+            sys.exit(f"error: --code {item}: expected NAME=DIR with DIR/hf_merge/")
+        codes[f"from_sharded_pretrained@{name}"] = Path(folder).resolve()
     a.workdir.mkdir(parents=True, exist_ok=True)
     ckpt = ensure_checkpoint(a.ckpt, a.workdir)
     merged = ensure_merged(ckpt, a.workdir, a.dtype)
-    load = os.getloadavg()[0]
-    if load > 1.5:
-        print(f"warning: load average {load:.1f}: timings are noisy on a busy machine", file=sys.stderr)
+    tools = list(codes) + ["from_pretrained"] + (["floor1", "floor2"] if a.floor else [])
+    loads = [os.getloadavg()[0]]
+    if loads[0] > 1.5:
+        print(f"warning: load average {loads[0]:.1f}: timings are noisy on a busy machine", file=sys.stderr)
     rows = []
     prints = {}
     for i in range(a.repeat):
-        order = ("from_sharded_pretrained", "from_pretrained") if i % 2 == 0 else ("from_pretrained", "from_sharded_pretrained")
+        order = tools[i % len(tools):] + tools[: i % len(tools)]
         for tool in order:
-            source = ckpt if tool == "from_sharded_pretrained" else merged
+            source = merged if tool == "from_pretrained" else ckpt
             warm_cache(source)
-            fp = merged.parent / f"fingerprint-{tool}.json" if i == 0 else None
-            r = run_child(tool, source, a.dtype, fp)
-            prints[tool] = fp or prints.get(tool)
+            fp = merged.parent / f"fingerprint-{tool}.json" if i == 0 and not tool.startswith("floor") else None
+            r = run_child(tool, source, a.dtype, fp, codes.get(tool, REPO))
+            if fp:
+                prints[tool] = fp
             rows.append(r)
+            loads.append(os.getloadavg()[0])
             print(
-                f"  run {i + 1} {tool}: {r['wall_s']:.2f} s + forward {r['forward_s']:.2f} s, peak anon {r['peak_anon'] / MB:,.0f} MB, "
-                f"peak RSS {r['peak_rss'] / MB:,.0f} MB",
+                f"  run {i + 1} {r['tool']}: {r['wall_s']:.2f} s + forward {r['forward_s']:.2f} s, CPU {r['cpu_s']:.2f} s "
+                f"(system {r['sys_s']:.2f}) + {r['forward_cpu_s']:.2f} s"
+                + (f", peak anon {r['peak_anon'] / MB:,.0f} MB, peak RSS {r['peak_rss'] / MB:,.0f} MB" if "peak_anon" in r else ""),
                 file=sys.stderr,
                 flush=True,
             )
-    equal, detail = compare(prints["from_sharded_pretrained"], prints["from_pretrained"])
-    model_bytes = rows[0]["model_bytes"]
+    details = [compare(prints[t], prints["from_pretrained"]) for t in codes]
+    equal = all(ok for ok, _ in details)
+    loaded = [r for r in rows if "model_bytes" in r]
+    model_bytes = loaded[0]["model_bytes"]
     src_bytes = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
     print(
-        f"\n{ckpt} ({src_bytes / 1e9:.2f} GB of rank files) -> {rows[0]['class']} in {rows[0]['dtype']}, "
-        f"model {model_bytes / MB:,.0f} MB; imports {statistics.median(r['import_s'] for r in rows):.1f} s (not counted); "
-        f"{os.cpu_count()} CPUs, load average {load:.1f}\n"
+        f"\n{ckpt} ({src_bytes / 1e9:.2f} GB of rank files) -> {loaded[0]['class']} in {loaded[0]['dtype']}, "
+        f"model {model_bytes / MB:,.0f} MB; imports {statistics.median(r['import_s'] for r in loaded):.1f} s (not counted); "
+        f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} (1 min, sampled after each run)\n"
     )
-    print(table(rows, model_bytes))
-    print(f"\nsame weights: {'yes' if equal else 'NO'} ({detail})")
+    names = {"floor1": "preadv floor (1 thread)", "floor2": "preadv floor (2 threads)"}
+    for r in rows:
+        r["tool"] = names.get(r["tool"], r["tool"])
+    print(table(rows, model_bytes, [names.get(t, t) for t in tools]))
+    print(f"\nsame weights: {'yes' if equal else 'NO'} ({'; '.join(d for _, d in details)})")
     (merged.parent / "results.json").write_text(json.dumps({"ckpt": str(ckpt), "rows": rows, "equal": equal}, indent=2))
     return 0 if equal else 1
 

@@ -147,6 +147,11 @@ def register_within(token: int, parent: torch.Tensor, tensors) -> int:
     return added
 
 
+def registered() -> bool:
+    """Whether any file-backed storage is registered (else :func:`locate` finds nothing)."""
+    return bool(_storages)
+
+
 def locate(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(fd, offset)`` of the file bytes of a contiguous tensor whose storage was registered."""
     if not _storages or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
@@ -194,11 +199,15 @@ def read_into(tensor: torch.Tensor, out: torch.Tensor) -> bool:
     if src is None:
         return False
     fd, offset = src
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    pread_exact(fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset)
+    return True
+
+
+def pread_exact(fd: int, out: memoryview, offset: int) -> None:
+    """Fill ``out`` with the bytes of ``fd`` from ``offset`` (``preadv``, partial reads continued)."""
     done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
         if n <= 0:
             raise OSError(f"unexpected end of file at byte {offset + done}")
         done += n
-    return True

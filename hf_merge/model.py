@@ -40,6 +40,8 @@ import torch
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
 from .hf_files import find_config_dir, load_config
+from . import filemap
+from .mapped import Mapper
 from .merging import build_views, model_view
 
 if TYPE_CHECKING:
@@ -94,6 +96,7 @@ def from_sharded_pretrained(
     strict: bool = True,
     offload_folder: "str | os.PathLike | None" = None,
     offload_buffers: bool = False,
+    disable_mmap: bool | None = None,
     **kwargs: Any,
 ) -> "PreTrainedModel":
     """Load a sharded training checkpoint as a transformers model, without merging it to disk first.
@@ -132,6 +135,10 @@ def from_sharded_pretrained(
             model lacks or lacks weights the model needs. ``False``: initialise what is missing
             (like ``from_pretrained``, e.g. a new classification head) and skip what is unused.
         offload_folder, offload_buffers: disk offload, as in ``from_pretrained``.
+        disable_mmap: as in ``from_pretrained``: ``True`` reads every weight into the process's
+            own memory. By default a CPU weight the rank files hold in its load dtype is mapped from
+            them (copy-on-write pages, like ``from_pretrained``'s mapping of safetensors), so the
+            rank files must not be rewritten in place while the model lives (deleting them is fine).
         **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
             config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
 
@@ -190,13 +197,6 @@ def from_sharded_pretrained(
         for warning in ckpt.info.warnings:
             logger.warning(warning)
 
-        prefetch = None
-        if _may_prefetch(auto_class, config_dict, device_map, quantization_config, strict, lora):
-            from .prefetch import Prefetch
-
-            # the weights' bytes are read while the model's code is imported and the model built
-            prefetch = Prefetch(view, list(view.specs()), LOAD_THREADS)
-            opened.append(prefetch)
         model_class, config_obj = _resolve_model_class(auto_class, config_obj, hf_dir, trust_remote_code)
         load_dtype = out_dtype or _dominant_float_dtype(view) or torch.get_default_dtype()
         _set_config_dtype(config_obj, load_dtype)
@@ -218,7 +218,7 @@ def from_sharded_pretrained(
             offload_folder=offload_folder,
             offload_buffers=offload_buffers,
             name=str(source),
-            prefetch=prefetch,
+            map_weights=not disable_mmap,
         )
         model.eval()
         _set_generation_config(model, hf_dir, generation_config)
@@ -590,7 +590,7 @@ def _load_model(
     offload_folder,
     offload_buffers: bool,
     name: str,
-    prefetch: Any = None,
+    map_weights: bool = True,
 ):
     from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
 
@@ -622,7 +622,7 @@ def _load_model(
             offload_buffers=offload_buffers,
             name=name,
         )
-    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype, prefetch=prefetch)
+    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype, map_weights=map_weights)
     _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
         from transformers.integrations.accelerate import accelerate_dispatch
@@ -631,23 +631,11 @@ def _load_model(
     return model
 
 
-def _may_prefetch(auto_class, config_dict: dict, device_map, quantization_config, strict: bool, lora: str) -> bool:
-    """Whether to read the weights ahead (:mod:`hf_merge.prefetch`): only when every tensor read
-    ahead will be used, on the CPU, as read: a plain CPU load of the class the checkpoint was
-    trained as (not the bare ``AutoModel``, which skips heads; not ``strict=False``, which may skip
-    tensors), without quantization or an adapter."""
-    name = auto_class if isinstance(auto_class, str) else getattr(auto_class, "__name__", None)
-    on_cpu = device_map is None or (isinstance(device_map, (str, torch.device)) and str(device_map) == "cpu")
-    return (
-        on_cpu and strict and lora == "fuse" and name != "AutoModel" and quantization_config is None
-        and not config_dict.get("quantization_config")
-    )
-
-
 def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool,
-          prefetch: Any = None) -> None:
-    """Allocate every planned tensor on its device, in its dtype, and read it into place (or take
-    it from ``prefetch``, which read it ahead)."""
+          map_weights: bool = True) -> None:
+    """Allocate every planned tensor on its device, in its dtype, and read it into place; a CPU
+    tensor the checkpoint holds as memory-mapped pieces in that dtype is mapped instead
+    (:mod:`hf_merge.mapped`: the rank files' pages, no copy)."""
     from transformers.core_model_loading import build_glob_alternation
     from transformers.integrations.accelerate import expand_device_map
     from transformers.utils.logging import tqdm
@@ -667,12 +655,21 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
             return have
         return want
 
+    mapper = Mapper() if map_weights else None
+
     def read(key: str) -> tuple[str, torch.Tensor]:
-        if prefetch is not None:
-            ready = prefetch.take(plan.assign[key], tuple(meta[key].shape), target_dtype(key), devices[key])
-            if ready is not None:
-                return key, ready
-        out = torch.empty(meta[key].shape, dtype=target_dtype(key), device=devices[key])
+        name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
+        if (
+            mapper is not None and str(devices[key]) == "cpu" and filemap.registered()
+            and specs[name].dtype == dtype and mapper.worth(specs[name].nbytes)
+        ):
+            # a run that is cast or computed (LoRA) comes one row long here: cheap to drop, and such
+            # a tensor is read_into its buffer below in one pass, as before
+            probe = view.read_rows(name, dtype, 1)
+            first = next(iter(probe), None) if probe is not None else None
+            if first is not None and mapper.maps(first[1]):
+                return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype))
+        out = torch.empty(shape, dtype=dtype, device=devices[key])
         view.read_into(plan.assign[key], out)
         return key, out
 

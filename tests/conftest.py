@@ -56,6 +56,8 @@ CHECKPOINTS: dict[str, tuple] = {
         mk.write_fsdp_checkpoint,
         dict(arch="llama", tie_word_embeddings=True, train_dtype="bfloat16", world_size=4),
     ),
+    # embeddings / lm_head of 512 KB: rank pieces of whole pages, which from_sharded_pretrained maps
+    "qwen2_vocab2k_ws2": (mk.write_fsdp_checkpoint, dict(arch="qwen2", world_size=2, vocab_size=2048)),
     "qwen2_shard1": (mk.write_fsdp_checkpoint, dict(arch="qwen2", world_size=2, shard_placement="first_divisible")),
     # distribute_tensor layouts
     "hsdp_ckpt": (mk.write_dtensor_checkpoint, dict(layout="hsdp")),

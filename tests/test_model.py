@@ -154,39 +154,107 @@ def test_each_tensor_is_read_once_straight_into_the_model(qwen2_fp32_ws2, monkey
         assert filled.get(tensor.data_ptr()) == tensor.dtype == torch.bfloat16, name
 
 
-def test_weights_are_read_while_the_model_class_is_resolved(qwen2_fp32_ws2, monkeypatch):
-    """The prefetch: tensors are read before the model exists (while its code is imported), each
-    once, into the buffer the model then holds; the logits stay exact."""
-    import time
+def _mapped_files(tensor) -> set[str]:
+    """The files whose pages back ``tensor``'s bytes (from /proc/self/maps)."""
+    lo, hi = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    found = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start < hi and lo < end and len(parts) == 6:
+            found.add(parts[5])
+    return found
 
-    import hf_merge.model as loader
-    import hf_merge.prefetch
 
-    read_early = []
-    real_resolve, real_read = loader._resolve_model_class, hf_merge.prefetch.Prefetch._read
-    reads = []
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
+@pytest.mark.parametrize("min_pages", [None, 1])
+def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_pages, monkeypatch, tmp_path):
+    """A sharded tensor in its stored dtype is mapped from the rank files (copy-on-write pages of
+    the page cache, as from_pretrained maps a safetensors file), not copied: every weight equals
+    the unsharded model's, the logits are exact, writing a weight leaves the rank file alone, and
+    the mappings go with the model. The fixture's embeddings and head are 512 KB (rank pieces of
+    whole pages); with the size threshold lowered to one page, the small tensors go through the
+    mapper too, and the partial pages and pieces whose file offset does not line up are read."""
+    import gc
 
-    def counting_read(self, name):
-        reads.append(name)
-        return real_read(self, name)
+    import hf_merge.mapped
 
-    def resolve(*args, **kwargs):
-        deadline = time.monotonic() + 30
-        while not reads and time.monotonic() < deadline:
-            time.sleep(0.01)
-        read_early.append(len(reads))
-        return real_resolve(*args, **kwargs)
+    ck = qwen2_vocab2k_ws2
+    if min_pages is not None:
+        monkeypatch.setattr(hf_merge.mapped, "MIN_MAPPED_PAGES", min_pages)
+    mappers = []
+    real_init = hf_merge.mapped.Mapper.__init__
 
-    monkeypatch.setattr(hf_merge.prefetch.Prefetch, "_read", counting_read)
-    monkeypatch.setattr(loader, "_resolve_model_class", resolve)
-    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
-    assert read_early and read_early[0] >= 1
-    assert sorted(reads) == sorted(set(reads)) and len(reads) == len(model.state_dict())
-    ref = torch.load(qwen2_fp32_ws2.logits)
-    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
-    reads.clear()
-    base = AutoModel.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")  # skips heads: no read ahead
-    assert reads == [] and _no_meta(base) == []
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        mappers.append(self)
+
+    monkeypatch.setattr(hf_merge.mapped.Mapper, "__init__", init)
+    before = [f.read_bytes() for f in ck.rank_files]
+    model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep")  # fp32, as trained
+    assert mappers and mappers[0].mapped_bytes > 0
+    assert 0 < mappers[0].read_bytes < mappers[0].mapped_bytes  # the partial pages at the pieces' ends are read
+    ref = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto")
+    ours, theirs = model.state_dict(), ref.state_dict()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    logits = torch.load(ck.logits)
+    assert torch.equal(_logits(model, logits["input_ids"]), logits["logits"])
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)  # safetensors reads the mapped pages like any tensor
+    again = AutoModelForCausalLM.from_pretrained(saved, dtype="auto").state_dict()
+    assert all(torch.equal(again[n], t) for n, t in theirs.items())
+    rank_files = {str(f.resolve()) for f in ck.rank_files}
+    backed = [n for n, t in ours.items() if _mapped_files(t) & rank_files]
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(backed)
+    weight = dict(model.named_parameters())[backed[0]]
+    with torch.no_grad():
+        weight.add_(1)
+    assert not torch.equal(weight, theirs[backed[0]])
+    assert [f.read_bytes() for f in ck.rank_files] == before  # private: the files are untouched
+    del model, ours, weight, again
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert not any(f in maps for f in rank_files), "a rank file is still mapped after the model was freed"
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
+def test_a_piece_the_kernel_refuses_to_map_is_read(qwen2_vocab2k_ws2, monkeypatch):
+    """mmap of a rank file failing (ENOMEM: the process's mapping limit) leaves those pages
+    anonymous and reads them: same weights, none backed by the file."""
+    import errno
+
+    import hf_merge.mapped
+
+    real = hf_merge.mapped._mmap
+
+    def refuse_files(addr, length, flags, fd=-1, offset=0):
+        if fd != -1:
+            raise OSError(errno.ENOMEM, "refused by the test")
+        return real(addr, length, flags, fd, offset)
+
+    monkeypatch.setattr(hf_merge.mapped, "_mmap", refuse_files)
+    ck = qwen2_vocab2k_ws2
+    ours = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep").state_dict()
+    rank_files = {str(f.resolve()) for f in ck.rank_files}
+    assert not [n for n, t in ours.items() if _mapped_files(t) & rank_files]
+    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto").state_dict()
+    assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
+@pytest.mark.parametrize("kwargs", [dict(dtype="keep", disable_mmap=True), dict(dtype="bfloat16")])
+def test_weights_read_into_own_memory_when_disabled_or_cast(qwen2_vocab2k_ws2, kwargs):
+    """``disable_mmap=True`` (from_pretrained's flag), and a load that casts (fp32 shards as bf16),
+    read every weight into the process's own memory: none is backed by a rank file."""
+    ck = qwen2_vocab2k_ws2
+    model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, **kwargs)
+    rank_files = {str(f.resolve()) for f in ck.rank_files}
+    ours = model.state_dict()
+    assert not [n for n, t in ours.items() if _mapped_files(t) & rank_files]
+    dtype = "auto" if kwargs["dtype"] == "keep" else kwargs["dtype"]
+    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype=dtype).state_dict()
+    assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
 
 
 def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_fp32_ws2):

@@ -1,0 +1,178 @@
+"""CPU tensors whose pages are the rank files' own pages: a sharded tensor loaded without a copy.
+
+``from_pretrained`` of a safetensors folder keeps each weight as a view of the memory-mapped file:
+no copy, and the page cache's pages are mapped only when first used. A tensor split over several
+rank files (FSDP's ``Shard(0)`` rows) is not contiguous in any one file, so it used to be copied
+into fresh anonymous memory, and on the benchmark machine that copy (3.1 GB: the kernel's page
+faults and zeroing of new memory) cost more than all of ``from_pretrained``.
+
+:class:`Mapper` builds the tensor in one reserved address range instead, and maps each rank's piece
+into its place with ``mmap(MAP_PRIVATE | MAP_FIXED)`` of the rank file: copy-on-write pages of the
+page cache, exactly what ``safe_open``'s ``MAP_PRIVATE`` mapping gives ``from_pretrained``. A page
+can only come from one file at one page-aligned offset, so a piece is mapped where its file offset
+and its place in the tensor agree modulo the page size (torch.save's 64-byte alignment makes every
+piece of a tensor agree when the pieces' byte sizes are multiples of the page, as large matrices
+are); the pages a piece shares with its neighbour, and pieces that do not agree, are read into the
+anonymous pages of the range with ``preadv``. Bytes equal the file's either way.
+
+Like any memory-mapped weight (``from_pretrained``'s too), the pages read the file when first
+touched: truncating or rewriting a rank file while the model lives changes or faults its weights.
+Linux only (``/proc/self/maps`` locates the pieces, see :mod:`hf_merge.filemap`); elsewhere
+:meth:`Mapper.tensor` returns None and the caller copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+from typing import Iterable
+
+import torch
+
+from . import filemap
+
+PAGE = mmap.PAGESIZE
+MIN_MAPPED_PAGES = 16  # a run of fewer whole pages is read (a mapping per 64 KB is not worth it)
+MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FIXED = 0x10  # Linux; the mmap module does not export it
+_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+_LIBC = _libc() if hasattr(os, "preadv") and os.path.exists(MAX_MAP_COUNT) else None
+
+
+def _mmap(addr: int | None, length: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+    got = _LIBC.mmap(addr, length, _PROT_RW, flags, fd, offset)
+    if got in (None, _FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return got
+
+
+def _unmap(addr: int, length: int) -> None:
+    _LIBC.munmap(addr, length)
+
+
+def _map_count() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+class Mapper:
+    """Builds mapped tensors, within a share of the kernel's per-process mapping limit
+    (``vm.max_map_count``; every mapped piece is one or two mappings) so the process keeps room
+    for its own. ``mapped_bytes`` / ``read_bytes`` count what was mapped and what was read."""
+
+    def __init__(self, share: float = 0.5):
+        self.available = _LIBC is not None
+        self.mapped_bytes = self.read_bytes = 0
+        self._lock = threading.Lock()
+        self._budget = 0
+        if self.available:
+            try:
+                with open(MAX_MAP_COUNT) as f:
+                    limit = int(f.read())
+                self._budget = max(0, int(limit * share) - _map_count())
+            except (OSError, ValueError):
+                self.available = False
+
+    def _take(self, mappings: int) -> bool:
+        with self._lock:
+            if mappings > self._budget:
+                return False
+            self._budget -= mappings
+            return True
+
+    @staticmethod
+    def worth(nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` is big enough to be worth mapping."""
+        return nbytes >= MIN_MAPPED_PAGES * PAGE
+
+    def maps(self, rows: torch.Tensor) -> bool:
+        """Whether :meth:`tensor` would map ``rows`` (a run of a tensor): file-backed, on Linux."""
+        return self.available and self._budget > 2 and filemap.locate(rows) is not None
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """The tensor of ``shape`` / ``dtype`` made of ``runs`` (``(first row, rows)``, as
+        :meth:`LazyCheckpoint.read_rows` yields them, in order, covering it), its file-backed runs
+        mapped where the page offsets allow, the rest read or copied into anonymous pages.
+        Call it when :meth:`maps` is true of the first run."""
+        runs = iter(runs)
+        first = next(runs)
+        total = dtype.itemsize * int(torch.Size(shape).numel())
+        row_bytes = total // shape[0]
+        located = filemap.locate(first[1])
+        # where the tensor starts in its first page: so that the first run's pages line up with the file's
+        shift = (located[1] - first[0] * row_bytes) % PAGE if located else 0
+        if shift % dtype.itemsize:
+            shift = 0
+        length = -(-(shift + total) // PAGE) * PAGE
+        self._take(1)  # the range itself
+        addr = _mmap(None, length, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer = (ctypes.c_char * total).from_address(addr + shift)
+        finalizer = weakref.finalize(buffer, _unmap, addr, length)
+        finalizer.atexit = False
+        try:
+            view = memoryview(buffer).cast("B")
+            covered = 0
+            for row, rows in _chain(first, runs):
+                start, nbytes = row * row_bytes, rows.numel() * rows.element_size()
+                if rows.dtype != dtype or start != covered or start + nbytes > total:
+                    raise ValueError(f"rows {row}.. do not continue the tensor at byte {covered}")
+                located = filemap.locate(rows) if nbytes else None
+                if located is None:
+                    torch.frombuffer(view[start : start + nbytes], dtype=torch.uint8).copy_(
+                        rows.reshape(-1).view(torch.uint8)
+                    )
+                    self.read_bytes += nbytes
+                else:
+                    self._place(addr, shift + start, nbytes, located, view, start)
+                covered += nbytes
+            if covered != total:
+                raise ValueError(f"the runs cover {covered} of {total} bytes")
+            del view
+            return torch.frombuffer(buffer, dtype=dtype).view(shape)
+        except BaseException:
+            del buffer  # the finalizer unmaps the range
+            raise
+
+    def _place(self, addr: int, at: int, nbytes: int, located: tuple[int, int], view: memoryview, start: int) -> None:
+        """Bytes ``[at, at + nbytes)`` of the range (``[start, ...)`` of the tensor) from file
+        ``located = (fd, offset)``: whole pages mapped where the offsets agree, the rest read."""
+        fd, offset = located
+        lo, hi = at, at + nbytes
+        page_lo, page_hi = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE
+        mapped = False
+        if (lo - offset) % PAGE == 0 and page_hi - page_lo >= MIN_MAPPED_PAGES * PAGE and self._take(2):
+            try:
+                _mmap(addr + page_lo, page_hi - page_lo, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset + (page_lo - lo))
+                mapped = True
+            except OSError:  # a failed MAP_FIXED may have dropped the pages there: make them anonymous again
+                _mmap(addr + page_lo, page_hi - page_lo, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED)
+        if mapped:
+            self.mapped_bytes += page_hi - page_lo
+        else:
+            page_lo = page_hi = hi
+        for a, b in ((lo, page_lo), (page_hi, hi)):  # the partial pages at either end (or everything)
+            if b > a:
+                filemap.pread_exact(fd, view[start + a - lo : start + b - lo], offset + a - lo)
+                self.read_bytes += b - a
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
