@@ -270,3 +270,22 @@ def test_row_runs_equal_full_reads(name):
                 expected_first = first + len(rows)
             assert expected_first == spec.shape[0] and torch.equal(out, ck.read(key, torch.bfloat16)), key
         assert fast > len(ck.specs()) // 2
+
+
+@pytest.mark.parametrize("name", ["z3_fp32_ws3", "z1_bf16_tied_ws2"])
+def test_a_damaged_parameter_name_is_refused(name, tmp_path):
+    # A one-byte change of a parameter name in model_states (found by the fuzz harness: the merge
+    # wrote the master weight under the damaged name). Every spelling of the name in the file,
+    # whether in the module state dict or in param_shapes, must be refused.
+    ckpt = _copy_tag(name, tmp_path)
+    target = min(ckpt.rglob("*mp_rank_00_model_states.pt"), key=lambda p: (len(p.name), p.name))  # rank 0's (the names)
+    pristine = target.read_bytes()
+    needle = b"model.layers.0.post_attention_layernorm.weight"
+    hits = [i for i in range(len(pristine)) if pristine.startswith(needle, i)]
+    assert len(hits) >= 2  # the module state dict and param_shapes
+    for at in hits:
+        damaged = bytearray(pristine)
+        damaged[at + 2] = ord("^")
+        target.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptCheckpointError, match="damaged"):
+            open_checkpoint(ckpt)

@@ -291,6 +291,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                 )
             self._add_module(ms)
         else:
+            self._check_names_against_module(ms)
             self._add_buffers(ms)
             self._add_frozen(models)
             if self.stage == 3:
@@ -367,6 +368,22 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     def _add_module(self, ms: dict[str, Any]) -> None:
         for name, tensor in ms["module"].items():
             self._whole(("module", name), tensor, name, "module")
+
+    @staticmethod
+    def _check_names_against_module(ms: dict[str, Any]) -> None:
+        # DeepSpeed saves the module's state dict beside the shapes of the parameters it partitions
+        # (frozen ones too unless excluded, then both leave them out): a parameter name the state
+        # dict does not hold means one of the two lists was damaged, and the merge would write it.
+        module = ms["module"]
+        frozen = ms.get("frozen_param_shapes") or {}
+        shapes = ms["param_shapes"]
+        if not isinstance(module, dict) or not isinstance(frozen, dict) or not all(isinstance(g, dict) for g in shapes):
+            raise CorruptCheckpointError("the model_states file's module / param_shapes are not name -> value maps")
+        for name in [n for group in shapes for n in group] + list(frozen):
+            if name not in module:
+                raise CorruptCheckpointError(
+                    f"parameter {name!r} of param_shapes is not in the model_states module state dict; the file is damaged"
+                )
 
     def _add_buffers(self, ms: dict[str, Any]) -> None:
         module = ms["module"]
