@@ -30,6 +30,7 @@ MAX_THREADS = 8
 #: how much lower the copy threads run than the sha256 thread that follows them: on 2 cores and
 #: a loaded machine a 3.1 GB merge's hash ended 1.0-1.2 s after the copies instead of 1.7-2.8 s
 HASHING_NICE = 5
+POLL_SECONDS = 0.2
 
 
 def usable_cpus() -> int:
@@ -50,6 +51,7 @@ class CompletedRanges:
 
     def __init__(self, start: int, on_prefix: Callable[[int], None] | None = None):
         self._prefix = start
+        self._total = 0  # bytes finished, prefix or not
         self._pending: dict[int, int] = {}  # start -> end of finished ranges beyond the prefix
         self._lock = threading.Lock()
         self._on_prefix = on_prefix
@@ -59,10 +61,17 @@ class CompletedRanges:
         with self._lock:
             return self._prefix
 
+    @property
+    def total(self) -> int:
+        """Bytes finished so far (for a progress bar)."""
+        with self._lock:
+            return self._total
+
     def add(self, start: int, end: int) -> None:
         if end <= start:
             return
         with self._lock:
+            self._total += end - start
             self._pending[start] = max(end, self._pending.get(start, end))
             moved = False
             while self._prefix in self._pending:
@@ -80,9 +89,12 @@ class PiecePool:
     lowers the threads' scheduling priority by that much (Linux), so that a thread that must not
     wait for them (the file's sha256, which only one thread can compute) gets a core first."""
 
-    def __init__(self, threads: int, name: str = "copy", *, nice: int = 0):
+    def __init__(self, threads: int, name: str = "copy", *, nice: int = 0, max_queued: int = 0):
         self._n = max(1, threads)
         self._nice = nice
+        # calls waiting for a thread: beyond this, submit() waits (a progress bar then follows the
+        # copies instead of the hand-overs)
+        self._max_queued = max_queued or 2 * self._n
         self._name = name
         self._jobs: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
         self._cv = threading.Condition()
@@ -95,10 +107,19 @@ class PiecePool:
     def threads(self) -> int:
         return self._n
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any, poll: Callable[[], None] | None = None) -> None:
+        """Queue ``fn(*args)``; while the queue is full, wait, calling ``poll`` about every 0.2 s."""
         if self._n == 1:
             fn(*args)
             return
+        while True:
+            with self._cv:
+                self._raise_error()
+                if len(self._jobs) < self._max_queued:
+                    break
+                self._cv.wait(POLL_SECONDS)
+            if poll is not None:
+                poll()
         with self._cv:
             self._raise_error()
             if not self._threads:
@@ -110,11 +131,17 @@ class PiecePool:
             self._jobs.append((fn, args))
             self._cv.notify()
 
-    def wait(self) -> None:
-        """Until every submitted call has run; raises the first error one of them raised."""
+    def wait(self, poll: Callable[[], None] | None = None) -> None:
+        """Until every submitted call has run, calling ``poll`` about every 0.2 s; raises the
+        first error one of them raised."""
+        while True:
+            with self._cv:
+                if not (self._jobs or self._busy) or self._error is not None:
+                    break
+                self._cv.wait(POLL_SECONDS)
+            if poll is not None:
+                poll()
         with self._cv:
-            while (self._jobs or self._busy) and self._error is None:
-                self._cv.wait()
             while self._busy:  # an error: the others' pieces in flight end first
                 self._cv.wait()
             self._raise_error()

@@ -130,14 +130,16 @@ def _write_piece(piece: torch.Tensor, fd: int, offset: int, done: CompletedRange
     done.add(offset, offset + piece.numel())
 
 
-def _submit_copy(pool: PiecePool, rows: torch.Tensor, fd: int, offset: int, done: CompletedRanges) -> bool:
+def _submit_copy(
+    pool: PiecePool, rows: torch.Tensor, fd: int, offset: int, done: CompletedRanges, poll: Callable[[], None]
+) -> bool:
     """Hand the file-to-file copy of ``rows`` to ``pool`` in pieces; False when ``rows`` are not
     bytes of a registered rank file (then only the caller knows how long they stay valid)."""
     if filemap.locate(rows) is None:
         return False
     flat = rows.reshape(-1).view(torch.uint8)
     for a in range(0, flat.numel(), PIECE_BYTES):
-        pool.submit(_write_piece, flat[a : a + PIECE_BYTES], fd, offset + a, done)
+        pool.submit(_write_piece, flat[a : a + PIECE_BYTES], fd, offset + a, done, poll=poll)
     return True
 
 
@@ -170,6 +172,15 @@ def write_file(
         _size_file(fd, plan.file_size)
         hasher = FollowingSha256(path) if sha256 else None
         done = CompletedRanges(plan.data_start, hasher.advance if hasher is not None else None)
+        reported = 0
+
+        def report() -> None:  # the bytes finished since the last call, on this thread
+            nonlocal reported
+            if progress:
+                now = done.total
+                if now > reported:
+                    progress(now - reported)
+                    reported = now
         final = plan.data_start  # the planned end of the tensors issued so far
         for spec in plan.specs:
             start = plan.data_start + plan.offsets[spec.name]
@@ -183,7 +194,7 @@ def write_file(
                 row_bytes = spec.nbytes // spec.shape[0]
                 for first, rows in runs:
                     at = start + first * row_bytes
-                    if not _submit_copy(pool, rows, fd, at, done):
+                    if not _submit_copy(pool, rows, fd, at, done, report):
                         _pwrite_all(fd, rows, at)  # a converted run lives in a reused buffer: now
                         done.add(at, at + rows.numel() * rows.element_size())
             elif spec.nbytes <= WHOLE_TENSOR_LIMIT or start % spec.dtype.itemsize:
@@ -194,9 +205,9 @@ def write_file(
                     mapped = torch.from_file(str(path), shared=True, size=plan.file_size, dtype=torch.uint8)
                 ckpt.read_into(spec.name, mapped[start : start + spec.nbytes].view(spec.dtype).view(spec.shape))
                 done.add(start, final)
-            if progress:
-                progress(spec.nbytes)
-        pool.wait()
+            report()
+        pool.wait(poll=report)
+        report()
         if hasher is not None:
             hasher.advance(plan.file_size)
             digest, hasher = hasher.finish(), None
