@@ -181,6 +181,7 @@ def write_file(
                 if now > reported:
                     progress(now - reported)
                     reported = now
+
         final = plan.data_start  # the planned end of the tensors issued so far
         for spec in plan.specs:
             start = plan.data_start + plan.offsets[spec.name]
