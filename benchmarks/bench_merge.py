@@ -631,6 +631,8 @@ class Bench:
                 ratio = f" = {r.wall_s / c.wall_s:.2f}x the copy" if c and c.ok and c.wall_s and r is not c else ""
                 rows.append(f"{r.wall_s:.1f} s (CPU {r.cpu_s:.1f} s){ratio}")
             med.notes.append(f"median of {len(rs)} interleaved rounds; per round: " + "; ".join(rows))
+            if tool == "hf-merge":
+                med.notes.append("hf-merge's round 1 starts with an empty plan cache (first run); later rounds reuse it")
             if tool == "copy (cat)" and med.ok:
                 self.copy_walls[size] = med.wall_s
             self.results.append(med)
