@@ -41,6 +41,9 @@ Two more modes (same method, same table; results in WORKDIR/results_lora.json / 
               targets printed (wall <= 0.3x verl's, hf-merge peak anon <= 512 MB).
 
 --repeat N runs every measurement N times and keeps the fastest (memory: the largest peak).
+--interleave (default and --moe modes) instead runs N rounds of copy, hf-merge, verl (order rotated
+each round) and reports each tool's median run, with every round's wall time, CPU seconds
+(user + system of the process tree) and ratio to the copy of the same round.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = Path(__file__).resolve().parent
@@ -167,6 +171,7 @@ class Result:
     max_procs: int = 0
     samples: int = 0
     output_bytes: int = 0
+    cpu_s: float = 0.0           # user + system seconds of the process tree (reaped children)
     log: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -224,6 +229,9 @@ def measure(size: str, tool: str, argv: list[str], output: Path, log_path: Path,
     if load1 > 1.0:
         res.notes.append(f"machine busy before the run (1-min load average {load1:.1f}): timings are noisy")
     print(f"  [{tool}] (load {load1:.1f}) {cmd_str}", flush=True)
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
@@ -239,6 +247,8 @@ def measure(size: str, tool: str, argv: list[str], output: Path, log_path: Path,
         finally:
             sampler.stop()
         t1 = time.perf_counter()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res.cpu_s = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     res.returncode = rc
     res.run_s = t1 - t0
     if rc == 0 and output.exists():
@@ -258,7 +268,7 @@ def measure(size: str, tool: str, argv: list[str], output: Path, log_path: Path,
     res.max_procs = sampler.max_procs
     res.samples = sampler.samples
     status = "ok" if res.ok else f"FAILED (rc={rc})"
-    print(f"  [{tool}] {status}: {res.wall_s:.1f} s (fsync {res.fsync_s:.1f} s), "
+    print(f"  [{tool}] {status}: {res.wall_s:.1f} s (fsync {res.fsync_s:.1f} s), CPU {res.cpu_s:.1f} s, "
           f"peak anon {res.peak_anon_mb:.0f} MB, peak RSS {res.peak_rss_mb:.0f} MB, "
           f"{res.max_procs} proc(s), {res.samples} samples", flush=True)
     return res
@@ -268,14 +278,8 @@ def measure_cpu(*args, **kwargs) -> tuple[Result, float]:
     """:func:`measure`, plus the CPU seconds (user + system) of the measured process tree: the
     resource usage of the children reaped during the run. Unlike wall time it barely depends on
     how busy the machine is, so it compares tools run on a loaded machine."""
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = measure(*args, **kwargs)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    print(f"  [{res.tool}] CPU {cpu:.1f} s (user + system of the process tree)", flush=True)
-    return res, cpu
+    return res, res.cpu_s
 
 
 def measure_copy_floor(size: str, inputs: list[Path], output: Path, log_path: Path, peer_wall: float | None = None,
@@ -564,40 +568,94 @@ class Bench:
         print("  " + line, flush=True)
         self.checks.append(line)
 
-    def copy(self, size: str, tool: str, inputs: list[Path], stem: str) -> Result:
+    def copy(self, size: str, tool: str, inputs: list[Path], stem: str, repeat: int | None = None) -> Result:
         out = self.out(f"{stem}-copy.bin")
         script = "cat " + " ".join(shlex.quote(str(p)) for p in inputs) + " > " + shlex.quote(str(out))
-        r = measure_best(self.args.repeat, size, tool, ["bash", "-c", script], out, self.log(f"{stem}-copy.log"),
-                         inputs, fsync=self.fsync)
-        self.results.append(r)
-        if r.ok:
-            self.copy_walls[size] = r.wall_s
+        r = measure_best(repeat or self.args.repeat, size, tool, ["bash", "-c", script], out,
+                         self.log(f"{stem}-copy.log"), inputs, fsync=self.fsync)
+        if repeat is None:
+            self.results.append(r)
+            if r.ok:
+                self.copy_walls[size] = r.wall_s
         remove(out)
         return r
 
     def hfmerge(self, size: str, tool: str, src: Path, stem: str, inputs: list[Path],
-                extra: list[str] = ()) -> tuple[Result, Path]:
+                extra: list[str] = (), repeat: int | None = None, fresh_plan: bool = True) -> tuple[Result, Path]:
         out = self.out(f"{stem}-hfmerge")
         cmd = [self.python, "-m", "hf_merge.cli.app", "merge", str(src), str(out), "--overwrite", *extra,
                *shlex.split(self.args.hfmerge_args)]
         # An empty plan cache: run 1 computes the Hub-layout plan (first run), later runs reuse it.
         plans = self.out(f"{stem}-plancache")
-        remove(plans)
+        if fresh_plan:
+            remove(plans)
         env = dict(os.environ, HF_MERGE_CACHE=str(plans))
-        r = measure_best(self.args.repeat, size, tool, cmd, out, self.log(f"{stem}-hfmerge.log"), inputs,
+        r = measure_best(repeat or self.args.repeat, size, tool, cmd, out, self.log(f"{stem}-hfmerge.log"), inputs,
                          env=env, fsync=self.fsync)
-        r.notes.append("hf-merge run 1 starts with an empty plan cache (first run); runs 2+ use the cached Hub-layout plan")
-        remove(plans)
-        self.results.append(r)
+        if repeat is None:
+            r.notes.append("hf-merge run 1 starts with an empty plan cache (first run); runs 2+ use the cached Hub-layout plan")
+            remove(plans)
+            self.results.append(r)
         return r, out
 
-    def verl(self, size: str, tool: str, src: Path, stem: str, inputs: list[Path]) -> tuple[Result, Path]:
+    def verl(self, size: str, tool: str, src: Path, stem: str, inputs: list[Path],
+             repeat: int | None = None) -> tuple[Result, Path]:
         out = self.out(f"{stem}-verl")
         cmd = [str(self.verl_python), "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                "--local_dir", str(src), "--target_dir", str(out)]
-        r = measure_best(self.args.repeat, size, tool, cmd, out, self.log(f"{stem}-verl.log"), inputs, fsync=self.fsync)
-        self.results.append(r)
+        r = measure_best(repeat or self.args.repeat, size, tool, cmd, out, self.log(f"{stem}-verl.log"), inputs,
+                         fsync=self.fsync)
+        if repeat is None:
+            self.results.append(r)
         return r, out
+
+    def interleaved(self, size: str, stem: str, src: Path, inputs: list[Path]) -> dict[str, tuple[Result, Path | None]]:
+        """--interleave: ``--repeat`` rounds of one copy, one hf-merge and one verl run each, the order
+        rotated every round, so that a minute in which this machine's disk is slow hits every tool.
+        Per tool: the run with the median wall time (memory: the largest peaks), with every round's
+        wall and CPU seconds and the ratio to the copy of the same round in its notes."""
+        runs: dict[str, Callable[[], tuple[Result, Path | None]]] = {}
+        if not self.args.skip_copy:
+            runs["copy (cat)"] = lambda: (self.copy(size, "copy (cat)", inputs, stem, repeat=1), None)
+        if self.run_hfmerge:
+            plans = self.out(f"{stem}-plancache")
+            remove(plans)  # round 1 computes the plan, later rounds reuse it (as measure_best does)
+            runs["hf-merge"] = lambda: self.hfmerge(size, "hf-merge", src, stem, inputs, repeat=1, fresh_plan=False)
+        if self.run_verl:
+            runs["verl 0.9.1"] = lambda: self.verl(size, "verl 0.9.1", src, stem, inputs, repeat=1)
+        tools = list(runs)
+        per: dict[str, list[Result]] = {t: [] for t in tools}
+        outs: dict[str, Path | None] = {}
+        rounds = max(1, self.args.repeat)
+        for i in range(rounds):
+            for tool in tools[i % len(tools):] + tools[: i % len(tools)]:
+                r, out = runs[tool]()
+                per[tool].append(r)
+                outs[tool] = out
+                if out is not None and i < rounds - 1 and tool != "hf-merge":
+                    remove(out)
+        copies = per.get("copy (cat)", [])
+        chosen: dict[str, tuple[Result, Path | None]] = {}
+        for tool, rs in per.items():
+            ok = sorted((r for r in rs if r.ok), key=lambda r: r.wall_s)
+            med = ok[(len(ok) - 1) // 2] if ok else rs[-1]
+            for attr in ("peak_anon_mb", "peak_rss_mb", "peak_shmem_mb", "max_procs"):
+                setattr(med, attr, max(getattr(r, attr) for r in rs))
+            med.notes = sorted({n for r in rs for n in r.notes})
+            rows = []
+            for j, r in enumerate(rs):
+                c = copies[j] if j < len(copies) else None
+                ratio = f" = {r.wall_s / c.wall_s:.2f}x the copy" if c and c.ok and c.wall_s and r is not c else ""
+                rows.append(f"{r.wall_s:.1f} s (CPU {r.cpu_s:.1f} s){ratio}")
+            med.notes.append(f"median of {len(rs)} interleaved rounds; per round: " + "; ".join(rows))
+            if tool == "hf-merge":
+                med.notes.append("hf-merge's round 1 starts with an empty plan cache (first run); later rounds reuse it")
+            if tool == "copy (cat)" and med.ok:
+                self.copy_walls[size] = med.wall_s
+            self.results.append(med)
+            chosen[tool] = (med, outs.get(tool))
+        remove(self.out(f"{stem}-plancache"))
+        return chosen
 
     def drop(self, *outs: Path) -> None:
         if not self.args.keep_outputs:
@@ -616,10 +674,14 @@ def bench_fsdp(b: Bench, layers: int) -> None:
     inputs = input_files(ckpt)
     outs = {}
 
-    if not args.skip_copy:
+    if args.interleave:
+        for tool, (r, out) in b.interleaved(size, f"L{layers}", ckpt, inputs).items():
+            if r.ok and out is not None:
+                outs["verl" if tool.startswith("verl") else tool] = out
+    elif not args.skip_copy:
         b.copy(size, "copy (cat)", inputs, f"L{layers}")
 
-    if b.run_hfmerge:
+    if b.run_hfmerge and not args.interleave:
         out = b.out(f"L{layers}-hfmerge")
         if args.hfmerge_cmd:
             cmd = shlex.split(args.hfmerge_cmd.format(python=python, src=ckpt, dst=out))
@@ -631,7 +693,7 @@ def bench_fsdp(b: Bench, layers: int) -> None:
         if r.ok:
             outs["hf-merge"] = out
 
-    if b.run_verl:
+    if b.run_verl and not args.interleave:
         r, out = b.verl(size, "verl 0.9.1", ckpt, f"L{layers}", inputs)
         if r.ok:
             outs["verl"] = out
@@ -661,14 +723,20 @@ def bench_moe(b: Bench, layers: int) -> None:
     stem = f"L{layers}-moe"
     res: dict[str, Result] = {}
     outs: dict[str, Path] = {}
-    if not args.skip_copy:
+    if args.interleave:
+        for tool, (r, out) in b.interleaved(size, stem, ckpt, inputs).items():
+            key = "verl" if tool.startswith("verl") else tool
+            res[key] = r
+            if r.ok and out is not None:
+                outs[key] = out
+    elif not args.skip_copy:
         b.copy(size, "copy (cat)", inputs, stem)
-    if b.run_hfmerge:
+    if b.run_hfmerge and not args.interleave:
         r, out = b.hfmerge(size, "hf-merge", ckpt, stem, inputs)
         res["hf-merge"] = r
         if r.ok:
             outs["hf-merge"] = out
-    if b.run_verl:
+    if b.run_verl and not args.interleave:
         r, out = b.verl(size, "verl 0.9.1", ckpt, stem, inputs)
         res["verl"] = r
         if r.ok:
@@ -819,16 +887,16 @@ def fmt_mb(x: float) -> str:
 
 
 def table(results: list[Result], copy_walls: dict[str, float]) -> str:
-    lines = ["| size | tool | wall s | ratio to copy | peak anon MB | peak RSS MB | output bytes |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| size | tool | wall s | ratio to copy | CPU s | peak anon MB | peak RSS MB | output bytes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if not r.ok:
-            lines.append(f"| {r.size} | {r.tool} | failed (rc={r.returncode}) | | "
+            lines.append(f"| {r.size} | {r.tool} | failed (rc={r.returncode}) | | | "
                          f"{fmt_mb(r.peak_anon_mb)} | {fmt_mb(r.peak_rss_mb)} | |")
             continue
         copy = copy_walls.get(r.size)
         ratio = f"{r.wall_s / copy:.2f}x" if copy else "n/a"
-        lines.append(f"| {r.size} | {r.tool} | {r.wall_s:.1f} | {ratio} | {fmt_mb(r.peak_anon_mb)} | "
+        lines.append(f"| {r.size} | {r.tool} | {r.wall_s:.1f} | {ratio} | {r.cpu_s:.1f} | {fmt_mb(r.peak_anon_mb)} | "
                      f"{fmt_mb(r.peak_rss_mb)} | {r.output_bytes:,} |")
     return "\n".join(lines)
 
@@ -869,6 +937,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each measurement N times and report the fastest (memory: the largest peak); "
                          "for a busy machine (default 1)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="default and --moe modes: run copy, hf-merge and verl in --repeat rounds, one run of each "
+                         "per round in a rotating order, and report each tool's median run with every round's "
+                         "wall, CPU seconds and ratio to that round's copy (for a machine whose disk speed drifts)")
     ap.add_argument("--json", type=Path, default=None,
                     help="write results here (default WORKDIR/results.json; results_lora.json / "
                          "results_megatron.json in those modes)")

@@ -239,6 +239,7 @@ class Job:
         *,
         overwrite: bool,
         workers: int | None,
+        copy_threads: int | None = None,
         checksums: bool,
         finish: Callable[[Any, Path, dict], None],
         result: Callable[[Any, bool], Any],
@@ -276,6 +277,7 @@ class Job:
                     if share:
                         digests = write_shards(
                             prepared.views.model, plan, tmp, workers=workers, sha256=checksums, files=share,
+                            copy_threads=copy_threads, processes_here=self.hosts.count(self.host),
                             progress=progress.update,
                         )
                     progress.flush()

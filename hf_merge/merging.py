@@ -168,6 +168,7 @@ def merge(
     dtype: "str | torch.dtype | None" = None,
     max_shard_size: "int | str" = "5GB",
     workers: int | None = None,
+    copy_threads: int | None = None,
     config: "str | Path | None" = None,
     overwrite: bool = False,
     lora: str = "both",
@@ -194,6 +195,9 @@ def merge(
         dtype: ``None`` (the config's dtype), ``"auto"`` (keep the shards' dtype) or a dtype.
         max_shard_size: largest output file, e.g. ``"5GB"``.
         workers: processes writing output files in parallel (default: one per file, up to the CPUs).
+        copy_threads: threads in each writing process copying rank-file bytes into the output file
+            (default: that process's share of the usable CPUs, at most 8; 1: copy on the writing
+            thread).
         config: folder with config.json / tokenizer, when the checkpoint has no ``huggingface/``.
         overwrite: replace a non-empty ``target``.
         lora: for PEFT checkpoints, ``fuse`` (the model with LoRA folded in), ``adapter`` (a PEFT
@@ -260,7 +264,8 @@ def merge(
     if job is not None:
         with job:
             return job.merge(
-                prepare, target, overwrite=replace, workers=workers, checksums=checksums, finish=finish,
+                prepare, target, overwrite=replace, workers=workers, copy_threads=copy_threads, checksums=checksums,
+                finish=finish,
                 result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
             )
     # The target is locked (and its temporary folder made) before the source is read, so a second
@@ -272,7 +277,8 @@ def merge(
             digests = None
             if prepared.model_plan is not None:
                 digests = write_shards(
-                    prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums
+                    prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums,
+                    copy_threads=copy_threads,
                 )
             card_imports.join()
             finish(prepared, tmp, digests)

@@ -1,0 +1,133 @@
+"""Rank-file bytes copied by several threads, in pieces, with the sha256 following the finished prefix.
+
+The output must be the same bytes as one thread writes, the recorded sha256 the digest of the
+written file, and an error on a copy thread must reach the caller unchanged with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load
+
+import hf_merge
+from hf_merge import copypool, filemap, writer
+from hf_merge.copypool import CompletedRanges, PiecePool
+
+pytestmark = pytest.mark.skipif(not os.path.exists(filemap.MAPS), reason="needs /proc/self/maps (Linux)")
+
+
+def test_completed_ranges_report_only_the_contiguous_prefix():
+    seen = []
+    done = CompletedRanges(10, seen.append)
+    done.add(30, 40)
+    done.add(20, 30)
+    assert done.prefix == 10 and seen == []
+    done.add(10, 20)
+    assert done.prefix == 40 and seen == [40]
+    done.add(50, 60)
+    done.add(40, 40)  # empty: nothing
+    assert done.prefix == 40
+    done.add(40, 50)
+    assert done.prefix == 60 and seen == [40, 60]
+
+
+def test_an_error_on_a_pool_thread_is_raised_unchanged_and_drops_the_queued_pieces():
+    ran = []
+    error = OSError(errno.ENOSPC, "No space left on device")
+    started = threading.Event()
+
+    def piece(i):
+        if i == 0:
+            started.set()
+            raise error
+        time.sleep(0.01)
+        ran.append(i)
+
+    pool = PiecePool(2)
+    pool.submit(piece, 0)
+    started.wait(5)
+    time.sleep(0.05)
+    with pytest.raises(OSError) as e:
+        for i in range(1, 200):
+            pool.submit(piece, i)
+        pool.wait()
+    assert e.value is error
+    pool.close()
+    assert len(ran) < 199  # the queued pieces were dropped, not run after the error
+
+
+def test_close_waits_for_the_pieces_in_flight():
+    finished = []
+    pool = PiecePool(3)
+    for i in range(3):
+        pool.submit(lambda i=i: (time.sleep(0.1), finished.append(i)))
+    time.sleep(0.02)
+    pool.close()
+    assert sorted(finished) == [0, 1, 2]
+
+
+def _merge(source, target, **kw) -> tuple[dict[str, bytes], dict[str, str]]:
+    hf_merge.merge(source, target, workers=1, **kw)
+    files = {p.name: p.read_bytes() for p in sorted(target.iterdir()) if p.suffix == ".safetensors"}
+    recorded = json.loads((target / "hf_merge.json").read_text()).get("files") or {}
+    return files, recorded
+
+
+def test_threads_and_small_pieces_give_the_same_bytes_and_the_true_sha256(llama_tied_bf16_ws4, tmp_path, monkeypatch):
+    one, _ = _merge(llama_tied_bf16_ws4.actor, tmp_path / "one", copy_threads=1, checksums=False)
+    pieces = []
+    real = writer._write_piece
+
+    def counting(piece, fd, offset, done):
+        pieces.append((threading.get_ident(), offset))
+        time.sleep(0.001 * (len(pieces) % 3))  # finish out of order
+        real(piece, fd, offset, done)
+
+    monkeypatch.setattr(writer, "PIECE_BYTES", 4096)  # many pieces per tensor
+    monkeypatch.setattr(writer, "_write_piece", counting)
+    many, recorded = _merge(llama_tied_bf16_ws4.actor, tmp_path / "many", copy_threads=3, max_shard_size="30KB")
+    assert len({t for t, _ in pieces}) > 1 and len(pieces) > 20
+    assert len(many) > 1 and set(recorded) == set(many)
+    for name, data in many.items():
+        assert recorded[name] == hashlib.sha256(data).hexdigest(), name
+    whole = load(one["model.safetensors"])
+    parts = {k: v for data in many.values() for k, v in load(data).items()}
+    assert whole.keys() == parts.keys() and all(whole[k].view(-1).view(torch.uint8).equal(parts[k].view(-1).view(torch.uint8)) for k in whole)
+
+
+def test_one_file_is_the_same_bytes_with_any_number_of_threads(llama_tied_bf16_ws4, tmp_path, monkeypatch):
+    monkeypatch.setattr(writer, "PIECE_BYTES", 8192)
+    one, _ = _merge(llama_tied_bf16_ws4.actor, tmp_path / "one", copy_threads=1, checksums=False)
+    four, recorded = _merge(llama_tied_bf16_ws4.actor, tmp_path / "four", copy_threads=4)
+    assert four == one and recorded["model.safetensors"] == hashlib.sha256(one["model.safetensors"]).hexdigest()
+
+
+def test_disk_full_on_a_copy_thread_reaches_the_user_and_leaves_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch):
+    from hf_merge.cli.app import main as cli
+
+    calls = []
+    real = os.copy_file_range
+
+    def fills_up(*args):
+        calls.append(threading.get_ident())
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(copypool, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(writer, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(os, "copy_file_range", fills_up)
+    target = tmp_path / "out"
+    assert cli(["merge", str(llama_tied_bf16_ws4.actor), str(target), "--copy-threads", "2", "--workers", "1"]) != 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1 and "no space left on the device" in err[0], err
+    assert threading.get_ident() not in calls  # the copies ran on the pool's threads
+    assert not target.exists() and [p for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
