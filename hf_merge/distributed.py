@@ -167,13 +167,15 @@ class Job:
 
         if self.rank != 0:
             logging.getLogger("hf_merge").setLevel(self._log_level)
-        if self.owns_group and dist.is_initialized():
+        if dist.is_initialized() and (self.owns_group or self.group is not None):
             try:
                 if exc[0] is None and not self.failed:
                     # leave together: no rank tears down its end of the group (or the launcher's store)
                     # while another still talks to it
                     dist.barrier(group=self.group)
-                dist.destroy_process_group()
+                # the program's own default group stays; the gloo group made for this job goes (left
+                # to interpreter exit, its threads can abort the process while it is torn down)
+                dist.destroy_process_group(self.group)
             except Exception:  # noqa: BLE001 - a broken group is already reported
                 pass
 

@@ -57,6 +57,8 @@ def main() -> int:
                 code = e.code
         result = {"code": code, "stderr": err.getvalue(), "stdout": std.getvalue()}
         (out / f"{i}.rank{rank}.json").write_text(json.dumps(result))
+    if own_group:
+        dist.destroy_process_group()  # as a training script ends
     return 0
 
 
