@@ -29,6 +29,17 @@ def size_arg(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_int(value: str) -> int:
+    """``--workers`` / ``--copy-threads`` type: a whole number of at least 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return n
+
+
 def _dtype(value: str, extra: tuple[str, ...]) -> str:
     key = value.strip().lower().removeprefix("torch.")
     if key in extra:

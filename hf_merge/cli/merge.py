@@ -7,7 +7,7 @@ import logging
 import sys
 
 from ..progress import human_bytes
-from ._args import dtype_arg, float_dtype_arg, size_arg
+from ._args import dtype_arg, float_dtype_arg, positive_int, size_arg
 
 from ._formats import add_backend_argument, add_source_option_arguments, source_options
 
@@ -53,8 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-shard-size", default="5GB", type=size_arg, metavar="SIZE",
                    help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
-    p.add_argument("--workers", type=int, default=None, help="processes writing output files (default: one per file, one per two CPUs, at most 8)")
-    p.add_argument("--copy-threads", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per two CPUs, at most 8)")
+    p.add_argument("--copy-threads", type=positive_int, default=None, metavar="N",
                    help="threads per writing process copying rank-file bytes into the output (default: its share "
                    "of the CPUs, at most 8; 1: on the writing thread)")
     p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
