@@ -24,6 +24,7 @@ Linux only (``/proc/self/maps`` locates the pieces, see :mod:`hf_merge.filemap`)
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import threading
@@ -129,7 +130,7 @@ class Mapper:
         try:
             view = memoryview(buffer).cast("B")
             covered = 0
-            for row, rows in _chain(first, runs):
+            for row, rows in itertools.chain([first], runs):
                 start, nbytes = row * row_bytes, rows.numel() * rows.element_size()
                 if rows.dtype != dtype or start != covered or start + nbytes > total:
                     raise ValueError(f"rows {row}.. do not continue the tensor at byte {covered}")
@@ -171,8 +172,3 @@ class Mapper:
             if b > a:
                 filemap.pread_exact(fd, view[start + a - lo : start + b - lo], offset + a - lo)
                 self.read_bytes += b - a
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest

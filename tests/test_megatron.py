@@ -275,13 +275,16 @@ def test_row_chunks_equal_whole_reads(tmp_path, dtype):
     ckpt = open_megatron(synthetic(tmp_path, _tensors(), _config()))
     for name, spec in ckpt.specs().items():
         # a run is valid until the next is requested (the reader reuses its buffer): keep copies
-        runs = [(first, rows.clone()) for first, rows in ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize)]
+        runs, file_backed = [], []
+        for first, rows in ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize):
+            runs.append((first, rows.clone()))
+            file_backed.append(filemap.locate(rows) is not None)
         width = spec.shape[1] if len(spec.shape) == 2 else 1
         step = max(1, 3 * H // width)  # chunks of at most max_bytes: [*, H] matrices 3 rows, vectors whole
         firsts = [first for first, _ in runs]
         # a tensor stored whole in dim-0 bands of the file, in the asked dtype, is zero-copy views
         # of the mapped file (checkpoint.row_runs): one run per band, any size; else bounded chunks
-        zero_copy = all(filemap.locate(rows) is not None for _, rows in ckpt.read_rows(name, dtype))
+        zero_copy = all(file_backed)
         if not zero_copy:
             assert firsts == list(range(0, spec.shape[0], step)), name
         else:
