@@ -7,7 +7,7 @@ pieces of at most :data:`PIECE_BYTES` so that one large tensor is also spread ov
 
 Pieces finish out of order; :class:`CompletedRanges` collects the finished byte ranges of a file
 and reports the contiguous prefix from the start, which is what the file's trailing sha256 thread
-may read (:class:`hf_merge.writer.FollowingSha256`).
+may read (:class:`hf_merge.following.FollowingSha256`).
 
 An error on a pool thread is kept and raised, unchanged (same exception object, so the same typed
 error and the same CLI line), by the next :meth:`PiecePool.submit` or :meth:`PiecePool.wait`;

@@ -10,7 +10,9 @@ small tensors whole, and large tensors with no row runs through a memory-mapped 
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
 (the plan is deterministic and partitions by file). Each file's sha256 is computed on a second
 thread that follows the writer through the file (tensors are written in offset order), so hashing
-overlaps with writing instead of re-reading the output afterwards. Across machines the same
+overlaps with writing instead of re-reading the output afterwards, and the next file is written
+while a file's hash catches up (:class:`TrailingDigests`); another thread starts the disk write of
+the finished part as it grows (see :mod:`hf_merge.following`). Across machines the same
 partition is used by :mod:`hf_merge.distributed`: each rank calls :func:`write_shards` with its
 share of the files (``files=``) and no index, reporting bytes through ``progress=``.
 """
@@ -18,18 +20,17 @@ share of the files (``files=``) and no index, reporting bytes through ``progress
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import multiprocessing as mp
 import os
-import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from . import filemap
+from .following import FollowingSha256, FollowingWriteback
 from .copypool import HASHING_NICE, PIECE_BYTES, CompletedRanges, PiecePool, default_threads, usable_cpus
 from .checkpoint import LazyCheckpoint
 from .plan import INDEX_NAME, FilePlan, ShardPlan
@@ -51,73 +52,6 @@ def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
-
-
-# Small reads keep the buffer in the CPU cache for hashlib: 256 KiB took 1.05-1.23 CPU s/GB against
-# 1.27-1.53 for 8 MiB (a page-cached rank file, interleaved runs, load 4.5).
-HASH_CHUNK = 256 << 10
-
-
-class FollowingSha256:
-    """sha256 of a file written front to back, computed on a thread that trails the writer.
-
-    The writer calls :meth:`advance` with the offset below which the file is final; the thread
-    reads that part back (from the page cache) and hashes it. pread and hashlib release the GIL,
-    so this runs on another core while the writer writes on. :meth:`finish` returns the digest.
-    """
-
-    def __init__(self, path: Path):
-        self._fd = os.open(path, os.O_RDONLY)
-        self._hash = hashlib.sha256()
-        self._done = 0
-        self._limit = 0
-        self._closing = False
-        self._error: BaseException | None = None
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"sha256 {path.name}", daemon=True)
-        self._thread.start()
-
-    def advance(self, final_up_to: int) -> None:
-        with self._cv:
-            self._limit = max(self._limit, final_up_to)
-            self._cv.notify()
-
-    def finish(self) -> str:
-        self._stop()
-        if self._error is not None:
-            raise self._error
-        return self._hash.hexdigest()
-
-    def cancel(self) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
-        with self._cv:
-            self._closing = True
-            self._cv.notify()
-        self._thread.join()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def _run(self) -> None:
-        buf = memoryview(bytearray(HASH_CHUNK))
-        try:
-            while True:
-                with self._cv:
-                    while self._done >= self._limit and not self._closing:
-                        self._cv.wait()
-                    limit, closing = self._limit, self._closing
-                while self._done < limit:
-                    n = os.preadv(self._fd, [buf[: min(HASH_CHUNK, limit - self._done)]], self._done)
-                    if n <= 0:
-                        raise OSError(f"unexpected end of file at byte {self._done} while hashing")
-                    self._hash.update(buf[:n])
-                    self._done += n
-                if closing:
-                    return
-        except BaseException as e:  # noqa: BLE001 - handed to finish()
-            self._error = e
 
 
 def _size_file(fd: int, size: int) -> None:
@@ -151,8 +85,14 @@ def write_file(
     *,
     sha256: bool = False,
     copy_threads: int | None = None,
-) -> str | None:
+    defer_digest: bool = False,
+):
     """Write one planned safetensors file into ``folder``; return its sha256 when asked.
+
+    ``defer_digest``: return as soon as every byte is written, with a :class:`FollowingSha256`
+    (or None without ``sha256``) whose :meth:`~FollowingSha256.finish` gives the digest once its
+    thread has read the rest of the file; the caller must finish or cancel it. The next file can
+    then be written while this one's hash catches up.
 
     Tensors stream into place: runs of rows from :meth:`LazyCheckpoint.read_rows` that are bytes
     of a rank file are copied file to file by ``copy_threads`` threads (default: the usable CPUs,
@@ -166,12 +106,20 @@ def write_file(
     mapped = None
     hasher = None
     threads = default_threads() if copy_threads is None else copy_threads
+    writeback = None
     pool = PiecePool(threads, name=f"copy {plan.name}", nice=HASHING_NICE if sha256 else 0)
     try:
         os.pwrite(fd, plan.header, 0)
         _size_file(fd, plan.file_size)
         hasher = FollowingSha256(path) if sha256 else None
-        done = CompletedRanges(plan.data_start, hasher.advance if hasher is not None else None)
+        writeback = FollowingWriteback(path) if FollowingWriteback.available() else None
+        followers = [f.advance for f in (hasher, writeback) if f is not None]
+
+        def finished_up_to(offset: int) -> None:
+            for advance in followers:
+                advance(offset)
+
+        done = CompletedRanges(plan.data_start, finished_up_to)
         reported = 0
 
         def report() -> None:  # the bytes finished since the last call, on this thread
@@ -209,27 +157,80 @@ def write_file(
             report()
         pool.wait(poll=report)
         report()
-        if hasher is not None:
-            hasher.advance(plan.file_size)
-            digest, hasher = hasher.finish(), None
-            return digest
-        return None
+        if writeback is not None:
+            writeback.advance(plan.file_size)
+            finishing, writeback = writeback, None
+            finishing.finish()
+        if hasher is None:
+            return None
+        hasher.advance(plan.file_size)
+        if defer_digest:
+            owned, hasher = hasher, None  # the caller finishes or cancels it now
+            return owned
+        digest, hasher = hasher.finish(), None
+        return digest
     finally:
         pool.close()  # the pieces in flight end before the file is closed
-        if hasher is not None:
-            hasher.cancel()
+        for follower in (hasher, writeback):
+            if follower is not None:
+                follower.cancel()
         del mapped
         os.close(fd)
+
+
+class TrailingDigests:
+    """The sha256 threads of files already written, finished lazily so that the next file is
+    written while they catch up (one file's hash runs at ~1.6 GB/s, slower than the copy: on a
+    6.4 GB merge into 4.9 + 1.5 GB files, the first file's hash still had 2 GB to read when its
+    copies ended). At most ``keep`` of them run behind the file being written; leaving the
+    ``with`` block cancels any not finished (on an error)."""
+
+    def __init__(self, keep: int = 1):
+        self._keep = keep
+        self._pending: list[tuple[str, FollowingSha256 | None]] = []
+
+    def add(self, name: str, pending: "FollowingSha256 | None") -> None:
+        self._pending.append((name, pending))
+
+    def finished(self) -> list[tuple[str, str | None]]:
+        """Digests of all but the newest ``keep`` files (waiting for their threads)."""
+        done = []
+        while len(self._pending) > self._keep:
+            done.append(self._finish_first())
+        return done
+
+    def finish_all(self) -> list[tuple[str, str | None]]:
+        return [self._finish_first() for _ in range(len(self._pending))]
+
+    def _finish_first(self) -> tuple[str, str | None]:
+        name, pending = self._pending[0]
+        digest = pending.finish() if pending is not None else None
+        self._pending.pop(0)
+        return name, digest
+
+    def __enter__(self) -> "TrailingDigests":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _, pending in self._pending:
+            if pending is not None:
+                pending.cancel()
+        self._pending.clear()
 
 
 def _worker(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, copy_threads: int) -> None:
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
     try:
-        for plan in files:
-            digest = write_file(
-                ckpt, plan, folder, progress=lambda n: queue.put(("bytes", n)), sha256=sha256, copy_threads=copy_threads
-            )
-            queue.put(("sha256", (plan.name, digest)))
+        with TrailingDigests() as digests:
+            for plan in files:
+                digests.add(plan.name, write_file(
+                    ckpt, plan, folder, progress=lambda n: queue.put(("bytes", n)), sha256=sha256,
+                    copy_threads=copy_threads, defer_digest=True,
+                ))
+                for name, digest in digests.finished():
+                    queue.put(("sha256", (name, digest)))
+            for name, digest in digests.finish_all():
+                queue.put(("sha256", (name, digest)))
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
         try:
             queue.put(("error", e))
@@ -296,10 +297,14 @@ def write_shards(
                 bar = stack.enter_context(progress_bar(total=sum(f.data_size for f in share), unit="B", desc=desc))
                 progress = bar.update
             if n == 1:
-                for fp in share:
-                    digests[fp.name] = write_file(
-                        ckpt, fp, folder, progress=progress, sha256=sha256, copy_threads=threads
-                    )
+                with TrailingDigests() as trailing:
+                    for fp in share:
+                        trailing.add(fp.name, write_file(
+                            ckpt, fp, folder, progress=progress, sha256=sha256, copy_threads=threads,
+                            defer_digest=True,
+                        ))
+                        digests.update(trailing.finished())
+                    digests.update(trailing.finish_all())
             else:
                 digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256, threads))
     if files is None:

@@ -48,7 +48,15 @@ def dcp_root(tmp_path_factory) -> Path:
     root.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(GENERATOR), str(root)], capture_output=True, text=True, env=env, timeout=600)
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, str(GENERATOR), str(root)], capture_output=True, text=True, env=env, timeout=600)
+        # A gloo rank of the writer has (rarely: once in this project's suite runs) aborted with the C++
+        # runtime's "terminate called without an active exception"; that run is written again from
+        # scratch once. Any other failure fails the fixture.
+        if proc.returncode == 0 or attempt == 2 or "terminate called without an active exception" not in proc.stderr:
+            break
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
     if proc.returncode != 0:
         pytest.fail(f"make_dcp_checkpoints.py failed:\n{proc.stderr[-4000:]}")
     (root / "build_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
