@@ -18,6 +18,7 @@ its own, so neither holds up the copies:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -44,8 +45,9 @@ class PrefixFollower:
     :meth:`close` lets the thread reach the last limit given, stops it and raises the error the
     thread met, if any; :meth:`cancel` stops it where it is and drops any error."""
 
-    def __init__(self, path: Path, name: str, min_stretch: int = 1):
+    def __init__(self, path: Path, name: str, min_stretch: int = 1, nice: int = 0):
         self._min_stretch = max(1, min_stretch)
+        self._nice = nice
         self._fd = os.open(path, os.O_RDONLY)
         self._done = 0
         self._limit = 0
@@ -84,6 +86,9 @@ class PrefixFollower:
         raise NotImplementedError
 
     def _run(self) -> None:
+        if self._nice:
+            with contextlib.suppress(AttributeError, OSError):  # Linux: a thread's own nice value
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self._nice)
         try:
             while True:
                 with self._cv:
@@ -146,9 +151,9 @@ class FollowingWriteback(PrefixFollower):
     (and of the rest at :meth:`finish`). Best effort: where the call is missing or the file
     system refuses it, the kernel writes the file back on its own, as it would have anyway."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, nice: int = 0):
         self._refused = False
-        super().__init__(path, "writeback", min_stretch=WRITEBACK_STEP)
+        super().__init__(path, "writeback", min_stretch=WRITEBACK_STEP, nice=nice)
 
     @staticmethod
     def available() -> bool:

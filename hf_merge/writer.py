@@ -112,7 +112,7 @@ def write_file(
         os.pwrite(fd, plan.header, 0)
         _size_file(fd, plan.file_size)
         hasher = FollowingSha256(path) if sha256 else None
-        writeback = FollowingWriteback(path) if FollowingWriteback.available() else None
+        writeback = FollowingWriteback(path, nice=HASHING_NICE if sha256 else 0) if FollowingWriteback.available() else None
         followers = [f.advance for f in (hasher, writeback) if f is not None]
 
         def finished_up_to(offset: int) -> None:

@@ -1,16 +1,14 @@
-"""Fused QKV / gate-up tensors: pure split functions, their inverses, and the lazy view."""
+"""Fused QKV / gate-up tensors: pure split functions, their inverses, and the declared splits
+(the name-table transform reads role tensors as row ranges of the fused one: tests/test_name_tables.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_merge.checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from hf_merge.errors import MappingError
-from hf_merge.spec import TensorSpec
 from hf_merge.transforms.fused import (
     FusedSplit,
-    SplitFusedView,
     gate_up_row_ranges,
     merge_gate_up,
     merge_qkv,
@@ -99,62 +97,3 @@ def test_split_qkv_errors_name_the_problem():
         FusedSplit("qkv", {"q": "a", "k": "b", "v": "c"})  # qkv without head counts
     with pytest.raises(MappingError, match="head_dim"):
         FusedSplit("qkv", {"q": "a", "k": "b", "v": "c"}, num_heads=4, num_kv_heads=2, head_dim=8).ranges(60)
-
-
-class _DictCheckpoint(LazyCheckpoint):
-    """In-memory lazy checkpoint that records what is read (optionally with region reads)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], *, regions: bool):
-        self.t = tensors
-        self.reads: list[tuple[str, tuple, tuple]] = []
-        self.info = CheckpointInfo(format="test", path=None)  # type: ignore[arg-type]
-        if regions:
-            self.read_region_into = self._region  # type: ignore[method-assign]
-
-    def specs(self):
-        return {k: TensorSpec(k, tuple(v.shape), v.dtype) for k, v in self.t.items()}
-
-    def read_into(self, name, out):
-        check_out(self.specs()[name], out)
-        self.reads.append((name, (0,) * out.dim(), tuple(out.shape)))
-        out.copy_(self.t[name])
-
-    def _region(self, name, start, out):
-        self.reads.append((name, tuple(start), tuple(out.shape)))
-        out.copy_(self.t[name][tuple(slice(s, s + n) for s, n in zip(start, out.shape))])
-
-
-@pytest.mark.parametrize("regions", [True, False])
-def test_split_fused_view_is_lazy_and_exact(regions):
-    nq, nkv, hd, hidden = 4, 2, 8, 6
-    g = torch.Generator().manual_seed(0)
-    qkv = torch.randn((nq + 2 * nkv) * hd, hidden, generator=g)
-    fc1 = torch.randn(20, hidden, generator=g)
-    other = torch.randn(3, generator=g)
-    base = _DictCheckpoint({"emb": other, "l.qkv": qkv, "l.fc1": fc1}, regions=regions)
-    view = SplitFusedView(
-        base,
-        {
-            "l.qkv": FusedSplit("qkv", {"q": "l.q", "k": "l.k", "v": "l.v"}, num_heads=nq, num_kv_heads=nkv, head_dim=hd),
-            "l.fc1": FusedSplit("gate_up", {"gate": "l.gate", "up": "l.up"}),
-        },
-    )
-    assert list(view.specs()) == ["emb", "l.q", "l.k", "l.v", "l.gate", "l.up"]
-    assert view.specs()["l.q"].shape == (nq * hd, hidden)
-    assert base.reads == []  # nothing read at construction
-    q, k, v = split_qkv(qkv, num_heads=nq, num_kv_heads=nkv, head_dim=hd)
-    gate, up = split_gate_up(fc1)
-    for name, want in {"l.q": q, "l.k": k, "l.v": v, "l.gate": gate, "l.up": up, "emb": other}.items():
-        got = view.read(name, dtype=torch.float64)  # read_into casts into another dtype
-        assert torch.equal(got, want.double()), name
-    # A region of an output (rows 5..20 of q) is a region of the fused tensor.
-    part = torch.empty(15, hidden)
-    view.read_region_into("l.q", (5, 0), part)
-    assert torch.equal(part, q[5:20])
-    if regions:
-        # Every read of the fused tensor was a row region no larger than one role.
-        assert all(shape[0] <= nq * hd for name, _, shape in base.reads if name == "l.qkv")
-    with pytest.raises(MappingError, match="not in the checkpoint"):
-        SplitFusedView(base, {"missing": FusedSplit("gate_up", {"gate": "a", "up": "b"})})
-    with pytest.raises(MappingError, match="collides"):
-        SplitFusedView(base, {"l.fc1": FusedSplit("gate_up", {"gate": "emb", "up": "b"})})

@@ -15,27 +15,25 @@ A fused tensor stacks several Hugging Face tensors along dim 0 (rows):
 
 The arithmetic is a list of row ranges per role (:func:`qkv_row_ranges`,
 :func:`gate_up_row_ranges`); :func:`split_qkv` / :func:`split_gate_up` apply them to in-memory
-tensors and :func:`merge_qkv` / :func:`merge_gate_up` invert them. :class:`SplitFusedView` applies
-them lazily to any lazy checkpoint: each output role is read as a few row regions of the fused
-tensor, straight into the caller's buffer, so the fused tensor is never held whole (when the base
-supports region reads; see :func:`read_region_into`).
+tensors and :func:`merge_qkv` / :func:`merge_gate_up` invert them. The name-table transform
+(:mod:`hf_merge.transforms.name_table`) applies a :class:`FusedSplit` lazily: each output role is
+read as a few row regions of the fused tensor, straight into the caller's buffer, so the fused
+tensor is never held whole (when the base supports region reads; see :func:`read_region_into`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
-from ..spec import TensorSpec
 
 __all__ = [
     "RowRange",
     "FusedSplit",
-    "SplitFusedView",
     "qkv_row_ranges",
     "gate_up_row_ranges",
     "split_qkv",
@@ -205,71 +203,3 @@ class FusedSplit:
                 "check head_dim / num_key_value_heads in config.json"
             )
         return qkv_row_ranges(self.num_heads, self.num_kv_heads, self.head_dim)
-
-
-@dataclass
-class _Part:
-    fused: str
-    ranges: list[RowRange] = field(default_factory=list)
-
-
-class SplitFusedView(LazyCheckpoint):
-    """``base`` with each declared fused tensor replaced by its role tensors.
-
-    Other tensors pass through unchanged (same names, same order). Reads of a role tensor are
-    row-region reads of the fused tensor; nothing is read at construction.
-
-    Args:
-        base: the lazy checkpoint holding the fused tensors.
-        splits: ``{fused name in base: FusedSplit}``.
-        info: ``info`` of the view (default: the base's).
-    """
-
-    def __init__(self, base: LazyCheckpoint, splits: Mapping[str, FusedSplit], *, info: CheckpointInfo | None = None):
-        self.base = base
-        self.info = info if info is not None else base.info
-        base_specs = base.specs()
-        self._parts: dict[str, _Part] = {}
-        specs: dict[str, TensorSpec] = {}
-        for name, spec in base_specs.items():
-            split = splits.get(name)
-            if split is None:
-                specs[name] = spec
-                continue
-            if not spec.shape:
-                raise MappingError(f"{name}: a scalar cannot be split as {split.kind}")
-            for role, ranges in split.ranges(spec.shape[0]).items():
-                out_name = split.outputs[role]
-                if out_name in specs or out_name in base_specs:
-                    raise MappingError(f"{name}: split output {out_name} collides with another tensor")
-                specs[out_name] = TensorSpec(out_name, (_role_rows(ranges),) + spec.shape[1:], spec.dtype)
-                self._parts[out_name] = _Part(name, ranges)
-        missing = set(splits) - set(base_specs)
-        if missing:
-            raise MappingError(f"declared fused tensors not in the checkpoint: {sorted(missing)}")
-        self._specs = specs
-
-    def specs(self) -> dict[str, TensorSpec]:
-        return self._specs
-
-    def read_into(self, name: str, out: torch.Tensor) -> None:
-        spec = self._specs[name]
-        check_out(spec, out)
-        self.read_region_into(name, (0,) * len(spec.shape), out)
-
-    def read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
-        part = self._parts.get(name)
-        if part is None:
-            read_region_into(self.base, name, start, out)
-            return
-        r0, nrows = start[0], out.shape[0]
-        for src, dst, n in part.ranges:
-            lo, hi = max(r0, dst), min(r0 + nrows, dst + n)
-            if lo >= hi:
-                continue
-            read_region_into(
-                self.base, part.fused, (src + lo - dst,) + tuple(start[1:]), out[lo - r0 : hi - r0]
-            )
-
-    def close(self) -> None:
-        self.base.close()
