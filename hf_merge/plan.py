@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .sizes import parse_size
 from .spec import SAFETENSORS_DTYPES, TensorSpec
@@ -70,6 +70,17 @@ class FilePlan:
     @property
     def data_start(self) -> int:
         return len(self.header)
+
+    def placed(self) -> Iterator[tuple[TensorSpec, int]]:
+        """Each tensor with the file offset where its bytes start, in file order (checked to lie
+        back to back, as the writers fill the file front to back)."""
+        expected = self.data_start
+        for spec in self.specs:
+            start = self.data_start + self.offsets[spec.name]
+            if start != expected:
+                raise RuntimeError(f"{self.name}: {spec.name} planned at byte {start}, expected {expected}")
+            expected = start + spec.nbytes
+            yield spec, start
 
     @property
     def file_size(self) -> int:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from . import filemap
+from . import filemap, sequential
 from .following import FollowingSha256, FollowingWriteback
 from .copypool import HASHING_NICE, PIECE_BYTES, CompletedRanges, PiecePool, default_threads, usable_cpus
 from .checkpoint import LazyCheckpoint
@@ -102,6 +102,12 @@ def write_file(
     prefix of finished bytes.
     """
     path = Path(folder) / plan.name
+    if sequential.enabled():
+        runs = sequential.plan_runs(ckpt, plan, WHOLE_TENSOR_LIMIT)
+        direct = sequential.open_direct(path) if runs is not None else None
+        if direct is not None:
+            digest = sequential.write_file(ckpt, plan, path, direct, runs, sha256=sha256, progress=progress)
+            return _Finished(digest) if defer_digest and sha256 else digest
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     mapped = None
     hasher = None
@@ -130,11 +136,7 @@ def write_file(
                     progress(now - reported)
                     reported = now
 
-        final = plan.data_start  # the planned end of the tensors issued so far
-        for spec in plan.specs:
-            start = plan.data_start + plan.offsets[spec.name]
-            if start != final:  # the plan lays tensors out back to back, in this order
-                raise RuntimeError(f"{plan.name}: {spec.name} planned at byte {start}, expected {final}")
+        for spec, start in plan.placed():
             final = start + spec.nbytes
             if spec.nbytes == 0:
                 continue
@@ -176,6 +178,19 @@ def write_file(
                 follower.cancel()
         del mapped
         os.close(fd)
+
+
+class _Finished:
+    """A digest already computed, handed out where a trailing one (:class:`FollowingSha256`) may be."""
+
+    def __init__(self, digest: str | None):
+        self._digest = digest
+
+    def finish(self) -> str | None:
+        return self._digest
+
+    def cancel(self) -> None:
+        pass
 
 
 class TrailingDigests:
@@ -253,13 +268,16 @@ def _raise_reported_error(queue) -> None:
             raise value
 
 
-def default_workers(n_files: int) -> int:
-    """One writer per file, two cores each (the writer and its sha256 thread), at most 8.
+def default_workers(n_files: int, processes_here: int = 1) -> int:
+    """One writer per file, at most 8: one core each where files are written front to back with
+    ``O_DIRECT`` (:mod:`hf_merge.sequential`: the sha256 is computed on the writing thread), else
+    two cores each (the writer and its sha256 thread; copies on the page-cache path cost a core).
 
-    Each forked writer also carries an interpreter's worth of memory (~200 MB), so on a small
-    machine one writer is both the fastest and the leanest choice.
+    ``processes_here``: the writing processes on this machine (distributed ranks) share its CPUs.
+    Each forked writer also carries an interpreter's worth of memory (~200 MB).
     """
-    return max(1, min(n_files, usable_cpus() // 2, 8))
+    per_writer = 1 if sequential.enabled() else 2
+    return max(1, min(n_files, usable_cpus() // (per_writer * max(1, processes_here)), 8))
 
 
 def write_shards(
@@ -287,7 +305,7 @@ def write_shards(
     share = plan.files if files is None else files
     digests: dict[str, str | None] = {}
     if share:
-        n = workers or default_workers(len(share))
+        n = workers or default_workers(len(share), processes_here)
         n = max(1, min(n, len(share)))
         threads = copy_threads or default_threads(n * max(1, processes_here))
         with contextlib.ExitStack() as stack:

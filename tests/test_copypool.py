@@ -24,6 +24,12 @@ from hf_merge.copypool import CompletedRanges, PiecePool
 pytestmark = pytest.mark.skipif(not os.path.exists(filemap.MAPS), reason="needs /proc/self/maps (Linux)")
 
 
+@pytest.fixture(autouse=True)
+def _page_cache_path(monkeypatch):
+    """These tests are about the page-cache path (the O_DIRECT one: tests/test_sequential.py)."""
+    monkeypatch.setenv("HF_MERGE_DIRECT_IO", "0")
+
+
 def test_completed_ranges_report_only_the_contiguous_prefix():
     seen = []
     done = CompletedRanges(10, seen.append)

@@ -90,6 +90,7 @@ def _merge_bytes(source, target) -> dict[str, bytes]:
 
 
 def test_merge_copies_file_to_file_and_matches_the_page_path(llama_tied_bf16_ws4, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MERGE_DIRECT_IO", "0")  # the page-cache path (O_DIRECT: tests/test_sequential.py)
     calls = []
     real = os.copy_file_range
 

@@ -161,6 +161,7 @@ def test_trailing_digests_finish_all_but_the_newest_and_cancel_on_error(tmp_path
 def test_a_merge_starts_the_disk_write_of_every_output_file_whole(llama_tied_bf16_ws4, tmp_path, monkeypatch):
     import hf_merge
 
+    monkeypatch.setenv("HF_MERGE_DIRECT_IO", "0")  # the page-cache path; O_DIRECT leaves nothing to write back
     recorder = _Recorder()
     monkeypatch.setattr(following, "_SYNC_FILE_RANGE", recorder)
     target = tmp_path / "out"
