@@ -196,8 +196,9 @@ def merge(
         max_shard_size: largest output file, e.g. ``"5GB"``.
         workers: processes writing output files in parallel (default: one per file, up to the CPUs).
         copy_threads: threads in each writing process copying rank-file bytes into the output file
-            (default: that process's share of the usable CPUs, at most 8; 1: copy on the writing
-            thread).
+            on the page-cache path (``HF_MERGE_DIRECT_IO=0``, or files :mod:`hf_merge.sequential`
+            does not serve; default: that process's share of the usable CPUs, at most 8; 1: copy on
+            the writing thread).
         config: folder with config.json / tokenizer, when the checkpoint has no ``huggingface/``.
         overwrite: replace a non-empty ``target``.
         lora: for PEFT checkpoints, ``fuse`` (the model with LoRA folded in), ``adapter`` (a PEFT

@@ -53,10 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-shard-size", default="5GB", type=size_arg, metavar="SIZE",
                    help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
-    p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per two CPUs, at most 8)")
+    p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per CPU, at most 8)")
     p.add_argument("--copy-threads", type=positive_int, default=None, metavar="N",
-                   help="threads per writing process copying rank-file bytes into the output (default: its share "
-                   "of the CPUs, at most 8; 1: on the writing thread)")
+                   help="threads per writing process copying rank-file bytes into the output on the page-cache path "
+                   "(HF_MERGE_DIRECT_IO=0, or where O_DIRECT does not apply; default: its share of the CPUs, at most 8; "
+                   "1: on the writing thread)")
     p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
     p.add_argument("--trust-remote-code", action="store_true", help="verl compatibility; changes nothing: hf-merge never runs checkpoint code")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
