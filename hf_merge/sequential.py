@@ -13,11 +13,12 @@ This path does not put the output in the page cache at all:
   computed on the writing thread, in order, with no second read of the file);
 - a full buffer goes to :data:`WRITERS` writer threads that write it with ``O_DIRECT`` (the disk
   reads it from the buffer; no page-cache copy, no dirty pages, no writeback later), and the last
-  partial buffer is written through the page cache.
+  partial buffer is written through the page cache (as is everything once a file system that
+  opened the file with ``O_DIRECT`` refuses a write with ``EINVAL``).
 
 It applies to a file whose every large tensor comes as row runs (``read_rows``); other files, a
-file system that refuses ``O_DIRECT`` (tmpfs, some FUSE mounts) and ``HF_MERGE_DIRECT_IO=0`` use the
-page-cache path. Memory: ``BUFFERS`` x ``CHUNK`` (48 MB) plus one converted run.
+file system that refuses ``O_DIRECT`` at open (tmpfs before Linux 6.6, some FUSE mounts) and
+``HF_MERGE_DIRECT_IO=0`` use the page-cache path. Memory: ``BUFFERS`` x ``CHUNK`` (48 MB) plus one converted run.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class _Sink:
 
     def __init__(self, direct_fd: int, path: Path, sha256: bool, progress: ProgressFn | None, unreported: int = 0):
         self._direct = direct_fd
+        self._buffered = os.open(path, os.O_WRONLY)  # the last partial buffer, and any O_DIRECT refuses
+        self._direct_refused = False
         self._path = path
         self._hash = hashlib.sha256() if sha256 else None
         self._progress = progress
@@ -160,7 +163,7 @@ class _Sink:
                 if self._error is None:
                     view = memoryview(buf)
                     try:
-                        _pwrite_all(self._direct, view[:n], offset)
+                        self._write(view[:n], offset)
                     finally:
                         view.release()
                     with self._lock:
@@ -171,6 +174,17 @@ class _Sink:
                         self._error = e
             finally:
                 self._free.put(buf)
+
+    def _write(self, data: memoryview, offset: int) -> None:
+        if not self._direct_refused:
+            try:
+                _pwrite_all(self._direct, data, offset)
+                return
+            except OSError as e:  # a file system that opens O_DIRECT files but refuses the writes
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_refused = True
+        _pwrite_all(self._buffered, data, offset)
 
     def report(self) -> None:
         if self._progress is not None:
@@ -190,11 +204,7 @@ class _Sink:
         self._stop()
         self._raise()
         if self._fill:
-            fd = os.open(self._path, os.O_WRONLY)
-            try:
-                _pwrite_all(fd, self._view[: self._fill], self._offset)
-            finally:
-                os.close(fd)
+            _pwrite_all(self._buffered, self._view[: self._fill], self._offset)
             with self._lock:
                 self._written += self._fill
         self.report()
@@ -214,6 +224,7 @@ class _Sink:
         self._threads = []
 
     def close(self) -> None:
+        os.close(self._buffered)
         with contextlib.suppress(BufferError):
             self._view.release()
         for b in self._buffers:

@@ -8,6 +8,7 @@ target, and a file system or a file the path cannot serve must take the page-cac
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -120,6 +121,24 @@ def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(llama_tied
     monkeypatch.setattr(os, "open", real_open)
     reference, _ = _merge(llama_tied_bf16_ws4.actor, tmp_path / "direct")
     assert direct_calls and files == reference
+
+
+def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied_bf16_ws4, tmp_path, monkeypatch, direct_calls):
+    real = sequential._pwrite_all
+    refused = []
+
+    def einval_on_direct(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(sequential, "_pwrite_all", einval_on_direct)
+    files, recorded = _merge(llama_tied_bf16_ws4.actor, tmp_path / "out")
+    assert direct_calls and refused  # the direct path ran, and its O_DIRECT writes were refused
+    assert recorded == {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+    monkeypatch.undo()
+    assert _merge(llama_tied_bf16_ws4.actor, tmp_path / "reference")[0] == files
 
 
 def test_a_large_tensor_without_row_runs_sends_its_file_to_the_page_cache_path(shard1_dtensor_ckpt, tmp_path, monkeypatch, direct_calls):
