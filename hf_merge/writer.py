@@ -1,5 +1,9 @@
 """Streaming safetensors writer: fills planned files tensor by tensor, in place.
 
+Where it applies, :func:`write_file` hands the file to :mod:`hf_merge.sequential`, which writes it
+front to back with ``O_DIRECT`` and hashes it on the way. What follows is the page-cache path, used
+for the other files, file systems that refuse ``O_DIRECT`` and ``HF_MERGE_DIRECT_IO=0``.
+
 Each output file is created at its final size with its header already written, and every tensor
 is written at its planned offset: runs of rows straight from the rank files (``copy_file_range``
 from the rank file when no cast is needed, see :mod:`hf_merge.filemap`, else ``pwrite`` of the
