@@ -90,7 +90,6 @@ class _Sink:
 
     def __init__(self, direct_fd: int, path: Path, sha256: bool, progress: ProgressFn | None, unreported: int = 0):
         self._direct = direct_fd
-        self._buffered = os.open(path, os.O_WRONLY)  # the last partial buffer, and any O_DIRECT refuses
         self._direct_refused = False
         self._path = path
         self._hash = hashlib.sha256() if sha256 else None
@@ -98,6 +97,7 @@ class _Sink:
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._full: queue.SimpleQueue = queue.SimpleQueue()
         self._buffers = [mmap.mmap(-1, CHUNK) for _ in range(BUFFERS)]  # page-aligned
+        self._buffered = os.open(path, os.O_WRONLY)  # the last partial buffer, and any O_DIRECT refuses
         for b in self._buffers[1:]:
             self._free.put(b)
         self._buf = self._buffers[0]
@@ -252,35 +252,36 @@ def write_file(
 ) -> str | None:
     """Write ``plan`` into ``path`` (opened as ``direct_fd`` by :func:`open_direct`; closed here)
     from ``runs`` (:func:`plan_runs`); return the sha256 when asked."""
-    sink = _Sink(direct_fd, path, sha256, progress, unreported=plan.data_start)
     try:
-        try:
-            sink.add_memory(memoryview(plan.header))
-            for spec, start in plan.placed():
-                if spec.nbytes == 0:
-                    continue
-                rows = runs[spec.name]
-                if rows is None:
-                    _add_tensor(sink, ckpt.read(spec.name, dtype=spec.dtype))
-                    continue
-                row_bytes = spec.nbytes // spec.shape[0]
-                at = start
-                for first, run in rows:
-                    if start + first * row_bytes != at:
-                        raise RuntimeError(f"{plan.name}: {spec.name}: row runs out of order at row {first}")
-                    at += _add_tensor(sink, run)
-                if at != start + spec.nbytes:
-                    raise RuntimeError(f"{plan.name}: {spec.name}: row runs cover {at - start} of {spec.nbytes} bytes")
-                sink.report()
-            digest = sink.finish()
-        except BaseException:
-            sink.cancel()
-            raise
-        finally:
-            os.close(direct_fd)
+        sink = _Sink(direct_fd, path, sha256, progress, unreported=plan.data_start)
+    except BaseException:
+        os.close(direct_fd)
+        raise
+    try:
+        sink.add_memory(memoryview(plan.header))
+        for spec, start in plan.placed():
+            if spec.nbytes == 0:
+                continue
+            rows = runs[spec.name]
+            if rows is None:
+                _add_tensor(sink, ckpt.read(spec.name, dtype=spec.dtype))
+                continue
+            row_bytes = spec.nbytes // spec.shape[0]
+            at = start
+            for first, run in rows:
+                if start + first * row_bytes != at:
+                    raise RuntimeError(f"{plan.name}: {spec.name}: row runs out of order at row {first}")
+                at += _add_tensor(sink, run)
+            if at != start + spec.nbytes:
+                raise RuntimeError(f"{plan.name}: {spec.name}: row runs cover {at - start} of {spec.nbytes} bytes")
+            sink.report()
+        return sink.finish()
+    except BaseException:
+        sink.cancel()
+        raise
     finally:
+        os.close(direct_fd)  # after the writer threads stopped (finish or cancel)
         sink.close()
-    return digest
 
 
 def _add_tensor(sink: _Sink, tensor: torch.Tensor) -> int:
