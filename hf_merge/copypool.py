@@ -41,6 +41,14 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def lower_this_thread(nice: int) -> None:
+    """Run the calling thread ``nice`` levels lower (Linux: a thread has its own nice value);
+    nothing where that is not possible."""
+    if nice:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+
+
 def default_threads(processes: int = 1) -> int:
     """Copy threads for one of ``processes`` writers on this machine: its share of the CPUs, 1..8."""
     return max(1, min(MAX_THREADS, usable_cpus() // max(1, processes)))
@@ -171,9 +179,7 @@ class PiecePool:
             raise RuntimeError(f"{self._name} pool used after close()")
 
     def _run(self) -> None:
-        if self._nice:
-            with contextlib.suppress(AttributeError, OSError):  # Linux: a thread's own nice value
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self._nice)
+        lower_this_thread(self._nice)
         while True:
             with self._cv:
                 while not self._jobs and not self._closing:

@@ -211,3 +211,10 @@ def pread_exact(fd: int, out: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(f"unexpected end of file at byte {offset + done}")
         done += n
+
+
+def pwrite_exact(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset`` (``pwrite``, partial writes continued)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)

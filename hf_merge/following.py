@@ -18,15 +18,15 @@ its own, so neither holds up the copies:
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ctypes.util
 import hashlib
 import logging
 import os
 import sys
 import threading
 from pathlib import Path
+
+from .copypool import lower_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,7 @@ class PrefixFollower:
         raise NotImplementedError
 
     def _run(self) -> None:
-        if self._nice:
-            with contextlib.suppress(AttributeError, OSError):  # Linux: a thread's own nice value
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self._nice)
+        lower_this_thread(self._nice)
         try:
             while True:
                 with self._cv:
@@ -134,8 +132,8 @@ def _sync_file_range():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)  # releases the GIL
-        fn = libc.sync_file_range
+        # the process's own symbols (libc is loaded); ctypes.util.find_library would run ldconfig
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # a CDLL call releases the GIL
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -47,7 +47,6 @@ BUFFERS = 6
 WRITERS = 2
 #: hashed right after it is read or copied, while it is in the CPU cache
 PIECE = 256 << 10
-_ALIGN = 4096
 ENV = "HF_MERGE_DIRECT_IO"
 
 ProgressFn = Callable[[int], None]
@@ -91,7 +90,6 @@ class _Sink:
     def __init__(self, direct_fd: int, path: Path, sha256: bool, progress: ProgressFn | None, unreported: int = 0):
         self._direct = direct_fd
         self._direct_refused = False
-        self._path = path
         self._hash = hashlib.sha256() if sha256 else None
         self._progress = progress
         self._free: queue.SimpleQueue = queue.SimpleQueue()
@@ -178,13 +176,13 @@ class _Sink:
     def _write(self, data: memoryview, offset: int) -> None:
         if not self._direct_refused:
             try:
-                _pwrite_all(self._direct, data, offset)
+                filemap.pwrite_exact(self._direct, data, offset)
                 return
             except OSError as e:  # a file system that opens O_DIRECT files but refuses the writes
                 if e.errno != errno.EINVAL:
                     raise
                 self._direct_refused = True
-        _pwrite_all(self._buffered, data, offset)
+        filemap.pwrite_exact(self._buffered, data, offset)
 
     def report(self) -> None:
         if self._progress is not None:
@@ -204,7 +202,7 @@ class _Sink:
         self._stop()
         self._raise()
         if self._fill:
-            _pwrite_all(self._buffered, self._view[: self._fill], self._offset)
+            filemap.pwrite_exact(self._buffered, self._view[: self._fill], self._offset)
             with self._lock:
                 self._written += self._fill
         self.report()
@@ -228,16 +226,8 @@ class _Sink:
         with contextlib.suppress(BufferError):
             self._view.release()
         for b in self._buffers:
-            try:
+            with contextlib.suppress(BufferError):  # a view still held by an error's traceback: freed with it
                 b.close()
-            except BufferError:  # a view still held by an error's traceback: freed with it
-                pass
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
 
 
 def write_file(

@@ -29,7 +29,7 @@ import logging
 import multiprocessing as mp
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -52,15 +52,7 @@ WHOLE_TENSOR_LIMIT = 256 << 20
 def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
     if filemap.copy_to_file(tensor, fd, offset):  # bytes of a rank file: copied file to file
         return
-    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-
-
-def _size_file(fd: int, size: int) -> None:
-    """Give the new file its final size before the pieces land at their offsets."""
-    os.ftruncate(fd, size)
+    filemap.pwrite_exact(fd, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), offset)
 
 
 def _write_piece(piece: torch.Tensor, fd: int, offset: int, done: CompletedRanges) -> None:
@@ -117,12 +109,13 @@ def write_file(
     hasher = None
     threads = default_threads() if copy_threads is None else copy_threads
     writeback = None
-    pool = PiecePool(threads, name=f"copy {plan.name}", nice=HASHING_NICE if sha256 else 0)
+    nice = HASHING_NICE if sha256 else 0  # copies and writeback below a sha256 that must not wait
+    pool = PiecePool(threads, name=f"copy {plan.name}", nice=nice)
     try:
         os.pwrite(fd, plan.header, 0)
-        _size_file(fd, plan.file_size)
+        os.ftruncate(fd, plan.file_size)  # final size first: pieces land at their offsets
         hasher = FollowingSha256(path) if sha256 else None
-        writeback = FollowingWriteback(path, nice=HASHING_NICE if sha256 else 0) if FollowingWriteback.available() else None
+        writeback = FollowingWriteback(path, nice=nice) if FollowingWriteback.available() else None
         followers = [f.advance for f in (hasher, writeback) if f is not None]
 
         def finished_up_to(offset: int) -> None:
@@ -237,19 +230,25 @@ class TrailingDigests:
         self._pending.clear()
 
 
+def _write_files(
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, progress: ProgressFn | None, sha256: bool, copy_threads: int
+) -> Iterator[tuple[str, str | None]]:
+    """Write ``files`` one after the other; yield ``(name, sha256)`` as each digest is finished
+    (a file's hash may still run while the next file is written; see :class:`TrailingDigests`)."""
+    with TrailingDigests() as trailing:
+        for plan in files:
+            trailing.add(plan.name, write_file(
+                ckpt, plan, folder, progress=progress, sha256=sha256, copy_threads=copy_threads, defer_digest=True,
+            ))
+            yield from trailing.finished()
+        yield from trailing.finish_all()
+
+
 def _worker(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, copy_threads: int) -> None:
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
     try:
-        with TrailingDigests() as digests:
-            for plan in files:
-                digests.add(plan.name, write_file(
-                    ckpt, plan, folder, progress=lambda n: queue.put(("bytes", n)), sha256=sha256,
-                    copy_threads=copy_threads, defer_digest=True,
-                ))
-                for name, digest in digests.finished():
-                    queue.put(("sha256", (name, digest)))
-            for name, digest in digests.finish_all():
-                queue.put(("sha256", (name, digest)))
+        for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, copy_threads):
+            queue.put(("sha256", (name, digest)))
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
         try:
             queue.put(("error", e))
@@ -319,14 +318,7 @@ def write_shards(
                 bar = stack.enter_context(progress_bar(total=sum(f.data_size for f in share), unit="B", desc=desc))
                 progress = bar.update
             if n == 1:
-                with TrailingDigests() as trailing:
-                    for fp in share:
-                        trailing.add(fp.name, write_file(
-                            ckpt, fp, folder, progress=progress, sha256=sha256, copy_threads=threads,
-                            defer_digest=True,
-                        ))
-                        digests.update(trailing.finished())
-                    digests.update(trailing.finish_all())
+                digests.update(_write_files(ckpt, share, folder, progress, sha256, threads))
             else:
                 digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256, threads))
     if files is None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hf_merge
-from hf_merge import sequential, writer
+from hf_merge import filemap, sequential, writer
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
 
@@ -93,14 +93,12 @@ def _one_error_line_and_no_target(source, tmp_path, capsys) -> str:
 
 
 def test_a_full_disk_on_a_writer_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, direct_calls):
-    _fails_after(monkeypatch, sequential, "_pwrite_all", 1, OSError(errno.ENOSPC, "No space left on device"))
+    _fails_after(monkeypatch, filemap, "pwrite_exact", 1, OSError(errno.ENOSPC, "No space left on device"))
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
     assert "no space left on the device" in line and direct_calls, line
 
 
 def test_a_read_error_while_gathering_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, direct_calls):
-    from hf_merge import filemap
-
     _fails_after(monkeypatch, filemap, "pread_exact", 5, OSError(errno.EIO, "Input/output error"))
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
     assert "unexpected" not in line and direct_calls, line
@@ -124,7 +122,7 @@ def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(llama_tied
 
 
 def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied_bf16_ws4, tmp_path, monkeypatch, direct_calls):
-    real = sequential._pwrite_all
+    real = filemap.pwrite_exact
     refused = []
 
     def einval_on_direct(fd, data, offset):
@@ -133,7 +131,7 @@ def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied
             raise OSError(errno.EINVAL, "Invalid argument")
         real(fd, data, offset)
 
-    monkeypatch.setattr(sequential, "_pwrite_all", einval_on_direct)
+    monkeypatch.setattr(filemap, "pwrite_exact", einval_on_direct)
     files, recorded = _merge(llama_tied_bf16_ws4.actor, tmp_path / "out")
     assert direct_calls and refused  # the direct path ran, and its O_DIRECT writes were refused
     assert recorded == {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}

@@ -134,6 +134,8 @@ _LINEAR_BIASES = {
 QKV = qkv("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 QKV_BIAS = qkv("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 GATE_UP = gate_up("mlp.gate_proj.weight", "mlp.up_proj.weight")
+#: the fused tensors of a layer without biases: QKV and the gated MLP's gate/up
+DENSE_FUSED = {"self_attention.linear_qkv.weight": QKV, "mlp.linear_fc1.weight": GATE_UP}
 _GATE_UP_BIAS = gate_up("mlp.gate_proj.bias", "mlp.up_proj.bias")
 
 REQUIRED = [
@@ -177,7 +179,7 @@ TABLES = [
         model_types=("mistral",),
         architectures=arch("Mistral"),
         layer_tensors=dict(LAYER_TENSORS),
-        fused={"self_attention.linear_qkv.weight": QKV, "mlp.linear_fc1.weight": GATE_UP},
+        fused=dict(DENSE_FUSED),
         required=REQUIRED,
     ),
     megatron_table(
@@ -199,7 +201,7 @@ TABLES = [
         model_types=("qwen3",),
         architectures=arch("Qwen3"),
         layer_tensors={**LAYER_TENSORS, **QK_NORM},
-        fused={"self_attention.linear_qkv.weight": QKV, "mlp.linear_fc1.weight": GATE_UP},
+        fused=dict(DENSE_FUSED),
         required=[*REQUIRED, "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"],
     ),
 ]

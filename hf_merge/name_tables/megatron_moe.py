@@ -38,7 +38,7 @@ rename.
 from __future__ import annotations
 
 from ..transforms.name_table import Split, gate_up
-from .megatron_gpt import GATE_UP, LAYER_TENSORS, QK_NORM, QKV, QKV_BIAS, REQUIRED, arch, megatron_table
+from .megatron_gpt import DENSE_FUSED, GATE_UP, LAYER_TENSORS, QK_NORM, QKV, QKV_BIAS, REQUIRED, arch, megatron_table
 
 _REQUIRED_ATTN = [r for r in REQUIRED if r != "mlp.linear_fc2.weight"]
 
@@ -78,7 +78,6 @@ def _shared(hf: str) -> tuple[dict[str, str], dict[str, Split]]:
 
 _EXPERTS, _EXPERTS_FUSED = _experts("mlp", "gate_proj", "up_proj", "down_proj")
 _ROUTER = {"mlp.router.weight": "mlp.gate.weight"}
-_DENSE_FUSED = {"self_attention.linear_qkv.weight": QKV, "mlp.linear_fc1.weight": GATE_UP}
 _QWEN2_SHARED, _QWEN2_SHARED_FUSED = _shared("mlp.shared_expert")
 _MIXTRAL, _MIXTRAL_FUSED = _experts("block_sparse_moe", "w1", "w3", "w2")
 _MLA = {
@@ -104,7 +103,7 @@ TABLES = [
         architectures=arch("Qwen3Moe"),
         experts_config_key="num_experts",
         layer_tensors={**LAYER_TENSORS, **QK_NORM, **_ROUTER, **_EXPERTS},
-        fused={**_DENSE_FUSED, **_EXPERTS_FUSED},
+        fused={**DENSE_FUSED, **_EXPERTS_FUSED},
         required=[*_REQUIRED_ATTN, "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"],
     ),
     megatron_table(
@@ -120,7 +119,7 @@ TABLES = [
             **_QWEN2_SHARED,
             "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
         },
-        fused={**_DENSE_FUSED, "self_attention.linear_qkv.bias": QKV_BIAS, **_EXPERTS_FUSED, **_QWEN2_SHARED_FUSED},
+        fused={**DENSE_FUSED, "self_attention.linear_qkv.bias": QKV_BIAS, **_EXPERTS_FUSED, **_QWEN2_SHARED_FUSED},
         required=[*_REQUIRED_ATTN, "self_attention.linear_qkv.bias"],
     ),
     megatron_table(
