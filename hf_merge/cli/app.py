@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+from typing import NoReturn
 
 from .. import __version__
 from . import _errors
@@ -98,5 +100,31 @@ def main(argv: list[str] | None = None) -> int:
             enable_progress_bars()
 
 
+def run() -> NoReturn:
+    """The console entry point (``hf-merge``, ``python -m hf_merge``): :func:`main`, then exit."""
+    exit_now(main())
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave at once once the command is done: flush the streams and ``os._exit``.
+
+    A finished command needs nothing of the interpreter's teardown, and with torch imported that
+    teardown (its modules' finalisers and atexit hooks) takes ~0.25 s here, a tenth of a 3 GB
+    merge. Everything a command writes is written, fsynced where it must be, and renamed into
+    place before :func:`main` returns; its threads are joined or are daemons. Inside a
+    ``torch.distributed`` program that still has a process group, the normal exit runs instead.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed stream: what Python's own exit reports as status 120
+            code = code or 120
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
