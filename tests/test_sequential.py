@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -55,10 +56,17 @@ def direct_calls(monkeypatch):
         ("uneven_ckpt", {}),  # uneven and empty rank pieces
     ],
 )
-def test_direct_and_page_cache_paths_write_the_same_bytes(fixture, kw, request, tmp_path, monkeypatch, direct_calls):
+@pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "hash-inline"])
+def test_direct_and_page_cache_paths_write_the_same_bytes(fixture, kw, hash_thread, request, tmp_path, monkeypatch, direct_calls):
     ck = request.getfixturevalue(fixture)
+    monkeypatch.setenv(sequential.HASH_THREAD_ENV, "1" if hash_thread else "0")
+    monkeypatch.setattr(sequential, "HASH_BACKLOG", 16 << 10)  # computed bytes wait for the hasher
+    hashers = []
+    real_hasher = sequential._Hasher
+    monkeypatch.setattr(sequential, "_Hasher", lambda digest: hashers.append(1) or real_hasher(digest))
     direct, recorded = _merge(ck.actor, tmp_path / "direct", max_shard_size="40KB", **kw)
     assert set(direct) <= set(direct_calls)  # (a LoRA merge also writes its adapter this way)
+    assert len(hashers) == (len(direct) if hash_thread else 0)  # one per hashed model file
     calls = len(direct_calls)
     monkeypatch.setenv(sequential.ENV, "0")
     cached, recorded_cached = _merge(ck.actor, tmp_path / "cached", max_shard_size="40KB", **kw)
@@ -102,6 +110,19 @@ def test_a_read_error_while_gathering_is_one_line_and_no_target(llama_tied_bf16_
     _fails_after(monkeypatch, filemap, "pread_exact", 5, OSError(errno.EIO, "Input/output error"))
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
     assert "unexpected" not in line and direct_calls, line
+
+
+def test_a_read_error_on_the_hashing_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, direct_calls):
+    real = filemap.pread_exact
+
+    def failing_on_the_hasher(*args):
+        if threading.current_thread().name == "sha256":
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*args)
+
+    monkeypatch.setattr(filemap, "pread_exact", failing_on_the_hasher)
+    line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
+    assert "unexpected" not in line and "input/output error" in line.lower() and direct_calls, line
 
 
 def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(llama_tied_bf16_ws4, tmp_path, monkeypatch, direct_calls):
