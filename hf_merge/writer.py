@@ -98,16 +98,16 @@ def write_file(
     prefix of finished bytes.
     """
     path = Path(folder) / plan.name
+    threads = default_threads() if copy_threads is None else copy_threads
     if sequential.enabled():
         runs = sequential.plan_runs(ckpt, plan, WHOLE_TENSOR_LIMIT)
         direct = sequential.open_direct(path) if runs is not None else None
         if direct is not None:
-            digest = sequential.write_file(ckpt, plan, path, direct, runs, sha256=sha256, progress=progress)
+            digest = sequential.write_file(ckpt, plan, path, direct, runs, sha256=sha256, progress=progress, cores=threads)
             return _Finished(digest) if defer_digest and sha256 else digest
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     mapped = None
     hasher = None
-    threads = default_threads() if copy_threads is None else copy_threads
     writeback = None
     nice = HASHING_NICE if sha256 else 0  # copies and writeback below a sha256 that must not wait
     pool = PiecePool(threads, name=f"copy {plan.name}", nice=nice)
@@ -273,7 +273,7 @@ def _raise_reported_error(queue) -> None:
 
 def default_workers(n_files: int, processes_here: int = 1) -> int:
     """One writer per file, at most 8: one core each where files are written front to back with
-    ``O_DIRECT`` (:mod:`hf_merge.sequential`: the sha256 is computed on the writing thread), else
+    ``O_DIRECT`` (:mod:`hf_merge.sequential`: a writer left a second core hashes on it), else
     two cores each (the writer and its sha256 thread; copies on the page-cache path cost a core).
 
     ``processes_here``: the writing processes on this machine (distributed ranks) share its CPUs.

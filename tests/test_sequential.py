@@ -171,6 +171,15 @@ def test_a_large_tensor_without_row_runs_sends_its_file_to_the_page_cache_path(s
     assert _merge(shard1_dtensor_ckpt.actor, tmp_path / "default")[0] == files
 
 
+def test_hash_apart_where_the_writer_has_a_second_core(monkeypatch):
+    monkeypatch.delenv(sequential.HASH_THREAD_ENV, raising=False)
+    assert not sequential.hash_apart(1) and sequential.hash_apart(2) and sequential.hash_apart(8)
+    monkeypatch.setenv(sequential.HASH_THREAD_ENV, "0")
+    assert not sequential.hash_apart(8)
+    monkeypatch.setenv(sequential.HASH_THREAD_ENV, "1")
+    assert sequential.hash_apart(1)
+
+
 def test_buffers_are_page_aligned_and_chunks_block_aligned():
     import mmap
 
