@@ -9,10 +9,11 @@ This path does not put the output in the page cache at all:
 - the output's bytes are gathered **in file order** into page-aligned buffers of
   :data:`CHUNK` bytes: rank-file bytes with ``preadv`` from their files (:mod:`hf_merge.filemap`),
   converted runs and small tensors by copying their memory;
-- the sha256 runs on a thread of its own (:class:`_Hasher`), fed the same pieces in file order:
-  it reads the rank-file bytes again into its own small buffer (clean page-cache pages, hashed in
-  its core's cache) and hashes computed bytes from a copy; the output file is never read back.
-  ``HF_MERGE_HASH_THREAD=0`` hashes each piece on the filling thread as it lands instead;
+- the sha256 is computed in file order and the output file is never read back: where the writer
+  has a second core (:func:`hash_apart`) on a thread of its own (:class:`_Hasher`), which reads
+  the rank-file bytes again into its own small buffer (clean page-cache pages, hashed in its
+  core's cache) and hashes computed bytes from a copy; otherwise each piece is hashed on the
+  filling thread as soon as it lands, while it is still in the CPU cache;
 - a full buffer goes to :data:`WRITERS` writer threads that write it with ``O_DIRECT`` (the disk
   reads it from the buffer; no page-cache copy, no dirty pages, no writeback later), and the last
   partial buffer is written through the page cache (as is everything once a file system that
@@ -110,7 +111,7 @@ class _Sink:
         self._direct = direct_fd
         self._direct_refused = False
         self._hash = hashlib.sha256() if sha256 else None
-        self._hasher = _Hasher(self._hash) if sha256 and hash_thread else None
+        self._hasher: _Hasher | None = None  # started last, once nothing else here can fail
         self._progress = progress
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._full: queue.SimpleQueue = queue.SimpleQueue()
@@ -130,6 +131,8 @@ class _Sink:
                          for i in range(WRITERS)]
         for t in self._threads:
             t.start()
+        if self._hash is not None and hash_thread:
+            self._hasher = _Hasher(self._hash)
 
     # -- filling -----------------------------------------------------------------------------
     def add_file(self, fd: int, offset: int, n: int) -> None:
