@@ -61,8 +61,14 @@ ProgressFn = Callable[[int], None]
 Runs = Iterator[tuple[int, torch.Tensor]]
 
 
+def _switch(name: str) -> bool | None:
+    """An on/off environment switch: None when unset or empty, False for 0/off/false/no, else True."""
+    value = os.environ.get(name, "").strip().lower()
+    return None if not value else value not in ("0", "off", "false", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return _switch(ENV) is not False
 
 
 def hash_apart(cores: int) -> bool:
@@ -70,10 +76,8 @@ def hash_apart(cores: int) -> bool:
     second core (one writer on 2 cores: 3.27 vs 3.73 s for 3.1 GB); not where every core already
     has a writer (two on 2 cores: as fast, +1.1 s of CPU for the second read). ``HF_MERGE_HASH_THREAD``
     (``1`` / ``0``) decides instead when set."""
-    value = os.environ.get(HASH_THREAD_ENV, "").strip().lower()
-    if value:
-        return value not in ("0", "off", "false", "no")
-    return cores >= 2
+    forced = _switch(HASH_THREAD_ENV)
+    return cores >= 2 if forced is None else forced
 
 
 def plan_runs(ckpt: LazyCheckpoint, plan: FilePlan, whole_limit: int) -> dict[str, Runs | None] | None:
