@@ -21,8 +21,10 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported by whoever hands tensors in; pread/pwrite need none
+    import torch
 
 MAPS = "/proc/self/maps"
 PROBE_BYTES = 64
@@ -198,6 +200,8 @@ def read_into(tensor: torch.Tensor, out: torch.Tensor) -> bool:
     src = locate(tensor)
     if src is None:
         return False
+    import torch
+
     fd, offset = src
     pread_exact(fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset)
     return True

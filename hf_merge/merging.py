@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,7 @@ def merge(
     gguf: str | None = None,
     gguf_pre_tokenizer: str | None = None,
     distributed: bool | None = None,
+    head_start: Any = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -223,6 +225,8 @@ def merge(
             ``WORLD_SIZE`` > 1, ``MASTER_ADDR``/``PORT`` set) and no process group exists yet; a
             program that already runs torch.distributed passes True on every rank (False, or None,
             when only one rank merges).
+        head_start: internal, from the CLI: a :class:`~hf_merge.head_start.HeadStart` whose first
+            file is taken when it is byte for byte the one planned here (else it is stopped).
     """
     if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
         from .gguf.convert import merge_gguf
@@ -277,15 +281,45 @@ def merge(
         try:
             digests = None
             if prepared.model_plan is not None:
-                digests = write_shards(
-                    prepared.views.model, prepared.model_plan, tmp, workers=workers, desc="Merging", sha256=checksums,
-                    copy_threads=copy_threads,
-                )
+                digests = _write_model(prepared, tmp, head_start, workers=workers, sha256=checksums, copy_threads=copy_threads)
             card_imports.join()
             finish(prepared, tmp, digests)
         finally:
             prepared.ckpt.close()
     return _result(prepared, target, push_to_hub, private)
+
+
+def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, copy_threads) -> dict[str, str | None]:
+    """The model's weight files (and index) in ``tmp``; the first one from the CLI's head start
+    when that child wrote exactly this file (:mod:`hf_merge.head_start`)."""
+    plan, view = p.model_plan, p.views.model
+    if head is not None:
+        from .sequential import byte_recipe
+        from .writer import WHOLE_TENSOR_LIMIT
+
+        first = plan.files[0]
+        if head.adopt(first.name, first.header, byte_recipe(view, first, WHOLE_TENSOR_LIMIT), tmp):
+            from .progress import progress_bar
+            from .writer import write_index
+
+            lock = threading.Lock()
+            with progress_bar(total=plan.total_size, unit="B", desc="Merging") as bar:
+                def update(n: int) -> None:
+                    with lock:
+                        bar.update(n)
+
+                rest = plan.files[1:]
+                digests = write_shards(view, plan, tmp, workers=workers, sha256=sha256, files=rest, progress=update,
+                                       copy_threads=copy_threads) if rest else {}
+                taken, digest = head.finish(update)
+                if not taken:  # the child failed: its file is gone, written here instead
+                    digests.update(write_shards(view, plan, tmp, workers=1, sha256=sha256, files=[first], progress=update,
+                                                copy_threads=copy_threads))
+                else:
+                    digests[first.name] = digest
+            write_index(plan, tmp)
+            return {f.name: digests[f.name] for f in plan.files}
+    return write_shards(view, plan, tmp, workers=workers, desc="Merging", sha256=sha256, copy_threads=copy_threads)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .sizes import parse_size
-from .spec import SAFETENSORS_DTYPES, TensorSpec
+from .spec import TensorSpec, safetensors_code
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
@@ -56,7 +56,7 @@ class FilePlan:
         offset = 0
         for spec in self.specs:
             header[spec.name] = {
-                "dtype": SAFETENSORS_DTYPES[spec.dtype],
+                "dtype": safetensors_code(spec.dtype),
                 "shape": list(spec.shape),
                 "data_offsets": [offset, offset + spec.nbytes],
             }
@@ -114,7 +114,7 @@ def plan_shards(
 
     by_name = {s.name: s for s in (specs.values() if isinstance(specs, dict) else specs)}
     for spec in by_name.values():
-        if spec.dtype not in SAFETENSORS_DTYPES:
+        if safetensors_code(spec.dtype) is None:
             raise ValueError(f"{spec.name}: dtype {spec.dtype} cannot be stored in safetensors")
     group_of = {n: g for n, s in by_name.items() if group is not None and (g := group(s)) is not None}
     group_bytes: dict[str, int] = {}

@@ -35,13 +35,15 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import filemap
-from .checkpoint import LazyCheckpoint
 from .plan import FilePlan
+
+if TYPE_CHECKING:  # the sink itself runs without torch (hf_merge.head_start)
+    import torch
+
+    from .checkpoint import LazyCheckpoint
 
 #: bytes per buffer (a multiple of every block size O_DIRECT asks for)
 CHUNK = 8 << 20
@@ -58,7 +60,7 @@ HASH_THREAD_ENV = "HF_MERGE_HASH_THREAD"
 HASH_BACKLOG = 64 << 20
 
 ProgressFn = Callable[[int], None]
-Runs = Iterator[tuple[int, torch.Tensor]]
+Runs = Iterator[tuple[int, "torch.Tensor"]]
 
 
 def _switch(name: str) -> bool | None:
@@ -365,7 +367,8 @@ def write_file(
     except BaseException:
         os.close(direct_fd)
         raise
-    try:
+
+    def fill() -> None:
         sink.add_memory(memoryview(plan.header))
         for spec, start in plan.placed():
             if spec.nbytes == 0:
@@ -383,17 +386,30 @@ def write_file(
             if at != start + spec.nbytes:
                 raise RuntimeError(f"{plan.name}: {spec.name}: row runs cover {at - start} of {spec.nbytes} bytes")
             sink.report()
+
+    try:
+        return fill_and_finish(sink, fill)
+    finally:
+        os.close(direct_fd)  # after the writer threads stopped (finish or cancel)
+
+
+def fill_and_finish(sink: _Sink, fill: Callable[[], None]) -> str | None:
+    """Run ``fill`` (which appends the file's bytes to ``sink``), then finish the sink and return
+    its digest; on any error stop its threads first. The sink is closed either way."""
+    try:
+        fill()
         return sink.finish()
     except BaseException:
         sink.cancel()
         raise
     finally:
-        os.close(direct_fd)  # after the writer threads stopped (finish or cancel)
         sink.close()
 
 
 def _add_tensor(sink: _Sink, tensor: torch.Tensor) -> int:
     """Append ``tensor``'s bytes: from its file when it is rank-file bytes, else from memory."""
+    import torch
+
     n = tensor.numel() * tensor.element_size()
     located = filemap.locate(tensor)
     if located is not None:
@@ -401,3 +417,40 @@ def _add_tensor(sink: _Sink, tensor: torch.Tensor) -> int:
     else:
         sink.add_memory(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
     return n
+
+
+def join_range(ranges: list[list[int]], source: tuple[int, int], offset: int, n: int) -> None:
+    """Append ``n`` bytes of the file ``source`` (``(st_dev, st_ino)``) from ``offset`` to
+    ``ranges`` (``[st_dev, st_ino, offset, n]`` items), joined to the last range when they follow it."""
+    last = ranges[-1] if ranges else None
+    if last is not None and (last[0], last[1]) == source and last[2] + last[3] == offset:
+        last[3] += n
+    else:
+        ranges.append([source[0], source[1], offset, n])
+
+
+def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan, whole_limit: int) -> list[list[int]] | None:
+    """What :func:`write_file` appends after ``plan``'s header, as rank-file byte ranges
+    (:func:`join_range`), or None when some bytes would not be copied from a file (computed,
+    converted, or a tensor read whole). Reads no tensor data."""
+    runs = plan_runs(ckpt, plan, whole_limit)
+    if runs is None:
+        return None
+    ranges: list[list[int]] = []
+    sources: dict[int, tuple[int, int]] = {}
+    for spec, _start in plan.placed():
+        if spec.nbytes == 0:
+            continue
+        rows = runs[spec.name]
+        if rows is None:
+            return None
+        for _first, run in rows:
+            located = filemap.locate(run)
+            if located is None:
+                return None
+            fd, offset = located
+            if fd not in sources:
+                st = os.fstat(fd)
+                sources[fd] = (st.st_dev, st.st_ino)
+            join_range(ranges, sources[fd], offset, run.numel() * run.element_size())
+    return ranges

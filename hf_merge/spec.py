@@ -1,39 +1,86 @@
-"""Tensor specs: what a tensor is, known before any of its bytes are read."""
+"""Tensor specs: what a tensor is, known before any of its bytes are read.
+
+This module imports torch only when a torch dtype is asked for (:data:`SAFETENSORS_DTYPES`,
+:data:`SAFETENSORS_TO_TORCH`, :data:`DTYPE_NAMES`, :func:`parse_dtype`), so a file can be planned
+without it from :class:`DTypeName`\\ s (see :mod:`hf_merge.head_start`).
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-# safetensors dtype codes, as the format spells them.
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
+#: safetensors dtype codes, as the format spells them, by torch dtype name.
+SAFETENSORS_CODES: dict[str, str] = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
-SAFETENSORS_TO_TORCH = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+#: bytes per element of each of those dtypes
+ITEMSIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
+
+_DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+@dataclass(frozen=True)
+class DTypeName:
+    """A dtype known by its torch name only, for plans made without importing torch: what a
+    :class:`TensorSpec` and :mod:`hf_merge.plan` ask of a dtype (``itemsize``, ``str``)."""
+
+    name: str
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.name]
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.name.startswith(("float", "bfloat"))
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+def safetensors_code(dtype: Any) -> str | None:
+    """``torch.bfloat16`` (or ``DTypeName("bfloat16")``) -> ``"BF16"``; None for a dtype safetensors lacks."""
+    return SAFETENSORS_CODES.get(dtype_name(dtype))
+
+
+@functools.cache
+def _torch_tables() -> dict[str, dict]:
+    import torch
+
+    by_name = {name: getattr(torch, name) for name in SAFETENSORS_CODES}
+    return {
+        "SAFETENSORS_DTYPES": {by_name[n]: code for n, code in SAFETENSORS_CODES.items()},
+        "SAFETENSORS_TO_TORCH": {code: by_name[n] for n, code in SAFETENSORS_CODES.items()},
+        "DTYPE_NAMES": {alias: by_name[n] for alias, n in _DTYPE_ALIASES.items()},
+    }
+
+
+def __getattr__(name: str) -> Any:  # SAFETENSORS_DTYPES, SAFETENSORS_TO_TORCH, DTYPE_NAMES: torch dtype tables, lazily
+    tables = _torch_tables() if name in ("SAFETENSORS_DTYPES", "SAFETENSORS_TO_TORCH", "DTYPE_NAMES") else {}
+    if name in tables:
+        return tables[name]
+    raise AttributeError(name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -42,12 +89,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(value: "str | torch.dtype") -> torch.dtype:
+    import torch
+
     if isinstance(value, torch.dtype):
         return value
     key = str(value).removeprefix("torch.").lower()
-    if key not in DTYPE_NAMES:
+    names = _torch_tables()["DTYPE_NAMES"]
+    if key not in names:
         raise ValueError(f"unknown dtype {value!r}; use one of float32, bfloat16, float16")
-    return DTYPE_NAMES[key]
+    return names[key]
 
 
 @dataclass(frozen=True)

@@ -114,33 +114,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
-    from ..merging import merge
-
-    result = merge(
-        source,
-        target,
-        backend=args.backend,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        workers=args.workers,
-        copy_threads=args.copy_threads,
-        config=args.config,
-        overwrite=args.overwrite,
-        lora=args.lora,
-        lora_alpha=args.lora_alpha,
-        use_rslora=args.use_rslora,
-        base_model=args.base_model,
-        base_model_name=args.base_model_name,
-        verify=args.verify,
-        checksums=args.checksums,
-        quantize=_quantize_options(args),
-        push_to_hub=args.push_to_hub,
-        private=args.private,
-        is_value_model=args.is_value_model,
-        source_options=source_options(args),
-        gguf=args.gguf,
-        gguf_pre_tokenizer=args.gguf_pre_tokenizer,
-    )
+    with _head_start(args, source, target) as head:  # the first file written while torch is imported
+        result = _merge(args, source, target, head)
     if result.rank != 0:  # a distributed merge reports once, from rank 0
         return 0
     if args.json:
@@ -189,3 +164,53 @@ def _quantize_options(args: argparse.Namespace):
 
     skip = tuple(m.strip() for m in (args.quant_skip_modules or "").split(",") if m.strip())
     return QuantizeOptions(args.quantize, double_quant=args.double_quant, compute_dtype=args.quant_compute_dtype, skip_modules=skip)
+
+
+def _merge(args: argparse.Namespace, source: str, target: str, head):
+    from ..merging import merge
+
+    return merge(
+        source,
+        target,
+        backend=args.backend,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        workers=args.workers,
+        copy_threads=args.copy_threads,
+        config=args.config,
+        overwrite=args.overwrite,
+        lora=args.lora,
+        lora_alpha=args.lora_alpha,
+        use_rslora=args.use_rslora,
+        base_model=args.base_model,
+        base_model_name=args.base_model_name,
+        verify=args.verify,
+        checksums=args.checksums,
+        quantize=_quantize_options(args),
+        push_to_hub=args.push_to_hub,
+        private=args.private,
+        is_value_model=args.is_value_model,
+        source_options=source_options(args),
+        gguf=args.gguf,
+        gguf_pre_tokenizer=args.gguf_pre_tokenizer,
+        head_start=head,
+    )
+
+
+def _head_start(args: argparse.Namespace, source: str, target: str):
+    """The merge's head start (:mod:`hf_merge.head_start`) where it may apply, else a no-op context."""
+    import contextlib
+
+    from ..distributed import launched_by_torchrun
+
+    plain = (
+        args.gguf is None and args.quantize is None and args.backend in ("auto", "fsdp") and args.base_model is None
+        and not any(source_options(args).values()) and not launched_by_torchrun()
+    )
+    if plain:
+        from ..head_start import Request, begin
+
+        head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums))
+        if head is not None:
+            return head
+    return contextlib.nullcontext()

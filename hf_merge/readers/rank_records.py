@@ -23,15 +23,17 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .safe_pickle import DTENSOR_FILE, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
+from ..spec import DTypeName, c_contiguous
+from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
 from .torch_zip import read_data_pickle
 
-__all__ = ["LocalDTensor", "Placement", "load_rank_records"]
+if TYPE_CHECKING:  # torch is imported where tensors are made; index_rank_file needs none
+    import torch
+
+__all__ = ["IndexedTensor", "LocalDTensor", "Placement", "index_rank_file", "load_rank_records"]
 
 _DT = "torch.distributed.tensor"
 
@@ -113,13 +115,15 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *
 
 
 def _rebuild_wrapper(cls: Any, dtype: Any, size: Any, *_rest: Any) -> _WrapperRecord:
-    if not isinstance(dtype, torch.dtype):
+    import torch
+
+    if not isinstance(dtype, (torch.dtype, DTypeName)):
         raise TypeError(f"DTensor dtype is {str(dtype)[:40]}")
     return _WrapperRecord(cls, dtype, _ints(size, "DTensor size"))
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> _DTensorRecord:
-    if func is not _rebuild_wrapper or new_type is not _DTensorClass or not isinstance(args, tuple):
+    if func not in (_rebuild_wrapper, _rebuild_wrapper_named) or new_type is not _DTensorClass or not isinstance(args, tuple):
         raise TypeError("a tensor subclass other than DTensor, or a DTensor rebuilt another way")
     attrs = StandIn()
     attrs.__setstate__(state)
@@ -128,6 +132,12 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> _DTen
 
 def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
     return data
+
+
+def _rebuild_wrapper_named(cls: Any, dtype: Any, size: Any, *_rest: Any) -> _WrapperRecord:
+    if not isinstance(dtype, DTypeName):
+        raise TypeError(f"DTensor dtype is {str(dtype)[:40]}")
+    return _WrapperRecord(cls, dtype, _ints(size, "DTensor size"))
 
 
 @functools.cache
@@ -206,6 +216,8 @@ class _Mapped:
         self.meshes: dict[int, tuple[Any, torch.Tensor]] = {}  # id(mesh stand-in) -> (it, ranks): one per file
 
     def storage(self, s: _Storage) -> torch.UntypedStorage:
+        import torch
+
         if s.key not in self._storages:
             rec = self.records[f"{self.prefix}data/{s.key}"]
             if self._whole is None:
@@ -214,6 +226,8 @@ class _Mapped:
         return self._storages[s.key]
 
     def tensor(self, rec: _TensorRecord) -> torch.Tensor:
+        import torch
+
         size, stride, offset = rec.size, rec.stride, rec.offset
         if len(size) != len(stride) or any(n < 0 for n in size) or any(s < 0 for s in stride) or offset < 0:
             raise ValueError(f"tensor size {list(size)[:8]}, stride {list(stride)[:8]}, offset {offset} is not a valid view")
@@ -229,6 +243,8 @@ def _mesh_tensor(mesh: _Mesh, mapped: _Mapped) -> torch.Tensor:
     """The device mesh's rank tensor: pickled as ``mesh`` (older torch) or as ``_layout`` +
     ``_rank_map`` (torch >= 2.9: mesh dim ``i`` walks ``_rank_map`` along the ``i``-th axis of the
     layout, its nested modes row-major, as ``_MeshLayout.remap_to_tensor``)."""
+    import torch
+
     full = mesh.get("mesh")
     if isinstance(full, _TensorRecord):
         return mapped.tensor(full).clone()
@@ -312,15 +328,9 @@ def _dtensor(rec: _DTensorRecord, mapped: _Mapped) -> LocalDTensor:
     )
 
 
-def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
-    """One verl FSDP rank file, memory-mapped: plain tensors and :class:`LocalDTensor`\\ s.
-
-    Raises:
-        UnsafeCheckpointError: the pickle asks for anything outside :data:`DTENSOR_FILE`.
-        CorruptCheckpointError: truncated, records inconsistent, views outside their storage.
-        UnsupportedCheckpointError: big-endian data, or a tensor subclass other than DTensor.
-    """
-    path = Path(path)
+def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names: Allowlist | None = None) -> tuple[Any, dict, str]:
+    """A rank file's ``data.pkl`` interpreted under ``allow`` with ``substitutes``:
+    ``(state, zip records, record prefix)``; storages become :class:`_Storage` records."""
     where = path.name
     with open(path, "rb") as f:
         records, prefix, data = read_data_pickle(f, where)
@@ -339,9 +349,23 @@ def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
         return _Storage(key, stype.dtype, numel)
 
     try:
-        state = load_pickle(data, DTENSOR_FILE, where, substitutes=_substitutes(), persistent_load=persistent_load)
+        state = load_pickle(data, allow, where, substitutes=substitutes, persistent_load=persistent_load, names=names)
     except (TypeError, ValueError) as e:  # a stand-in refused what the pickle gave it
         raise CorruptCheckpointError(f"{where}: inconsistent tensor metadata ({str(e)[:150]}); the file is damaged, re-copy it") from None
+    return state, records, prefix
+
+
+def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
+    """One verl FSDP rank file, memory-mapped: plain tensors and :class:`LocalDTensor`\\ s.
+
+    Raises:
+        UnsafeCheckpointError: the pickle asks for anything outside :data:`DTENSOR_FILE`.
+        CorruptCheckpointError: truncated, records inconsistent, views outside their storage.
+        UnsupportedCheckpointError: big-endian data, or a tensor subclass other than DTensor.
+    """
+    path = Path(path)
+    where = path.name
+    state, records, prefix = _unpickle(path, DTENSOR_FILE, _substitutes())
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
     mapped = _Mapped(path, records, prefix, where)
@@ -358,4 +382,100 @@ def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
             raise CorruptCheckpointError(
                 f"{str(key)[:80]} in {where}: inconsistent tensor metadata ({str(e)[:150]}); the file is damaged, re-copy it"
             ) from None
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The same pickle read without torch: what each tensor is and where its bytes are
+# --------------------------------------------------------------------------------------------
+
+#: dtypes and legacy storage types a rank file names, by torch's names (a subset of TORCH_NAMES;
+#: a test checks it against the installed torch)
+_NAMED_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+_NAMED_STORAGES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool",
+}
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """One tensor of a rank file as its pickle says, read without torch: ``dtype``, global
+    ``shape``, ``placements`` (None: a plain tensor), the local tensor's ``local_shape`` and
+    ``span``, the file offset and byte count of its bytes when they are one dense run (else None)."""
+
+    dtype: DTypeName
+    shape: tuple[int, ...]
+    placements: "tuple[Placement, ...] | None"
+    local_shape: tuple[int, ...]
+    span: "tuple[int, int] | None"
+
+
+@functools.cache
+def _named_policy() -> tuple[Allowlist, Allowlist, dict[Pair, Any]]:
+    """``(allow, names, substitutes)`` that read a rank file with no torch module looked up: every
+    pair of :data:`DTENSOR_FILE` kept here is substituted or from the standard library."""
+    subs: dict[Pair, Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+        ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_named,
+        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+        ("torch", "Size"): tuple,
+        ("torch", "device"): lambda *args: ":".join(str(a) for a in args),
+        ("torch", "strided"): "strided",
+        ("torch.serialization", "_get_layout"): str,  # "torch.strided", kept as its name
+    }
+    for cls in _CLASSES:
+        module, _, name = cls.__qualname__.rpartition(".")
+        subs[(module, name)] = cls
+    names = [("torch", "strided")]
+    for name in _NAMED_DTYPES:
+        subs[("torch", name)] = DTypeName(name)
+        names.append(("torch", name))
+    for name, dtype in _NAMED_STORAGES.items():
+        subs[("torch", name)] = _StorageType(DTypeName(dtype))
+        names.append(("torch", name))
+
+    def kept(pairs: frozenset) -> list:
+        return [p for p in pairs if p in subs or p[0] in ("builtins", "collections")]
+
+    allow = Allowlist.of(calls=kept(DTENSOR_FILE.calls), classes=kept(DTENSOR_FILE.classes))
+    return allow, Allowlist.of(names=names), subs
+
+
+def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
+    """What :func:`load_rank_records` reads, as specs and file spans, without importing torch.
+
+    Stricter than :func:`load_rank_records` (fewer names allowed, mesh not interpreted): a caller
+    that must be sure of the bytes checks them against the torch reader's (see
+    :mod:`hf_merge.head_start`). Raises what :func:`load_rank_records` raises.
+    """
+    path = Path(path)
+    where = path.name
+    allow, names, subs = _named_policy()
+    state, records, prefix = _unpickle(path, allow, subs, names)
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
+
+    def span(rec: _TensorRecord) -> tuple[int, int] | None:
+        n = math.prod(rec.size)
+        if not c_contiguous(rec.size, rec.stride) or rec.offset < 0 or rec.offset + n > rec.storage.numel:
+            return None
+        item = rec.storage.dtype.itemsize
+        return records[f"{prefix}data/{rec.storage.key}"].data_start + rec.offset * item, n * item
+
+    out: dict[str, IndexedTensor] = {}
+    for key, value in state.items():
+        if isinstance(value, _TensorRecord):
+            out[key] = IndexedTensor(value.storage.dtype, value.size, None, value.size, span(value))
+        elif isinstance(value, _DTensorRecord):
+            local, spec = value.attrs.get("_local_tensor"), value.attrs.get("_spec")
+            if not isinstance(local, _TensorRecord) or not isinstance(spec, _Spec) or local.storage.dtype != value.wrapper.dtype:
+                raise CorruptCheckpointError(f"{str(key)[:80]} in {where}: a DTensor without its local tensor and spec")
+            placements = tuple(_placement(p) for p in spec.get("placements") or ())
+            out[key] = IndexedTensor(value.wrapper.dtype, value.wrapper.size, placements, local.size, span(local))
+        else:
+            raise UnsupportedCheckpointError(f"{str(key)[:80]} in {where} is a {type(value).__name__}, not a tensor")
     return out

@@ -530,6 +530,7 @@ def load_pickle(
     *,
     substitutes: Mapping[Pair, Any] | None = None,
     persistent_load: Callable[[Any], Any] | None = None,
+    names: Allowlist | None = None,
 ) -> Any:
     """Unpickle ``file`` into real objects under ``allow`` (plus :data:`TORCH_NAMES`).
 
@@ -539,6 +540,8 @@ def load_pickle(
         where: the file's name, for error messages.
         substitutes: pair -> object used instead of the module's (must still be on ``allow``).
         persistent_load: handler of persistent ids (refused when None).
+        names: the names-only pairs instead of :data:`TORCH_NAMES` (a subset of them, given by a
+            caller that must not import torch: every pair it allows is then substituted).
 
     Raises:
         UnsafeCheckpointError: the pickle asks for anything the policy refuses (nothing ran).
@@ -548,11 +551,12 @@ def load_pickle(
         data = bytes(file) if isinstance(file, (bytes, bytearray, memoryview)) else file.read()
         file = data
         try:
-            return _fast_load(data, allow | _names(), substitutes)
+            return _fast_load(data, allow | (_names() if names is None else names), substitutes)
         except Exception:  # noqa: BLE001 - refused, malformed or failing: the pure machine decides
             pass
     f = io.BytesIO(file) if isinstance(file, (bytes, bytearray, memoryview)) else file
-    u = _PolicyUnpickler(f, allow | _names(), where, resolve=True, substitutes=substitutes, persistent_load=persistent_load)
+    allow = allow | (_names() if names is None else names)
+    u = _PolicyUnpickler(f, allow, where, resolve=True, substitutes=substitutes, persistent_load=persistent_load)
     return _run(u, where)
 
 

@@ -1,0 +1,218 @@
+"""The CLI's head start (``hf_merge.head_start``): a forked child writes the first output file
+while the merge imports torch, and the merge takes that file only when it is byte for byte the
+one it planned. With or without it the output folder is the same; whatever the child does, the
+merge's own checks decide."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_merge import head_start
+from hf_merge.readers import rank_records
+from hf_merge.readers.safe_pickle import DTENSOR_FILE, torch_names
+
+from helpers import error_line, run_cli
+
+pytestmark = pytest.mark.skipif(
+    not (hasattr(os, "fork") and getattr(os, "O_TMPFILE", 0) and getattr(os, "O_DIRECT", 0)), reason="Linux only"
+)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def adoptions(monkeypatch):
+    """What ``HeadStart.adopt`` answered, per call, in this process."""
+    answers: list[bool] = []
+    real = head_start.HeadStart.adopt
+
+    def recording(self, *args, **kwargs):
+        answers.append(real(self, *args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(head_start.HeadStart, "adopt", recording)
+    return answers
+
+
+def _folder(path: Path) -> dict[str, bytes]:
+    """Every file of a merged folder; the provenance without its creation time."""
+    out = {}
+    for p in sorted(path.iterdir()):
+        data = p.read_bytes()
+        if p.name == "hf_merge.json":
+            record = json.loads(data)
+            record.pop("created", None)
+            data = json.dumps(record, sort_keys=True).encode()
+        out[p.name] = data
+    return out
+
+
+def _merge_both_ways(source: Path, tmp_path: Path, *flags: str) -> tuple[dict, dict]:
+    with_head = tmp_path / "with"
+    without = tmp_path / "without"
+    proc = run_cli("merge", source, with_head, *flags)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("merge", source, without, *flags, env={head_start.ENV: "0"}, in_process=True)
+    assert proc.returncode == 0, proc.stderr
+    return _folder(with_head), _folder(without)
+
+
+@pytest.mark.parametrize("flags", [("--dtype", "auto"), ("--dtype", "float32", "--max-shard-size", "300KB")],
+                         ids=["one file", "sharded"])
+def test_the_childs_file_is_taken_and_the_folder_is_the_same(qwen2_fp32_ws2, tmp_path, adoptions, flags):
+    got, expected = _merge_both_ways(qwen2_fp32_ws2.actor, tmp_path, *flags)
+    assert adoptions == [True]
+    assert got == expected
+    if "--max-shard-size" in flags:
+        assert "model.safetensors.index.json" in got and sum(n.endswith(".safetensors") for n in got) >= 2
+
+
+def test_the_recorded_sha256_is_the_written_files(qwen2_fp32_ws2, tmp_path, adoptions):
+    import hashlib
+
+    out = tmp_path / "out"
+    assert run_cli("merge", qwen2_fp32_ws2.actor, out, "--dtype", "auto").returncode == 0
+    assert adoptions == [True]
+    recorded = json.loads((out / "hf_merge.json").read_text())["files"]
+    assert recorded == {"model.safetensors": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()}
+
+
+@pytest.mark.parametrize("case", ["cast", "tied", "lora", "switched off"])
+def test_no_head_start_where_the_merge_is_not_a_plain_copy(case, checkpoint, tmp_path, adoptions):
+    name, flags, env = {
+        "cast": ("qwen2_fp32_ws2", (), None),  # config.json says bfloat16: a cast
+        "tied": ("llama_tied_bf16_ws4", (), None),
+        "lora": ("lora_ckpt", ("--lora", "fuse"), None),
+        "switched off": ("qwen2_fp32_ws2", ("--dtype", "auto"), {head_start.ENV: "0"}),
+    }[case]
+    out = tmp_path / "out"
+    proc = run_cli("merge", checkpoint(name).actor, out, *flags, env=env, in_process=True)
+    assert proc.returncode == 0, proc.stderr
+    assert adoptions == ([] if case == "switched off" else [False])
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_child_that_plans_other_bytes_is_not_used(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
+    real = head_start._plan
+
+    def swapped(request):  # the child copies two tensors' ranges in the wrong order
+        planned, sources = real(request)
+        planned.ranges[0], planned.ranges[1] = planned.ranges[1], planned.ranges[0]
+        return planned, sources
+
+    monkeypatch.setattr(head_start, "_plan", swapped)
+    got, expected = _merge_both_ways(qwen2_fp32_ws2.actor, tmp_path, "--dtype", "auto")
+    assert adoptions == [False]
+    assert got == expected
+
+
+def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
+    def half_written_then_killed(planned, sources, fd, sha256, progress):
+        os.pwrite(fd, b"\0" * 4096, 0)
+        os.kill(os.getpid(), 9)
+
+    monkeypatch.setattr(head_start, "_write", half_written_then_killed)
+    with_head, without = tmp_path / "with", tmp_path / "without"
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, with_head, "--dtype", "auto")
+    assert proc.returncode == 0, proc.stderr
+    assert adoptions == [True]
+    assert "head-start writer failed" in proc.stderr
+    assert run_cli("merge", qwen2_fp32_ws2.actor, without, "--dtype", "auto", env={head_start.ENV: "0"},
+                   in_process=True).returncode == 0
+    assert _folder(with_head) == _folder(without)
+
+
+def _children() -> list[int]:
+    me = str(os.getpid())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[1] == me:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_merge_that_fails_stops_the_child_and_leaves_nothing(qwen2_fp32_ws2, tmp_path):
+    import shutil
+
+    source = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, source)
+    rank1 = source / "model_world_size_2_rank_1.pt"
+    rank1.write_bytes(rank1.read_bytes()[:-4096])  # truncated: the merge refuses it
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", "--dtype", "auto")
+    assert proc.returncode != 0 and "truncated" in error_line(proc), proc.stderr
+    assert not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path)) == ["actor"]
+    assert set(_children()) <= before
+
+
+def test_the_child_imports_no_torch(qwen2_fp32_ws2, tmp_path):
+    """What the child runs, in a fresh interpreter: plan and write without torch."""
+    code = f"""
+import hashlib, json, os, sys
+from hf_merge import head_start as hs
+request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, None, "auto", 5 * 10**9, True)
+planned, sources = hs._plan(request)
+fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
+digest = hs._write(planned, sources, fd, True, lambda n: None)
+data = os.pread(fd, os.fstat(fd).st_size, 0)
+print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest, "data": hashlib.sha256(data).hexdigest()}}))
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["torch"] is False
+    assert result["digest"] == result["data"]
+    out = tmp_path / "merged"
+    assert run_cli("merge", qwen2_fp32_ws2.actor, out, "--dtype", "auto", env={head_start.ENV: "0"},
+                   in_process=True).returncode == 0
+    import hashlib
+
+    assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == result["digest"]
+
+
+def test_the_childs_pickle_policy_is_a_subset_of_the_one_policy():
+    allow, names, subs = rank_records._named_policy()
+    assert allow.calls <= DTENSOR_FILE.calls and allow.classes <= DTENSOR_FILE.classes
+    assert names.names <= torch_names().names
+    for pair in allow.pairs() | names.pairs():  # nothing the child allows is looked up in a module
+        assert pair in subs or pair[0] in ("builtins", "collections"), pair
+
+
+@pytest.mark.parametrize("name", ["qwen2_fp32_ws2", "hsdp_fsdp2_ckpt", "uneven_fsdp2_ckpt", "mixed_buffers_ckpt"])
+def test_the_torch_free_index_agrees_with_the_torch_reader(name, checkpoint):
+    import torch
+
+    from hf_merge.readers.fsdp import FsdpCheckpoint
+
+    ck = checkpoint(name)
+    reader = FsdpCheckpoint(ck.actor)
+    try:
+        for path in sorted(ck.actor.glob("model_world_size_*_rank_*.pt")):
+            index = rank_records.index_rank_file(path)
+            loaded = rank_records.load_rank_records(path)
+            assert list(index) == list(loaded)
+            with open(path, "rb") as f:
+                for key, value in loaded.items():
+                    local = getattr(value, "_local_tensor", value)
+                    got = index[key]
+                    assert str(got.dtype) == str(value.dtype) and got.shape == tuple(value.shape), key
+                    assert got.local_shape == tuple(local.shape), key
+                    assert (got.placements is None) == isinstance(value, torch.Tensor), key
+                    if got.span is not None and local.numel():
+                        f.seek(got.span[0])
+                        raw = f.read(got.span[1])
+                        assert raw == local.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), key
+    finally:
+        reader.close()
