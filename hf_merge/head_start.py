@@ -272,6 +272,7 @@ def _die_with_parent() -> None:
 class _Planned:
     file: Any  # FilePlan
     ranges: list[list[int]]  # join_range items: [st_dev, st_ino, offset, n]
+    files: int = 1  # files in the whole plan: this child and the merge's writers share the CPUs
 
 
 _FLOAT_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -361,7 +362,7 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
         if spec.nbytes:
             for r, (offset, n) in pieces[spec.name]:
                 join_range(ranges, ids[r], offset, n)
-    return _Planned(file, ranges), sources
+    return _Planned(file, ranges, len(plan.files)), sources
 
 
 def _write(planned: _Planned, sources: dict[tuple[int, int], int], fd: int, sha256: bool,
@@ -369,7 +370,8 @@ def _write(planned: _Planned, sources: dict[tuple[int, int], int], fd: int, sha2
     from . import copypool, sequential
 
     file = planned.file
-    apart = sha256 and sequential.hash_apart(copypool.default_threads())
+    writers = max(1, min(planned.files, copypool.usable_cpus(), 8))  # as writer.default_workers counts them
+    apart = sha256 and sequential.hash_apart(copypool.default_threads(writers))
     sink = sequential._Sink(fd, Path(f"/proc/self/fd/{fd}"), sha256, progress, unreported=file.data_start,
                             hash_thread=apart)
     if apart:  # the sha256 thread is the one that must not wait: it, and torch's import, go first

@@ -309,8 +309,14 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
                         bar.update(n)
 
                 rest = plan.files[1:]
-                digests = write_shards(view, plan, tmp, workers=workers, sha256=sha256, files=rest, progress=update,
-                                       copy_threads=copy_threads) if rest else {}
+                digests = {}
+                if rest:  # the child is one of the writers: the others share the rest of the CPUs
+                    from .copypool import default_threads
+                    from .writer import default_workers
+
+                    n = workers or max(1, default_workers(len(plan.files)) - 1)
+                    digests = write_shards(view, plan, tmp, workers=n, sha256=sha256, files=rest, progress=update,
+                                           copy_threads=copy_threads or default_threads(n + 1))
                 taken, digest = head.finish(update)
                 if not taken:  # the child failed: its file is gone, written here instead
                     digests.update(write_shards(view, plan, tmp, workers=1, sha256=sha256, files=[first], progress=update,
