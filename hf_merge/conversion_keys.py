@@ -23,7 +23,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-__all__ = ["declared_keys", "keys_from_source"]
+__all__ = ["declared_keys", "keys_from_source", "may_convert"]
 
 _BUILD = "_build_checkpoint_conversion_mapping"
 _PATTERNS = "_MODEL_TO_CONVERSION_PATTERN"
@@ -39,6 +39,28 @@ def declared_keys() -> frozenset[str] | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return _keys_of(Path(next(iter(spec.submodule_search_locations))) / "conversion_mapping.py")
+
+
+def may_convert(config: dict, arch: str, *, ask_transformers: bool = True) -> bool | None:
+    """Whether transformers declares a conversion for this class, its model type or a sub-model
+    (nested configs); False only for a plain model whose names ``save_pretrained`` keeps.
+
+    From the declared keys read from transformers' source when they can be (no import of
+    transformers for a dense model), else asked of ``transformers.conversion_mapping`` — or None
+    (unknown) when ``ask_transformers`` is False."""
+    nested = [v for v in config.values() if isinstance(v, dict) and "model_type" in v]
+    if nested:
+        return True
+    base = arch.split("For")[0]
+    keys = [k for k in (arch, config.get("model_type"), f"{base}Model") if k]  # sub-models are looked up by class name too
+    declared = declared_keys()
+    if declared is not None:
+        return any(k in declared for k in keys)
+    if not ask_transformers:
+        return None
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return any(get_checkpoint_conversion_mapping(k) for k in keys)
 
 
 @functools.lru_cache(maxsize=4)

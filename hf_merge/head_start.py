@@ -23,7 +23,8 @@ otherwise the child is killed and the merge writes the file as always. The child
 fast a merge is, never what it writes. A child that fails after its file was taken (killed,
 out of memory) is not trusted: the file is written again by the merge.
 
-Anything the child does not expect (another format, a cast, a tie, LoRA, a placement other than
+Anything the child does not expect (another format, a cast, a tie, LoRA, a model whose tensors
+``save_pretrained`` renames or splits (the Hub layout: MoE, VLMs), a placement other than
 ``Shard(0)``, ``HF_MERGE_HEAD_START=0``, no ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``) means no head
 start: the merge runs as before.
 """
@@ -226,7 +227,7 @@ class HeadStart:
 
 
 def _load_child_modules() -> None:
-    from . import copypool, plan, sequential  # noqa: F401
+    from . import conversion_keys, copypool, plan, sequential  # noqa: F401
     from .readers import fsdp_files, rank_records  # noqa: F401
 
 
@@ -296,6 +297,7 @@ def _output_dtype(requested: str | None, config: dict[str, Any]) -> str | None:
 
 def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
     from . import __version__
+    from .conversion_keys import may_convert
     from .plan import plan_shards
     from .readers.fsdp_files import _check_rank_files_present, detect_world_size, rank_file_name, resolve_fsdp_dir
     from .readers.rank_records import index_rank_file
@@ -312,6 +314,9 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
     text = config.get("text_config") or {}
     if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
         raise _Skip("tied weights")
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    if architectures and may_convert(config, architectures[0], ask_transformers=False) is not False:
+        raise _Skip("save_pretrained may rename or split this model's tensors (the Hub layout)")
     out_dtype = _output_dtype(request.dtype, config)
     paths = [folder / rank_file_name(world, r) for r in range(world)]
     indexes = [index_rank_file(p) for p in paths]

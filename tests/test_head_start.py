@@ -30,6 +30,9 @@ def adoptions(monkeypatch):
     """What ``HeadStart.adopt`` answered, per call, in this process."""
     answers: list[bool] = []
     real = head_start.HeadStart.adopt
+    # as in a fresh CLI process: transformers' conversion table read from its source, not asked
+    # (an earlier test may have imported it; the child then declines, not knowing the Hub layout)
+    monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)
 
     def recording(self, *args, **kwargs):
         answers.append(real(self, *args, **kwargs))
@@ -216,3 +219,44 @@ def test_the_torch_free_index_agrees_with_the_torch_reader(name, checkpoint):
                         assert raw == local.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), key
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("change", ["hub layout", "cast", "tied", "strided shard"])
+def test_the_child_declines_what_is_not_a_plain_copy(change, qwen2_fp32_ws2, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)  # as in a fresh CLI
+    reason = {"hub layout": "Hub layout", "cast": "a cast", "tied": "tied", "strided shard": "placements"}[change]
+
+    source = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, source)
+    config_path = source / "huggingface" / "config.json"
+    config = json.loads(config_path.read_text())
+    dtype = "auto"
+    if change == "hub layout":  # a composite model: save_pretrained may rename its sub-models' tensors
+        config["text_config"] = {"model_type": "qwen2"}
+    elif change == "cast":
+        dtype = None  # config.json's bfloat16, the shards are float32
+    elif change == "tied":
+        config["tie_word_embeddings"] = True
+    config_path.write_text(json.dumps(config))
+    request = head_start.Request(str(source), str(tmp_path / "out"), None, dtype, 5 * 10**9, True)
+    if change == "strided shard":
+        real = rank_records.index_rank_file
+
+        def shard1(path):
+            return {k: v.__class__(v.dtype, v.shape, (rank_records.Placement("Shard", (("dim", 1),)),), v.local_shape, v.span)
+                    if v.placements else v for k, v in real(path).items()}
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rank_records, "index_rank_file", shard1)
+            with pytest.raises(head_start._Skip, match=reason):
+                head_start._plan(request)
+        return
+    with pytest.raises(head_start._Skip, match=reason):
+        head_start._plan(request)
+    if change == "hub layout":
+        del config["text_config"]
+        config_path.write_text(json.dumps(config))
+        planned, _sources = head_start._plan(request)  # the same folder as a dense model: planned
+        assert planned.file.name == "model.safetensors" and planned.ranges

@@ -172,25 +172,10 @@ def _reverse_conversions(model) -> list:
 
 
 def _may_convert(config: dict[str, Any], arch: str) -> bool:
-    """Whether transformers declares a conversion for this class, its model type or a sub-model
-    (nested configs); False only for a plain model whose names save_pretrained keeps.
+    """See :func:`hf_merge.conversion_keys.may_convert` (transformers asked when its source does not say)."""
+    from ..conversion_keys import may_convert
 
-    The declared keys are read from transformers' source when they can be
-    (:mod:`hf_merge.conversion_keys`: no import of transformers for a dense model), else asked of
-    ``transformers.conversion_mapping``."""
-    from ..conversion_keys import declared_keys
-
-    nested = [v for v in config.values() if isinstance(v, dict) and "model_type" in v]
-    if nested:
-        return True
-    base = arch.split("For")[0]
-    keys = [k for k in (arch, config.get("model_type"), f"{base}Model") if k]  # sub-models are looked up by class name too
-    declared = declared_keys()
-    if declared is not None:
-        return any(k in declared for k in keys)
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    return any(get_checkpoint_conversion_mapping(k) for k in keys)
+    return bool(may_convert(config, arch))
 
 
 def _check_operations(conversions: list, arch: str) -> None:
