@@ -110,6 +110,7 @@ class HeadStart:
         self._outcome: dict[str, Any] | None = None  # {"done": digest}, {"skip": why}, {"error": what}
         self._eof = False
         self._pending = 0  # bytes reported before a progress function was given
+        self.reported = 0  # bytes of its file the child reported written
         self._progress: Callable[[int], None] | None = None
         self._adopted: Path | None = None
         self._exit: int | None = None
@@ -126,6 +127,7 @@ class HeadStart:
                     break
                 with self._cond:
                     if "bytes" in message:
+                        self.reported += int(message["bytes"])
                         if self._progress is not None:
                             self._progress(int(message["bytes"]))
                         else:
@@ -174,15 +176,18 @@ class HeadStart:
         self.cancel()
         return False
 
-    def finish(self, progress: Callable[[int], None] | None = None) -> "tuple[bool, str | None]":
+    def report_to(self, progress: Callable[[int], None]) -> None:
+        """From now on hand the bytes the child writes to ``progress`` (those written so far first)."""
+        with self._cond:
+            self._progress = progress
+            if self._pending:
+                progress(self._pending)
+                self._pending = 0
+
+    def finish(self) -> "tuple[bool, str | None]":
         """Wait for the adopted file: ``(True, sha256 or None)`` once the child wrote all of it,
         ``(False, None)`` when the child failed (its file is removed; the caller writes it)."""
         with self._cond:
-            if progress is not None:
-                self._progress = progress
-                if self._pending:
-                    progress(self._pending)
-                    self._pending = 0
             self._cond.wait_for(lambda: self._eof or self._outcome is not None)
             outcome = self._outcome or {"error": "no answer"}
         self._reap()

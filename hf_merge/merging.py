@@ -308,6 +308,7 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
                     with lock:
                         bar.update(n)
 
+                head.report_to(update)
                 rest = plan.files[1:]
                 digests = {}
                 if rest:  # the child is one of the writers: the others share the rest of the CPUs
@@ -317,9 +318,18 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
                     n = workers or max(1, default_workers(len(plan.files)) - 1)
                     digests = write_shards(view, plan, tmp, workers=n, sha256=sha256, files=rest, progress=update,
                                            copy_threads=copy_threads or default_threads(n + 1))
-                taken, digest = head.finish(update)
+                taken, digest = head.finish()
                 if not taken:  # the child failed: its file is gone, written here instead
-                    digests.update(write_shards(view, plan, tmp, workers=1, sha256=sha256, files=[first], progress=update,
+                    shown = head.reported  # already on the bar: counted once
+
+                    def catch_up(n: int) -> None:
+                        nonlocal shown
+                        skip = min(shown, n)
+                        shown -= skip
+                        if n > skip:
+                            update(n - skip)
+
+                    digests.update(write_shards(view, plan, tmp, workers=1, sha256=sha256, files=[first], progress=catch_up,
                                                 copy_threads=copy_threads))
                 else:
                     digests[first.name] = digest

@@ -114,9 +114,14 @@ def test_a_child_that_plans_other_bytes_is_not_used(qwen2_fp32_ws2, tmp_path, ad
     assert got == expected
 
 
-def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
+def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32_ws2, tmp_path, adoptions, bars, monkeypatch):
     def half_written_then_killed(planned, sources, fd, sha256, progress):
-        os.pwrite(fd, b"\0" * 4096, 0)
+        buffered = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)  # fd itself is O_DIRECT
+        os.pwrite(buffered, b"\0" * 4096, 0)
+        progress(4096)
+        import time
+
+        time.sleep(0.5)  # the report reaches the merge before the child dies
         os.kill(os.getpid(), 9)
 
     monkeypatch.setattr(head_start, "_write", half_written_then_killed)
@@ -125,6 +130,8 @@ def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32
     assert proc.returncode == 0, proc.stderr
     assert adoptions == [True]
     assert "head-start writer failed" in proc.stderr
+    weights = _weight_bytes(with_head)
+    assert [(b["total"], b["done"]) for b in bars] == [(weights, weights)]  # the rewrite's bytes not counted twice
     assert run_cli("merge", qwen2_fp32_ws2.actor, without, "--dtype", "auto", env={head_start.ENV: "0"},
                    in_process=True).returncode == 0
     assert _folder(with_head) == _folder(without)
@@ -260,3 +267,41 @@ def test_the_child_declines_what_is_not_a_plain_copy(change, qwen2_fp32_ws2, tmp
         config_path.write_text(json.dumps(config))
         planned, _sources = head_start._plan(request)  # the same folder as a dense model: planned
         assert planned.file.name == "model.safetensors" and planned.ranges
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    """The progress bars a merge opens, as ``{"desc", "total", "done"}`` dicts."""
+    import contextlib
+
+    from hf_merge import progress
+
+    opened = []
+
+    @contextlib.contextmanager
+    def counting_bar(iterable=None, *, total=None, desc, **kwargs):
+        bar = {"total": total, "desc": desc, "done": 0}
+        opened.append(bar)
+
+        class Bar:
+            def update(self, n):
+                bar["done"] += n
+
+        yield Bar()
+
+    monkeypatch.setattr(progress, "progress_bar", counting_bar)
+    return opened
+
+
+def _weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size - (8 + int.from_bytes(p.read_bytes()[:8], "little")) for p in folder.glob("*.safetensors"))
+
+
+def test_one_progress_bar_counts_every_byte_of_every_file(qwen2_fp32_ws2, tmp_path, adoptions, bars):
+    """The child's bytes and the merge's own files go to the same bar, each byte once."""
+    out = tmp_path / "out"
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, out, "--dtype", "auto", "--max-shard-size", "300KB")
+    assert proc.returncode == 0, proc.stderr
+    assert adoptions == [True]
+    weights = _weight_bytes(out)
+    assert [(b["desc"], b["total"], b["done"]) for b in bars] == [("Merging", weights, weights)]
