@@ -67,17 +67,13 @@ class _Skip(Exception):
     """The child does not serve this merge (the merge writes every file itself)."""
 
 
-def _switch_off() -> bool:
-    return os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
-
-
 def begin(request: Request) -> "HeadStart | None":
     """Fork the child for ``request``; None when this platform or environment gives no head start."""
-    if _switch_off() or not hasattr(os, "fork") or not getattr(os, "O_TMPFILE", 0) or not getattr(os, "O_DIRECT", 0):
-        return None
     from . import sequential
 
-    if not sequential.enabled():
+    if sequential._switch(ENV) is False or not sequential.enabled():
+        return None
+    if not hasattr(os, "fork") or not getattr(os, "O_TMPFILE", 0) or not getattr(os, "O_DIRECT", 0):
         return None
     _load_child_modules()  # imported before the fork: the child imports nothing
     folder = Path(request.target).absolute().parent
