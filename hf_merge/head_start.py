@@ -142,15 +142,16 @@ class HeadStart:
             return self._cond.wait_for(lambda: ready() or self._eof or self._outcome is not None, timeout) and ready()
 
     # -- the merge's side ---------------------------------------------------------------------
-    def adopt(self, name: str, header: bytes, ranges: "list[list[int]] | None", folder: Path) -> bool:
+    def adopt(self, name: str, header: bytes, recipe: "Callable[[], list[list[int]] | None]", folder: Path) -> bool:
         """Link the child's file into ``folder`` as ``name`` when the child plans exactly this
-        file: the same ``name``, header bytes and rank-file ``ranges``
-        (:func:`~hf_merge.sequential.byte_recipe`). Else stop the child; the caller writes it."""
-        if ranges is not None and self._wait(lambda: self._plan is not None, PLAN_WAIT_S):
+        file: the same ``name``, header bytes and rank-file ranges (``recipe()``, asked only once
+        the child has a plan: :func:`~hf_merge.sequential.byte_recipe`). Else stop the child; the
+        caller writes it."""
+        if self._wait(lambda: self._plan is not None, PLAN_WAIT_S):
             plan = self._plan
             same = (
                 plan["name"] == name and plan["header"] == hashlib.sha256(header).hexdigest()
-                and plan["ranges"] == ranges
+                and plan["ranges"] == recipe()
             )
             if same:
                 try:
@@ -274,40 +275,33 @@ def _die_with_parent() -> None:
 class _Planned:
     file: Any  # FilePlan
     ranges: list[list[int]]  # join_range items: [st_dev, st_ino, offset, n]
-    files: int = 1  # files in the whole plan: this child and the merge's writers share the CPUs
-
-
-_FLOAT_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
-                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+    files: int  # files in the whole plan: this child and the merge's writers share the CPUs
 
 
 def _output_dtype(requested: str | None, config: dict[str, Any]) -> str | None:
     """The dtype floating tensors are written in, by name (None: each keeps its own), as
     :func:`hf_merge.hf_files.resolve_dtype` decides it."""
+    from .spec import config_dtype_name, dtype_alias
+
     if requested == "auto":
         return None
-    if requested not in (None, "config"):
-        return _FLOAT_NAMES.get(str(requested).removeprefix("torch.").lower(), str(requested))
-    for holder in (config, config.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            value = holder.get(key)
-            if isinstance(value, str) and value.removeprefix("torch.").lower() in _FLOAT_NAMES:
-                return _FLOAT_NAMES[value.removeprefix("torch.").lower()]
-    return None
+    if requested in (None, "config"):
+        return config_dtype_name(config)
+    return dtype_alias(requested) or str(requested)
 
 
 def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
     from . import __version__
     from .conversion_keys import may_convert
     from .plan import plan_shards
-    from .readers.fsdp_files import _check_rank_files_present, detect_world_size, rank_file_name, resolve_fsdp_dir
+    from .readers.fsdp_files import check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir
     from .readers.rank_records import index_rank_file
     from .sequential import join_range
     from .spec import TensorSpec
 
     folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
     world, _ = detect_world_size(folder)
-    _check_rank_files_present(folder, world)
+    check_rank_files_present(folder, world)
     config_dir = Path(request.config) if request.config else folder / "huggingface"
     config = json.loads((config_dir / "config.json").read_bytes())
     if not isinstance(config, dict):
@@ -340,11 +334,10 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
             if len(first.placements) != 1 or first.placements[0].kind != "Shard" or first.placements[0].dim != 0:
                 raise _Skip(f"{name}: placements {first.placements}")
             rows, row_bytes = first.shape[0], item * math.prod(first.shape[1:])
-            step = -(-rows // world) if rows else 0
             pieces[name] = []
             for r, ix in enumerate(indexes):
                 t = ix[name]
-                lo, hi = min(r * step, rows), min(r * step + step, rows)
+                lo, hi = chunk_range(0, rows, world, r)  # as the reader places a Shard(0) piece
                 if (t.dtype, t.shape, t.placements) != (first.dtype, first.shape, first.placements) or \
                         t.local_shape != (hi - lo, *first.shape[1:]):
                     raise _Skip(f"{name}: rank {r} disagrees")

@@ -19,7 +19,7 @@ import torch
 
 from .errors import MissingConfigError, UnsafeCheckpointError
 from .output import WEIGHT_INDEXES, WEIGHT_SUFFIXES, holds_side_files_only  # noqa: F401 - holds_side_files_only re-exported
-from .spec import dtype_name, parse_dtype
+from .spec import config_dtype_name, dtype_name, parse_dtype
 
 DEFAULT_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -84,15 +84,8 @@ def checkpoint_config(info) -> tuple[Path, dict[str, Any]]:
 
 def config_dtype(config: dict[str, Any]) -> torch.dtype | None:
     """The dtype the model is meant to be in (``dtype``, older ``torch_dtype``, or the text config's)."""
-    for holder in (config, config.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            value = holder.get(key)
-            if isinstance(value, str) and value != "auto":
-                try:
-                    return parse_dtype(value)
-                except ValueError:
-                    continue
-    return None
+    name = config_dtype_name(config)
+    return parse_dtype(name) if name is not None else None
 
 
 def resolve_dtype(requested: "str | torch.dtype | None", config: dict[str, Any]) -> torch.dtype | None:

@@ -298,7 +298,7 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
         from .writer import WHOLE_TENSOR_LIMIT
 
         first = plan.files[0]
-        if head.adopt(first.name, first.header, byte_recipe(view, first, WHOLE_TENSOR_LIMIT), tmp):
+        if head.adopt(first.name, first.header, lambda: byte_recipe(view, first, WHOLE_TENSOR_LIMIT), tmp):
             from .progress import progress_bar
             from .writer import write_index
 

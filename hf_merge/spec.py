@@ -88,16 +88,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_alias(value: str) -> str | None:
+    """``"bf16"`` / ``"torch.bfloat16"`` / ``"BFloat16"`` -> ``"bfloat16"``: the floating dtype a
+    name means (:data:`DTYPE_NAMES`' keys), None for any other; no torch needed."""
+    return _DTYPE_ALIASES.get(str(value).removeprefix("torch.").lower())
+
+
+def config_dtype_name(config: dict[str, Any]) -> str | None:
+    """The floating dtype config.json asks for, by name: ``dtype``, older ``torch_dtype``, or the
+    text config's (``"auto"`` and unknown names skipped); no torch needed."""
+    for holder in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = holder.get(key)
+            if isinstance(value, str) and value != "auto" and dtype_alias(value) is not None:
+                return dtype_alias(value)
+    return None
+
+
 def parse_dtype(value: "str | torch.dtype") -> torch.dtype:
     import torch
 
     if isinstance(value, torch.dtype):
         return value
-    key = str(value).removeprefix("torch.").lower()
-    names = _torch_tables()["DTYPE_NAMES"]
-    if key not in names:
+    name = dtype_alias(value)
+    if name is None:
         raise ValueError(f"unknown dtype {value!r}; use one of float32, bfloat16, float16")
-    return names[key]
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from ..formats import SourceFormat
 from ..spec import TensorSpec
 from ..hf_files import checkpoint_side_dir
 from .fsdp_files import (  # noqa: F401 - the folder helpers, re-exported
-    RANK_FILE, STEP_DIR, _check_rank_files_present, detect_world_size, has_rank_files, rank_file_name, resolve_fsdp_dir,
+    RANK_FILE, STEP_DIR, check_rank_files_present, chunk_range, detect_world_size, has_rank_files, rank_file_name,
+    resolve_fsdp_dir,
 )
 from .rank_records import LocalDTensor, load_rank_records
 
@@ -51,14 +52,6 @@ class _Layout:
     pieces: tuple[_Piece, ...]
     placements: str  # for inspect, e.g. "(Shard(dim=0),)" or "plain"
     replicas: tuple[tuple[int, int], ...] = ()  # (rank, rank of the piece read): copies not read (HSDP)
-
-
-def _chunk_range(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
-    """Sub-range ``index`` of ``[lo, hi)`` split like ``torch.chunk`` (ceil-sized, trailing empties)."""
-    size = hi - lo
-    step = math.ceil(size / parts) if size else 0
-    start = min(lo + index * step, hi)
-    return start, min(start + step, hi)
 
 
 def _dtensor_pieces(name: str, value: LocalDTensor, world_size: int) -> tuple[tuple[_Piece, ...], str, tuple[tuple[int, int], ...]]:
@@ -90,7 +83,7 @@ def _dtensor_pieces(name: str, value: LocalDTensor, world_size: int) -> tuple[tu
         for mesh_dim, (p, c) in enumerate(zip(placements, coord)):
             if p.kind == "Shard":
                 lo, hi = bounds[p.dim]
-                bounds[p.dim] = _chunk_range(lo, hi, ranks.shape[mesh_dim], c)
+                bounds[p.dim] = chunk_range(lo, hi, ranks.shape[mesh_dim], c)
         rank = int(ranks[tuple(coord)])
         pieces.append(_Piece(rank, tuple(slice(lo, hi) for lo, hi in bounds)))
     return tuple(pieces), str(placements), tuple(replicas)
@@ -102,7 +95,7 @@ class FsdpCheckpoint(LazyCheckpoint):
     def __init__(self, folder: Path, *, hf_dir: Path | None = None, step: int | None = None, notes=()):
         self.folder = Path(folder)
         self.world_size, ws_warnings = detect_world_size(self.folder)
-        _check_rank_files_present(self.folder, self.world_size)
+        check_rank_files_present(self.folder, self.world_size)
         self._states: dict[int, dict[str, Any]] = {}
         self._mapped: list = []
         first = self._state(0)

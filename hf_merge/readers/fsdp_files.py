@@ -7,6 +7,7 @@ Torch-free (used before torch is imported: :mod:`hf_merge.head_start`, the CLI's
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def detect_world_size(folder: Path) -> tuple[int, list[str]]:
     return size, notes
 
 
-def _check_rank_files_present(folder: Path, world_size: int) -> None:
+def check_rank_files_present(folder: Path, world_size: int) -> None:
     """Every rank's file must be there; the world size a file name claims is bounded by the files
     present (a name saying 1000000 ranks costs one directory listing, not a million look-ups)."""
     present = {int(m.group(2)) for p in folder.iterdir() if (m := RANK_FILE.match(p.name)) and int(m.group(1)) == world_size}
@@ -122,3 +123,11 @@ def _check_rank_files_present(folder: Path, world_size: int) -> None:
         f"missing rank file{'s' if n_missing > 1 else ''} {', '.join(shown)}{more} in {folder} "
         f"({len(present)} of {world_size} present); copy every rank's file of the checkpoint"
     )
+
+
+def chunk_range(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
+    """Sub-range ``index`` of ``[lo, hi)`` split like ``torch.chunk`` (ceil-sized, trailing empties)."""
+    size = hi - lo
+    step = math.ceil(size / parts) if size else 0
+    start = min(lo + index * step, hi)
+    return start, min(start + step, hi)

@@ -117,7 +117,7 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *
 def _rebuild_wrapper(cls: Any, dtype: Any, size: Any, *_rest: Any) -> _WrapperRecord:
     import torch
 
-    if not isinstance(dtype, (torch.dtype, DTypeName)):
+    if not isinstance(dtype, torch.dtype):
         raise TypeError(f"DTensor dtype is {str(dtype)[:40]}")
     return _WrapperRecord(cls, dtype, _ints(size, "DTensor size"))
 
@@ -140,18 +140,26 @@ def _rebuild_wrapper_named(cls: Any, dtype: Any, size: Any, *_rest: Any) -> _Wra
     return _WrapperRecord(cls, dtype, _ints(size, "DTensor size"))
 
 
-@functools.cache
-def _substitutes() -> dict[Pair, Any]:
+def _recorders(wrapper: Any) -> dict[Pair, Any]:
+    """The rebuild functions bound to recorders (``wrapper``: the DTensor wrapper's, by the kind of
+    dtype the policy gives) and every DTensor-related pair of DTENSOR_FILE to its stand-in (a test
+    checks none is left out)."""
     subs: dict[Pair, Any] = {
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-        ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper,
+        ("torch._utils", "_rebuild_wrapper_subclass"): wrapper,
         ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     }
-    for cls in _CLASSES:  # every DTensor-related pair of DTENSOR_FILE (a test checks none is left out)
+    for cls in _CLASSES:
         module, _, name = cls.__qualname__.rpartition(".")
         subs[(module, name)] = cls
+    return subs
+
+
+@functools.cache
+def _substitutes() -> dict[Pair, Any]:
+    subs = _recorders(_rebuild_wrapper)
     from torch.storage import _get_dtype_from_pickle_storage_type
 
     for module, name in torch_names().names:
@@ -416,20 +424,13 @@ class IndexedTensor:
 def _named_policy() -> tuple[Allowlist, Allowlist, dict[Pair, Any]]:
     """``(allow, names, substitutes)`` that read a rank file with no torch module looked up: every
     pair of :data:`DTENSOR_FILE` kept here is substituted or from the standard library."""
-    subs: dict[Pair, Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-        ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_named,
-        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    subs = _recorders(_rebuild_wrapper_named)
+    subs.update({
         ("torch", "Size"): tuple,
         ("torch", "device"): lambda *args: ":".join(str(a) for a in args),
         ("torch", "strided"): "strided",
         ("torch.serialization", "_get_layout"): str,  # "torch.strided", kept as its name
-    }
-    for cls in _CLASSES:
-        module, _, name = cls.__qualname__.rpartition(".")
-        subs[(module, name)] = cls
+    })
     names = [("torch", "strided")]
     for name in _NAMED_DTYPES:
         subs[("torch", name)] = DTypeName(name)
