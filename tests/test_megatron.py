@@ -182,6 +182,20 @@ def test_step_and_role_folders_resolve(megatron_root, tmp_path):
     assert auto.info.format == "megatron" and auto.keys() == ckpt.keys()
 
 
+def test_bad_latest_step_file_falls_back_to_the_highest_step(megatron_root, tmp_path):
+    """The same step choice as the FSDP reader's: a latest file that is not a small ASCII number
+    (binary, a superscript digit, 24 digits) means the highest step, with a note."""
+    run = tmp_path / "ckpts"
+    (run / "global_step_7").mkdir(parents=True)
+    (run / "global_step_3").mkdir()
+    (run / "global_step_7" / "actor").symlink_to(role_dir(megatron_root, "qwen2_v1"))
+    for content in (b"\xff\xfe3", "\u00b2".encode(), b"999999999999999999999999"):
+        (run / "latest_checkpointed_iteration.txt").write_bytes(content)
+        ckpt = open_megatron(run)
+        assert ckpt.info.step == 7
+        assert any("the highest of 2 steps" in n for n in ckpt.info.notes), ckpt.info.notes
+
+
 # --------------------------------------------------------------------------------------------
 # Synthetic Megatron-named DCP folders (no megatron-core needed)
 # --------------------------------------------------------------------------------------------

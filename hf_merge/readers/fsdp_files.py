@@ -42,19 +42,10 @@ def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
     if not any(path.iterdir()):
         raise SourceNotFoundError(f"{path} is empty; pass the folder that holds the model_world_size_*_rank_*.pt files")
     if not has_rank_files(path):
-        steps = {int(m.group(1)): p for p in path.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))}
-        if steps:
-            latest_file = path / "latest_checkpointed_iteration.txt"
-            chosen = None
-            if latest_file.is_file():
-                text = latest_file.read_bytes()[:64].decode("ascii", "replace").strip()
-                if re.fullmatch(r"[0-9]{1,18}", text) and int(text) in steps:
-                    chosen = int(text)
-                    notes.append(f"using global_step_{chosen} (from latest_checkpointed_iteration.txt)")
-            if chosen is None:
-                chosen = max(steps)
-                notes.append(f"using global_step_{chosen} (the highest of {len(steps)} steps)")
-            path = steps[chosen]
+        chosen = choose_step(path)
+        if chosen is not None:
+            path, note = chosen
+            notes.append(note)
         if has_rank_files(path / "actor"):
             if has_rank_files(path / "critic"):
                 notes.append(f"{path.name} also has critic/; merging actor/ (pass the critic/ folder for the critic)")
@@ -72,6 +63,22 @@ def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
             step = int(m.group(1))
             break
     return path, step, notes
+
+
+def choose_step(root: Path) -> tuple[Path, str] | None:
+    """The ``global_step_N`` folder of a verl checkpoints ``root`` (either backend) to read, and a
+    note saying why: the step ``latest_checkpointed_iteration.txt`` names when that folder exists,
+    else the highest. None when ``root`` has no step folders."""
+    steps = {int(m.group(1)): p for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))}
+    if not steps:
+        return None
+    latest_file = root / "latest_checkpointed_iteration.txt"
+    if latest_file.is_file():
+        text = latest_file.read_bytes()[:64].decode("ascii", "replace").strip()
+        if re.fullmatch(r"[0-9]{1,18}", text) and int(text) in steps:
+            return steps[int(text)], f"using global_step_{int(text)} (from latest_checkpointed_iteration.txt)"
+    chosen = max(steps)
+    return steps[chosen], f"using global_step_{chosen} (the highest of {len(steps)} steps)"
 
 
 def detect_world_size(folder: Path) -> tuple[int, list[str]]:

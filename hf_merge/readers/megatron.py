@@ -65,6 +65,7 @@ from ..spec import TensorSpec
 from ..name_tables.megatron_gpt import HF_LAYER, LAYER, NOT_MODEL
 from ..transforms.name_table import NameTable, NameTableView, attention_heads, find_table
 from .dcp import DcpCheckpoint, is_dcp_dir
+from .fsdp_files import choose_step
 from ..hf_files import checkpoint_side_dir, load_config
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
@@ -225,9 +226,6 @@ def find_layout(path: Path) -> Layout | None:
     return lay
 
 
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
 def resolve_megatron_dir(path: Path) -> tuple[Path, list[str]]:
     """The role folder under what the user gave: the ``actor/`` (or ``critic/``) folder itself, a
     ``global_step_N`` folder (its ``actor/``, else ``critic/``), or a checkpoints root (the step
@@ -237,19 +235,10 @@ def resolve_megatron_dir(path: Path) -> tuple[Path, list[str]]:
     notes: list[str] = []
     if not path.is_dir() or find_layout(path) is not None:
         return path, notes
-    steps = {int(m.group(1)): p for p in path.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))}
-    if steps:
-        chosen = None
-        latest = path / "latest_checkpointed_iteration.txt"
-        if latest.is_file():
-            text = latest.read_text().strip()
-            if text.isdigit() and int(text) in steps:
-                chosen = int(text)
-                notes.append(f"using global_step_{chosen} (from latest_checkpointed_iteration.txt)")
-        if chosen is None:
-            chosen = max(steps)
-            notes.append(f"using global_step_{chosen} (the highest of {len(steps)} steps)")
-        path = steps[chosen]
+    chosen = choose_step(path)
+    if chosen is not None:
+        path, note = chosen
+        notes.append(note)
         if find_layout(path) is not None:
             return path, notes
     actor, critic = path / "actor", path / "critic"
