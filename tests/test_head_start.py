@@ -305,3 +305,35 @@ def test_one_progress_bar_counts_every_byte_of_every_file(qwen2_fp32_ws2, tmp_pa
     assert adoptions == [True]
     weights = _weight_bytes(out)
     assert [(b["desc"], b["total"], b["done"]) for b in bars] == [("Merging", weights, weights)]
+
+
+def test_a_rank_file_that_asks_for_code_is_one_line_and_nothing_runs(qwen2_fp32_ws2, tmp_path, adoptions):
+    """The child refuses it under its subset of the policy; the merge refuses it with the one
+    policy's error line; no target, no child left, the command never ran."""
+    import shutil
+
+    import torch
+
+    source = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, source)
+    marker = tmp_path / "ran"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    rank1 = source / "model_world_size_2_rank_1.pt"
+    state = torch.load(rank1, weights_only=False)
+    state["model.norm.weight"] = Boom()
+    torch.save(state, rank1)
+    from hf_merge.errors import UnsafeCheckpointError
+
+    with pytest.raises(UnsafeCheckpointError, match="system"):  # the child's own reading
+        rank_records.index_rank_file(rank1)
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", "--dtype", "auto")
+    line = error_line(proc)
+    assert "system" in line and "allowlist" in line, line
+    assert adoptions == []  # refused while the merge opened the source, before any weight was planned
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert set(_children()) <= before
