@@ -96,7 +96,14 @@ def _fingerprint(model) -> dict[str, list]:
     return out
 
 
-def child(tool: str, source: str, dtype: str, fingerprint_path: str | None) -> dict:
+def _sync(device_map: str | None) -> None:
+    import torch
+
+    if device_map and device_map != "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, device_map: str | None = None) -> dict:
     t_import = time.perf_counter()
     import torch
     import transformers
@@ -107,22 +114,30 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None) -> d
 
     transformers.utils.logging.disable_progress_bar()
     import_s = time.perf_counter() - t_import
+    if device_map and device_map != "cpu":  # CUDA's start-up and cuBLAS's first call are not the load's
+        x = torch.ones(256, 256, device="cuda")
+        (x @ x).sum().item()
+        _sync(device_map)
+    kwargs = {"device_map": device_map} if device_map else {}
     baseline_anon, baseline_rss = _Sampler.read()
     sampler = _Sampler()
     sampler.start()
     c0, t0 = os.times(), time.perf_counter()
     if tool.startswith("from_sharded_pretrained"):
-        model = AutoModelForCausalLM.from_sharded_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_sharded_pretrained(source, dtype=dtype, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    _sync(device_map)
     wall, c1 = time.perf_counter() - t0, os.times()
     load_peak_anon, load_peak_rss = sampler.peak_anon, sampler.peak_rss
     # First use: a forward pass over 8 tokens touches every weight. from_pretrained's weights are
     # memory-mapped file pages that are only read now; ours were read during the load.
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
     t1 = time.perf_counter()
     with torch.no_grad():
         model(input_ids=ids)
+    _sync(device_map)
     forward, c2 = time.perf_counter() - t1, os.times()
     sampler.stop()
     seen = set()
@@ -192,7 +207,7 @@ def floor_child(source: str, threads: int) -> dict:
 
 def warm_cache(folder: Path) -> None:
     for path in sorted(folder.rglob("*")):
-        if path.is_file() and path.suffix in (".pt", ".safetensors"):
+        if path.is_file() and path.suffix in (".pt", ".safetensors", ".distcp"):
             with open(path, "rb") as f:
                 while f.read(64 << 20):
                     pass
@@ -214,6 +229,10 @@ def ensure_checkpoint(ckpt: Path | None, workdir: Path) -> Path:
     return own
 
 
+def _weight_files(ckpt: Path) -> list[Path]:
+    return [p for p in ckpt.iterdir() if p.suffix in (".pt", ".distcp")]
+
+
 def ensure_merged(ckpt: Path, workdir: Path, dtype: str) -> Path:
     import hf_merge
 
@@ -221,7 +240,7 @@ def ensure_merged(ckpt: Path, workdir: Path, dtype: str) -> Path:
     stamp = {
         "source": str(ckpt.resolve()),
         "dtype": dtype,
-        "mtimes": {p.name: p.stat().st_mtime for p in sorted(ckpt.glob("*.pt"))},
+        "mtimes": {p.name: p.stat().st_mtime for p in sorted(_weight_files(ckpt))},
     }
     stamp_file = workdir / ckpt.name / "merged.json"
     if merged.is_dir() and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
@@ -235,8 +254,11 @@ def ensure_merged(ckpt: Path, workdir: Path, dtype: str) -> Path:
     return merged
 
 
-def run_child(tool: str, source: Path, dtype: str, fingerprint: Path | None, code: Path = REPO) -> dict:
+def run_child(tool: str, source: Path, dtype: str, fingerprint: Path | None, code: Path = REPO,
+              device_map: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", tool, str(source), "--dtype", dtype]
+    if device_map:
+        cmd += ["--device-map", device_map]
     if fingerprint:
         cmd += ["--fingerprint", str(fingerprint)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
@@ -301,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", action="store_true", help="also time the preadv copy floor on 1 and 2 threads")
     p.add_argument("--code", action="append", default=[], metavar="NAME=DIR",
                    help="also run from_sharded_pretrained from the hf_merge tree in DIR (repeatable)")
+    p.add_argument("--device-map", default=None, help="device_map for both loads, e.g. cuda (default: none, the CPU)")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "SOURCE"), help=argparse.SUPPRESS)
     p.add_argument("--fingerprint", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -309,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         if tool.startswith("floor"):
             print(json.dumps(floor_child(source, int(tool[len("floor"):]))))
         else:
-            print(json.dumps(child(tool, source, a.dtype, a.fingerprint)))
+            print(json.dumps(child(tool, source, a.dtype, a.fingerprint, a.device_map)))
         return 0
 
     codes = {"from_sharded_pretrained": REPO}
@@ -333,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             source = merged if tool == "from_pretrained" else ckpt
             warm_cache(source)
             fp = merged.parent / f"fingerprint-{tool}.json" if i == 0 and not tool.startswith("floor") else None
-            r = run_child(tool, source, a.dtype, fp, codes.get(tool, REPO))
+            r = run_child(tool, source, a.dtype, fp, codes.get(tool, REPO), a.device_map)
             if fp:
                 prints[tool] = fp
             rows.append(r)
@@ -349,9 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     equal = all(ok for ok, _ in details)
     loaded = [r for r in rows if "model_bytes" in r]
     model_bytes = loaded[0]["model_bytes"]
-    src_bytes = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
+    src_bytes = sum(f.stat().st_size for f in _weight_files(ckpt))
     print(
-        f"\n{ckpt} ({src_bytes / 1e9:.2f} GB of rank files) -> {loaded[0]['class']} in {loaded[0]['dtype']}, "
+        f"\n{ckpt} ({src_bytes / 1e9:.2f} GB of rank files), device_map {a.device_map or 'none (CPU)'} -> {loaded[0]['class']} in {loaded[0]['dtype']}, "
         f"model {model_bytes / MB:,.0f} MB; imports {statistics.median(r['import_s'] for r in loaded):.1f} s (not counted); "
         f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} (1 min, sampled after each run)\n"
     )

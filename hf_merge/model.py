@@ -42,6 +42,7 @@ from .errors import LoraError, MappingError, MissingConfigError, QuantizationErr
 from .hf_files import find_config_dir, load_config
 from . import filemap
 from .mapped import Mapper
+from .device_fill import StagerPool, stages
 from .merging import build_views, model_view
 
 if TYPE_CHECKING:
@@ -656,6 +657,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
         return want
 
     mapper = Mapper() if map_weights else None
+    stagers = StagerPool()
 
     def read(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
@@ -670,7 +672,10 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
             if first is not None and mapper.maps(first[1]):
                 return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype))
         out = torch.empty(shape, dtype=dtype, device=devices[key])
-        view.read_into(plan.assign[key], out)
+        if stages(out.device):
+            stagers.fill(view, name, out)  # pinned buffers, transfers overlapped with reads
+        else:
+            view.read_into(name, out)
         return key, out
 
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
