@@ -14,10 +14,10 @@ py=python3
   $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee "$out/env.txt"
 timeout 150 $py -m pytest -q -p no:cacheprovider tests/test_device_fill.py 2>&1 | tail -15 | tee "$out/tests.txt"
 work=/tmp/gpuwork; mkdir -p $work
-t0=$(date +%s.%N)
+SECONDS=0
 $py benchmarks/make_synthetic_checkpoint.py $work/fsdp --layers 2 --world-size 4 > $work/make.log 2>&1 || { tail -20 $work/make.log; exit 1; }
 $py benchmarks/make_synthetic_dcp.py $work/fsdp $work/dcp 2>&1 | tail -1
-echo "fixtures written in $(echo "$(date +%s.%N) - $t0" | bc) s"
+echo "fixtures written in ${SECONDS} s"
 code=(); [ -n "$old" ] && code=(--code "old=$old")
 for src in fsdp dcp; do
   echo "== $src, device_map cuda"
