@@ -129,6 +129,24 @@ def assign_by_bytes(sizes: list[int], ranks: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
+WRITERS = ("node", "rank")  # who writes output files: the first rank of each node, or every rank
+
+
+def writing_ranks(hosts: list[str], writers: str = "node") -> list[int]:
+    """The ranks that write output files, in rank order: with ``"node"`` the first rank on each host
+    (it writes its node's share with forked writers on all of that node's CPUs: on one node that is
+    the single-process merge, so a torchrun merge is never slower than one process on the same node);
+    with ``"rank"`` every rank (the share of each, where more writers help: a parallel file system)."""
+    if writers not in WRITERS:
+        raise HfMergeError(f"distributed writers {writers!r}: expected one of {', '.join(WRITERS)}")
+    if writers == "rank":
+        return list(range(len(hosts)))
+    first: dict[str, int] = {}
+    for rank, host in enumerate(hosts):
+        first.setdefault(host, rank)
+    return sorted(first.values())
+
+
 def plan_fingerprint(plan: Any) -> str:
     """sha256 over every planned file's name and header: equal on ranks that planned the same output."""
     h = hashlib.sha256()
@@ -245,8 +263,10 @@ class Job:
         checksums: bool,
         finish: Callable[[Any, Path, dict], None],
         result: Callable[[Any, bool], Any],
+        writers: str = "node",
     ) -> Any:
-        """Plan on every rank, write this rank's share, let rank 0 finish; see the module docstring."""
+        """Plan on every rank, write this rank's share (:func:`writing_ranks`), let rank 0 finish; see
+        the module docstring."""
         from .output import stage
         from .writer import write_index, write_shards
 
@@ -271,7 +291,12 @@ class Job:
             tmp = Path(info[0]["tmp"])
             plan = prepared.model_plan
             files = plan.files if plan is not None else []
-            share = [files[i] for i in assign_by_bytes([f.data_size for f in files], self.world_size)[self.rank]]
+            chosen = writing_ranks(self.hosts, writers)
+            share = []
+            if self.rank in chosen:
+                shares = assign_by_bytes([f.data_size for f in files], len(chosen))
+                share = [files[i] for i in shares[chosen.index(self.rank)]]
+            here = sum(1 for r in chosen if self.hosts[r] == self.host)
             digests: dict[str, str | None] = {}
             error = None
             with self._progress(plan.total_size if plan else 0, str(tmp)) as progress:
@@ -279,7 +304,7 @@ class Job:
                     if share:
                         digests = write_shards(
                             prepared.views.model, plan, tmp, workers=workers, sha256=checksums, files=share,
-                            copy_threads=copy_threads, processes_here=self.hosts.count(self.host),
+                            copy_threads=copy_threads, processes_here=here,
                             progress=progress.update,
                         )
                     progress.flush()
@@ -296,9 +321,13 @@ class Job:
                     prepared.provenance["distributed"] = {
                         "world_size": self.world_size,
                         "hosts": len(set(self.hosts)),
+                        "writers": writers,
                         "files_per_rank": [len(d) for d in gathered],
                         "backend": "torch.distributed (gloo)",
                     }
+                    note = _writers_note(self.world_size, self.hosts, chosen, writers)
+                    prepared.views.notes.append(note)
+                    logger.info(note)
                     finish(prepared, tmp, ordered)
                     staged.commit()
                     staged = None
@@ -314,6 +343,16 @@ class Job:
 
     def _progress(self, total: int, key: str) -> "_Progress":
         return _Progress(self._store, f"hf_merge/bytes/{key}", total, show=self.rank == 0)
+
+
+def _writers_note(world_size: int, hosts: list[str], chosen: list[int], writers: str) -> str:
+    nodes = len(set(hosts))
+    where = f"{world_size} ranks on {nodes} node{'s' if nodes > 1 else ''}"
+    if writers == "node":
+        ranks = ", ".join(map(str, chosen))
+        return (f"{where}: files written by rank{'s' if len(chosen) > 1 else ''} {ranks}, one process per node with "
+                "forked writers on its CPUs (--dist-writers rank: every rank writes a share)")
+    return f"{where}: every rank writes a share of the files (--dist-writers rank)"
 
 
 def _with_rank(result: Any, rank: int) -> Any:

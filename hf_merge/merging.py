@@ -187,6 +187,7 @@ def merge(
     gguf: str | None = None,
     gguf_pre_tokenizer: str | None = None,
     distributed: bool | None = None,
+    dist_writers: str = "node",
     head_start: Any = None,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
@@ -225,6 +226,9 @@ def merge(
             ``WORLD_SIZE`` > 1, ``MASTER_ADDR``/``PORT`` set) and no process group exists yet; a
             program that already runs torch.distributed passes True on every rank (False, or None,
             when only one rank merges).
+        dist_writers: in a distributed merge, which ranks write the files: ``"node"`` (default: the
+            first rank of each node, with forked writers on all its CPUs) or ``"rank"`` (every rank
+            writes a share; for file systems where more writing processes help).
         head_start: internal, from the CLI: a :class:`~hf_merge.head_start.HeadStart` whose first
             file is taken when it is byte for byte the one planned here (else it is stopped).
     """
@@ -270,7 +274,7 @@ def merge(
         with job:
             return job.merge(
                 prepare, target, overwrite=replace, workers=workers, copy_threads=copy_threads, checksums=checksums,
-                finish=finish,
+                finish=finish, writers=dist_writers,
                 result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
             )
     # The target is locked (and its temporary folder made) before the source is read, so a second

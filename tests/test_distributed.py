@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hf_merge import merge
-from hf_merge.distributed import assign_by_bytes, launched_by_torchrun
+from hf_merge.distributed import assign_by_bytes, launched_by_torchrun, writing_ranks
 from helpers import no_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +101,13 @@ def test_assign_by_bytes_balances_and_agrees():
     assert not launched_by_torchrun({})
 
 
+def test_one_writing_rank_per_node_unless_every_rank_is_asked_for():
+    assert writing_ranks(["a", "a", "a", "a"]) == [0]
+    assert writing_ranks(["a", "a", "b", "b", "c"]) == [0, 2, 4]
+    assert writing_ranks(["b", "a", "b", "a"]) == [0, 1]
+    assert writing_ranks(["a", "a", "b"], "rank") == [0, 1, 2]
+
+
 def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`torchrun --nnodes 2 --nproc-per-node 1 -m hf_merge merge` twice, rendezvous on localhost.
 
@@ -129,7 +136,11 @@ def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
         del store
     assert [p.returncode for p in nodes] == [0, 0], logs
     assert_same_folder(target, fsdp_single)
-    assert json.loads((target / "hf_merge.json").read_text())["distributed"]["world_size"] == 2
+    record = json.loads((target / "hf_merge.json").read_text())["distributed"]
+    assert record["world_size"] == 2 and record["writers"] == "node"
+    # both "nodes" run on this host: one process wrote every file (with its forked writers), and said so
+    assert record["files_per_rank"][1] == 0 and record["files_per_rank"][0] >= 2, record
+    assert sum("files written by rank 0, one process per node" in log for log in logs) == 1, logs
     assert sum(log.count("wrote ") for log in logs) == 1, logs  # one report, from rank 0
     assert not any("exit barrier" in log.lower() and "error" in log.lower() for log in logs), logs
 
@@ -150,12 +161,16 @@ def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatr
         {"argv": ["merge", str(megatron_src), str(out / "megatron"), "--max-shard-size", SHARD]},
         {"argv": ["merge", str(fsdp_src), str(out / "nf4"), "--max-shard-size", SHARD, "--quantize", "nf4"]},
         {"argv": ["merge", str(fsdp_src), str(out / "blind"), "--max-shard-size", SHARD], "missing_source_on_rank": 1},
-        {"argv": ["merge", str(fsdp_src), str(out / "fsdp"), "--max-shard-size", SHARD]},
+        {"argv": ["merge", str(fsdp_src), str(out / "fsdp"), "--max-shard-size", SHARD, "--dist-writers", "rank"]},
     ]
     outcome = _run_jobs(jobs, tmp_path, ranks=3)
     for i in (0, 1, 3):
         assert [outcome[i, r]["code"] for r in range(3)] == [0, 0, 0], outcome
     assert_same_folder(out / "fsdp", fsdp_single)
+    shared = json.loads((out / "fsdp" / "hf_merge.json").read_text())["distributed"]
+    assert shared["writers"] == "rank" and sum(n > 0 for n in shared["files_per_rank"]) >= 2, shared
+    alone = json.loads((out / "megatron" / "hf_merge.json").read_text())["distributed"]
+    assert alone["writers"] == "node" and alone["files_per_rank"][1:] == [0, 0], alone
     assert_same_folder(out / "megatron", singles / "megatron")
     assert_same_folder(out / "nf4", singles / "nf4")
     # a rank that cannot see the source: every rank fails with one line, nothing is left behind
@@ -172,7 +187,8 @@ def test_killed_rank_fails_every_rank_and_leaves_no_target(qwen2_fp32_ws2, tmp_p
     """Two ranks started by hand (env:// as torchrun sets it); rank 1 is SIGKILLed when it starts
     writing. Rank 0 must notice by itself, exit non-zero, and leave neither a target nor a temporary."""
     target = tmp_path / "merged"
-    jobs = [{"argv": ["merge", str(qwen2_fp32_ws2.actor), str(target), "--max-shard-size", SHARD], "die_on_rank": 1}]
+    jobs = [{"argv": ["merge", str(qwen2_fp32_ws2.actor), str(target), "--max-shard-size", SHARD, "--dist-writers", "rank"],
+             "die_on_rank": 1}]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     port = str(_free_port())
     procs = [

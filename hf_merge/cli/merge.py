@@ -58,6 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="threads per writing process copying rank-file bytes into the output on the page-cache path "
                    "(HF_MERGE_DIRECT_IO=0, or where O_DIRECT does not apply; default: its share of the CPUs, at most 8; "
                    "1: on the writing thread)")
+    p.add_argument("--dist-writers", choices=("node", "rank"), default="node",
+                   help="under torchrun: which ranks write the files: node (default: one process per node, with "
+                   "forked writers on its CPUs) or rank (every rank writes a share)")
     p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
     p.add_argument("--trust-remote-code", action="store_true", help="verl compatibility; changes nothing: hf-merge never runs checkpoint code")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty target folder")
@@ -177,6 +180,7 @@ def _merge(args: argparse.Namespace, source: str, target: str, head):
         max_shard_size=args.max_shard_size,
         workers=args.workers,
         copy_threads=args.copy_threads,
+        dist_writers=args.dist_writers,
         config=args.config,
         overwrite=args.overwrite,
         lora=args.lora,
