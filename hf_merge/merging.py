@@ -95,7 +95,7 @@ def build_views(
     out_dtype = resolve_dtype(dtype, config)
     from .skeleton import experts_transposed
 
-    layout = find_lora(ckpt.specs(), experts_transposed=lambda module: experts_transposed(config, module))
+    layout = find_lora(ckpt.specs(), experts_transposed=lambda module: experts_transposed(config, module), config=config)
     model: LazyCheckpoint | None = ckpt
     views = Views(model=None, out_dtype=out_dtype, notes=notes)
     if layout is not None:
