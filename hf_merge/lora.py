@@ -96,11 +96,17 @@ class LoraLayout:
     def target_modules(self) -> list[str]:
         """``LoraConfig.target_modules`` as PEFT writes it: each wrapped linear's shortest name
         suffix that matches no other module of the model (see :mod:`hf_merge.lora_targets`)."""
+        return self.peft_target_modules(strict=False)
+
+    def peft_target_modules(self, *, strict: bool = True) -> list[str]:
+        """:attr:`target_modules`; ``strict``: a LoraError when a wrapped module cannot be named
+        apart from another one (an adapter config PEFT could not load)."""
         wrapped = {n for n, m in self.modules.items() if m.param is None}
         if not wrapped:
             return []
         others = owner_modules([*self.base, *self.saved, *self.original, *(m.weight for m in self.modules.values())])
-        return shortest_suffixes(wrapped, others | (self.model_modules or set()), complete=self.model_modules is not None)
+        return shortest_suffixes(wrapped, others | (self.model_modules or set()),
+                                 complete=self.model_modules is not None, strict=strict)
 
     @property
     def target_parameters(self) -> list[str]:
@@ -325,7 +331,7 @@ def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]
     cfg = LoraConfig(
         r=settings.r,
         lora_alpha=settings.lora_alpha,
-        target_modules=layout.target_modules or None,
+        target_modules=layout.peft_target_modules() or None,
         target_parameters=layout.target_parameters or None,
         lora_dropout=0.0,
         bias="none",

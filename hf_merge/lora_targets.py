@@ -41,10 +41,11 @@ def owner_modules(tensor_names: Iterable[str]) -> set[str]:
     return modules
 
 
-def shortest_suffixes(targets: Iterable[str], others: Iterable[str], *, complete: bool = True) -> list[str]:
+def shortest_suffixes(targets: Iterable[str], others: Iterable[str], *, complete: bool = True, strict: bool = True) -> list[str]:
     """For each target, its shortest dotted suffix that is no other module's name or suffix:
-    entries that make PEFT wrap exactly ``targets``. A LoraError when a target cannot be named
-    apart (its full name is the tail of another module's name).
+    entries that make PEFT wrap exactly ``targets``. A target that cannot be named apart (its full
+    name is the tail of another module's name) is a LoraError, or (``strict=False``, for
+    describing the adapter) its full name.
 
     ``complete=False``: ``others`` may lack modules without weights; a bare index (``2`` for
     ``mlp.2``) is then not enough, as an activation of another ``nn.Sequential`` may have it.
@@ -54,7 +55,9 @@ def shortest_suffixes(targets: Iterable[str], others: Iterable[str], *, complete
     chosen: set[str] = set()
     for target in sorted(targets):
         suffix = next((s for s in _suffixes(target) if s not in taken and (complete or not s.isdigit())), None)
-        if suffix is None:
+        if suffix is None and not strict:
+            suffix = target
+        elif suffix is None:
             clash = sorted(n for n in set(others) - targets if n.endswith("." + target))[0]
             raise LoraError(f"{target} cannot be named in target_modules without also matching {clash}; "
                             "write the fused model instead (--lora fuse)")
