@@ -3,13 +3,13 @@
 A tiny Qwen2.5-VL with verl's default all-linear LoRA (text, vision blocks and merger) and one with
 LoRA on the vision merger's ``mlp.0`` / ``mlp.2`` only, written as REAL FSDP2 checkpoints (the
 ``hub_root`` session fixture), merged with ``--lora adapter`` and ``--lora both``, then loaded
-with ``PeftModel.from_pretrained`` onto ``from_pretrained`` of the base model's ``save_pretrained``
-(the Hub layout): it must load and give PEFT's own model's logits on an image + text input.
+with ``PeftModel.from_pretrained`` onto ``from_pretrained`` of the merged base model (the Hub
+layout, ``model.*`` / ``visual.*``, which transformers 5 loads as ``model.language_model.*`` /
+``model.visual.*``): it must load and give PEFT's own model's logits on an image + text input.
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -40,15 +40,21 @@ def logits(model) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def peft_reference(tmp_path_factory):
-    """name -> (PEFT's own model the checkpoint was written from, its logits, folder holding
-    ``save_pretrained`` of its base model without LoRA)."""
+def base_dir(hub_root, tmp_path_factory) -> Path:
+    """The base model the adapters go onto, in the Hub layout: hf-merge's merge of the plain
+    ``qwen2_5_vl`` checkpoint (the LoRA variants' base weights: same config, same seed)."""
+    target = tmp_path_factory.mktemp("base") / "qwen2_5_vl"
+    hf_merge.merge(hub_root / "qwen2_5_vl", target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def peft_reference():
+    """name -> (PEFT's own model the checkpoint was written from, its logits)."""
     out = {}
     for name in VLM_LORA:
         model = mh.build_model(name)  # seeded: the same weights the fixture's ranks trained
-        base_dir = tmp_path_factory.mktemp(f"{name}-base")
-        copy.deepcopy(model).unload().save_pretrained(base_dir)
-        out[name] = model, logits(model), base_dir
+        out[name] = model, logits(model)
     return out
 
 
@@ -62,8 +68,8 @@ def load_adapter(base_dir: Path, adapter_dir: Path):
 
 @pytest.mark.parametrize("mode", ["adapter", "both"])
 @pytest.mark.parametrize("name", VLM_LORA)
-def test_vlm_adapter_loads_with_peft(hub_root, peft_reference, tmp_path, name, mode):
-    peft_model, want, base_dir = peft_reference[name]
+def test_vlm_adapter_loads_with_peft(hub_root, base_dir, peft_reference, tmp_path, name, mode):
+    peft_model, want = peft_reference[name]
     src, target = hub_root / name, tmp_path / "out"
     hf_merge.merge(src, target, lora=mode)
     adapter_dir = target if mode == "adapter" else target / "lora_adapter"
