@@ -44,7 +44,6 @@ def describe(
         report["size_bytes"] = sum(s.nbytes for s in specs.values())
         report["dtypes"] = dtypes
         hf_dir = Path(config) if config else info.hf_dir
-        cfg = None
         if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
             cfg = load_config(Path(hf_dir))
             info.config_overrides.apply(cfg)
@@ -56,7 +55,7 @@ def describe(
             report["output_layout"] = _output_layout(ckpt, cfg)
         else:
             report["hf_config"] = None
-        report["lora"] = _lora_summary(ckpt, cfg)
+        report["lora"] = _lora_summary(ckpt)
         if info.notes:
             report["notes"] = info.notes
         if info.warnings:
@@ -118,9 +117,9 @@ def _output_layout(ckpt, config: dict[str, Any]) -> str:
     )
 
 
-def _lora_summary(ckpt, config: "dict[str, Any] | None") -> Any:
+def _lora_summary(ckpt) -> Any:
     try:
         from .lora import describe_lora
     except ImportError:
         return any(".lora_A." in n for n in ckpt.specs())
-    return describe_lora(ckpt, config)
+    return describe_lora(ckpt)

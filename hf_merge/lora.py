@@ -354,10 +354,11 @@ def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]
     return out
 
 
-def describe_lora(ckpt, config: "dict[str, Any] | None" = None) -> dict[str, Any] | None:
-    """For ``inspect``: r, alpha (and where it came from), targets, adapter size. No data read."""
+def describe_lora(ckpt) -> dict[str, Any] | None:
+    """For ``inspect``: r, alpha (and where it came from), targets (from the checkpoint's names
+    alone: no transformers import), adapter size. No data read."""
     specs = ckpt.specs()
-    layout = find_lora(specs, config=config)
+    layout = find_lora(specs)
     if layout is None:
         return None
     info: dict[str, Any] = {
