@@ -42,8 +42,15 @@ _TEXT = dict(
     num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=2, pad_token_id=0,
 )
 
-#: name -> (config class, kwargs, LoRA target modules (or LoraConfig targets as a dict) or None)
-MODELS: dict[str, tuple[str, dict[str, Any], list[str] | None]] = {
+_QWEN2_5_VL = dict(
+    text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+    vision_config=dict(depth=2, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1], window_size=56),
+    image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4,
+    architectures=["Qwen2_5_VLForConditionalGeneration"])
+
+#: name -> (config class, kwargs, LoRA target modules ("all-linear", a list, or LoraConfig targets as a dict) or None)
+MODELS: dict[str, tuple[str, dict[str, Any], Any]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
         architectures=["Qwen3MoeForCausalLM"]), None),
@@ -53,12 +60,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str] | None]] = {
         **{**_TEXT, "num_key_value_heads": 4}, moe_intermediate_size=16, first_k_dense_replace=1, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, architectures=["DeepseekV3ForCausalLM"]), None),
-    "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(
-        text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=2, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1], window_size=56),
-        image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4,
-        architectures=["Qwen2_5_VLForConditionalGeneration"]), None),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", _QWEN2_5_VL, None),
     "gemma3": ("Gemma3Config", dict(
         text_config=dict(**_TEXT, head_dim=8, sliding_window=4),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -76,6 +78,11 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str] | None]] = {
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4, image_token_index=5, boi_token_index=3, eoi_token_index=4,
         architectures=["Gemma3ForConditionalGeneration"]), ["q_proj", "v_proj"]),
+    # verl's default LoRA on a VLM: all-linear, i.e. every nn.Linear of the text model, the vision
+    # blocks and the merger (attn.proj, mlp.0, mlp.2 ...) but not the Conv3d patch embedding or lm_head
+    "qwen2_5_vl_lora": ("Qwen2_5_VLConfig", _QWEN2_5_VL, "all-linear"),
+    # LoRA on the vision merger's two linears only (mlp.0 / mlp.2 of an nn.Sequential)
+    "qwen2_5_vl_merger_lora": ("Qwen2_5_VLConfig", _QWEN2_5_VL, ["mlp.0", "mlp.2"]),
     # PEFT LoRA on the fused 3-D expert parameters (LoraConfig.target_parameters: nested ParamWrappers,
     # lora_A [r * E, in], lora_B [out, r * E]) and on attention
     "qwen3_moe_lora_experts": ("Qwen3MoeConfig", dict(

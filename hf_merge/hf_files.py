@@ -115,8 +115,8 @@ def tied_pairs(config: dict[str, Any], names: "Collection[str] | None" = None) -
     skeleton of the model. Falls back to ``lm_head.weight -> model.embed_tokens.weight`` when
     transformers does not know the class.
 
-    The answer is kept in the plan cache (:mod:`hf_merge.plan_cache`, keyed by the library versions,
-    config.json and ``names``): asking transformers imports it and the model's code (seconds of
+    The answer is kept in the plan cache (:mod:`hf_merge.plan_cache`, keyed by its
+    ``runtime()``, config.json and ``names``): asking transformers imports it and the model's code (seconds of
     CPU, on every merge of a tied model otherwise); a cached answer imports neither.
     """
     if not ties_word_embeddings(config):
@@ -125,7 +125,7 @@ def tied_pairs(config: dict[str, Any], names: "Collection[str] | None" = None) -
 
     key = None
     if plan_cache.cache_dir() is not None:
-        key = plan_cache.digest({"plan": "tied", "format": 1, "versions": plan_cache.library_versions(), "config": config,
+        key = plan_cache.digest({"plan": "tied", "format": 1, "versions": plan_cache.runtime(), "config": config,
                                  "names": sorted(names) if names is not None else None})
         stored = plan_cache.get("tied", key)
         if isinstance(stored, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in stored.items()):

@@ -27,10 +27,12 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
 from .errors import LoraError
+from .lora_targets import meta_module_names, owner_modules, shortest_suffixes
 from .spec import TensorSpec
 
 PEFT_PREFIX = "base_model.model."
@@ -81,15 +83,30 @@ class LoraLayout:
     saved: dict[str, str]  # HF tensor name -> source key of the trained modules_to_save copy
     lora_only: bool  # save_lora_only: the base weights are not in the checkpoint
     original: dict[str, str] = field(default_factory=dict)  # HF name -> untrained modules_to_save copy
+    #: every module name of the base model the adapter goes onto, when known (the model built from
+    #: config.json on the meta device); else the checkpoint's own tensors tell
+    model_modules: "set[str] | None" = None
 
     @property
     def unfused_base(self) -> dict[str, str]:
         """HF name -> source key of the base model the adapter goes onto (untrained modules_to_save)."""
         return {**self.base, **self.original}
 
-    @property
+    @cached_property
     def target_modules(self) -> list[str]:
-        return sorted({n.rsplit(".", 1)[-1] for n, m in self.modules.items() if m.param is None})
+        """``LoraConfig.target_modules`` as PEFT writes it: each wrapped linear's shortest name
+        suffix that matches no other module of the model (see :mod:`hf_merge.lora_targets`)."""
+        return self.peft_target_modules(strict=False)
+
+    def peft_target_modules(self, *, strict: bool = True) -> list[str]:
+        """:attr:`target_modules`; ``strict``: a LoraError when a wrapped module cannot be named
+        apart from another one (an adapter config PEFT could not load)."""
+        wrapped = {n for n, m in self.modules.items() if m.param is None}
+        if not wrapped:
+            return []
+        others = owner_modules([*self.base, *self.saved, *self.original, *(m.weight for m in self.modules.values())])
+        return shortest_suffixes(wrapped, others | (self.model_modules or set()),
+                                 complete=self.model_modules is not None, strict=strict)
 
     @property
     def target_parameters(self) -> list[str]:
@@ -130,8 +147,17 @@ def _strip(name: str) -> str:
     return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
 
 
-def find_lora(specs: dict[str, TensorSpec], *, experts_transposed: "Callable[[str], bool] | None" = None) -> LoraLayout | None:
+def find_lora(
+    specs: dict[str, TensorSpec],
+    *,
+    experts_transposed: "Callable[[str], bool] | None" = None,
+    config: "dict[str, Any] | None" = None,
+) -> LoraLayout | None:
     """The LoRA layout of a state dict's specs, or None when it holds no LoRA tensors.
+
+    ``config``: the model's config.json; its meta-device model's module names (when transformers
+    builds it and its names are the checkpoint's) settle ``target_modules`` exactly, modules
+    without weights included.
 
     ``experts_transposed(module)``: whether that experts module stores its 3-D parameters as
     ``[E, in, out]`` (transformers' ``is_transposed``, which PEFT reads too), for LoRA on
@@ -188,7 +214,9 @@ def find_lora(specs: dict[str, TensorSpec], *, experts_transposed: "Callable[[st
                 f"{module.name}: base weight {specs[base[weight]].shape} does not match lora_B@lora_A "
                 f"({module.out_features}, {module.in_features}); fan_in_fan_out (Conv1D) layers are not supported"
             )
-    return LoraLayout(next(iter(adapters)), modules, base, saved, lora_only, original)
+    wrapped = {m.name for m in modules.values() if m.param is None}
+    known = meta_module_names(config, wrapped) if config and wrapped else None
+    return LoraLayout(next(iter(adapters)), modules, base, saved, lora_only, original, known)
 
 
 def _on_parameter(module: LoraModule, base: dict[str, str], specs: dict[str, TensorSpec], experts_transposed) -> LoraModule | None:
@@ -303,7 +331,7 @@ def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]
     cfg = LoraConfig(
         r=settings.r,
         lora_alpha=settings.lora_alpha,
-        target_modules=layout.target_modules or None,
+        target_modules=layout.peft_target_modules() or None,
         target_parameters=layout.target_parameters or None,
         lora_dropout=0.0,
         bias="none",
@@ -327,7 +355,8 @@ def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]
 
 
 def describe_lora(ckpt) -> dict[str, Any] | None:
-    """For ``inspect``: r, alpha (and where it came from), targets, adapter size. No data read."""
+    """For ``inspect``: r, alpha (and where it came from), targets (from the checkpoint's names
+    alone: no transformers import), adapter size. No data read."""
     specs = ckpt.specs()
     layout = find_lora(specs)
     if layout is None:

@@ -95,7 +95,10 @@ def build_views(
     out_dtype = resolve_dtype(dtype, config)
     from .skeleton import experts_transposed
 
-    layout = find_lora(ckpt.specs(), experts_transposed=lambda module: experts_transposed(config, module))
+    # the adapter's target_modules are settled on the model's meta skeleton (PEFT imports transformers anyway);
+    # a fused merge of a dense model imports neither
+    layout = find_lora(ckpt.specs(), experts_transposed=lambda module: experts_transposed(config, module),
+                       config=config if lora in ("adapter", "both") else None)
     model: LazyCheckpoint | None = ckpt
     views = Views(model=None, out_dtype=out_dtype, notes=notes)
     if layout is not None:

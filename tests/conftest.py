@@ -226,3 +226,19 @@ def megatron_root(tmp_path_factory) -> Path:
 def megatron_moe_root(tmp_path_factory) -> Path:
     """MoE / MLA variants (EP=2 on 2 gloo ranks), written by real megatron-core."""
     return build_megatron_fixture(MEGATRON_MOE_GENERATOR, tmp_path_factory, "megatron-moe", depends=(MEGATRON_GENERATOR,))
+
+
+@pytest.fixture(scope="session")
+def hub_root(tmp_path_factory) -> Path:
+    """MoE / VLM models (and their LoRA variants) whose Hub layout differs from the in-memory one,
+    written by ONE 2-rank gloo run of ``examples/make_hub_checkpoints.py``: ``hub_root / name``."""
+    import make_hub_checkpoints as mh
+
+    key = hashlib.sha256(
+        (EXAMPLES / "make_hub_checkpoints.py").read_bytes() + (EXAMPLES / "make_fsdp_checkpoint.py").read_bytes()
+    ).hexdigest()[:12]
+    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
+    root = Path(cache) / f"hub-{key}" if cache else tmp_path_factory.mktemp("hub")
+    if not (root / "fixture.json").is_file():
+        mh.write_hub_checkpoints(root)
+    return root

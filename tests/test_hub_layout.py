@@ -7,14 +7,12 @@ scoped; kept between sessions under ``HF_MERGE_FIXTURE_CACHE``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES
 from helpers import folder_tensors, read_json
 
 import hf_merge
@@ -27,18 +25,6 @@ from hf_merge.transforms.hub_layout import HubLayout, hub_layout
 
 MODELS = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_5_vl", "gemma3"]
 IMAGE_TEXT = {"qwen2_5_vl", "gemma3"}
-
-
-@pytest.fixture(scope="session")
-def hub_root(tmp_path_factory) -> Path:
-    key = hashlib.sha256(
-        (EXAMPLES / "make_hub_checkpoints.py").read_bytes() + (EXAMPLES / "make_fsdp_checkpoint.py").read_bytes()
-    ).hexdigest()[:12]
-    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
-    root = Path(cache) / f"hub-{key}" if cache else tmp_path_factory.mktemp("hub")
-    if not (root / "fixture.json").is_file():
-        mh.write_hub_checkpoints(root)
-    return root
 
 
 def assert_bytes_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

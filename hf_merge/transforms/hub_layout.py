@@ -418,8 +418,9 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
 
     Returns ``base`` itself when transformers saves the model as it holds it in memory (dense
     models, custom code, no architectures in config.json). The plan is computed once per
-    (library versions, config.json, source names / shapes / dtypes) and kept in the plan cache
-    (:mod:`hf_merge.plan_cache`): a cached plan needs neither transformers nor the model skeleton.
+    (:func:`hf_merge.plan_cache.runtime`, config.json, source names / shapes / dtypes) and kept in
+    the plan cache (:mod:`hf_merge.plan_cache`): a cached plan needs neither transformers nor the
+    model skeleton, and is used only if it passes :func:`_check_plan` on this model.
     """
     from .. import plan_cache
 
@@ -427,7 +428,7 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     key = None
     if plan_cache.cache_dir() is not None:
         key = plan_cache.digest({
-            "plan": PLAN_FORMAT, "versions": plan_cache.library_versions(), "config": config,
+            "plan": PLAN_FORMAT, "versions": plan_cache.runtime(), "config": config,
             "specs": [[n, list(s.shape), dtype_name(s.dtype)] for n, s in specs.items()],
         })
         stored = _decode_plan(plan_cache.get("hub_layout", key), specs)
@@ -441,7 +442,10 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     view, notes = _view(base, *plan)
     if key is not None:
         encoded = _encode_plan(*plan, view._spans)
-        if encoded is not None:
+        problem = _check_plan(plan[1], plan[2], view._spans, specs)  # what a stored copy must pass too
+        if problem is not None:
+            logger.debug("%s: plan not cached (%s)", plan[0], problem)
+        elif encoded is not None:
             plan_cache.put("hub_layout", key, encoded)
     return view, notes
 
@@ -453,7 +457,7 @@ def _view(base: LazyCheckpoint, arch: str, recipes: dict[str, Any], out_specs: d
 
 
 _PASSTHROUGH = "passthrough"  # the plan of a model save_pretrained writes as it holds it
-PLAN_FORMAT = 1  # bump when the meaning of a stored plan changes
+PLAN_FORMAT = 2  # bump when the meaning of a stored plan changes (2: checked entries, keys with runtime())
 
 
 def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
@@ -616,4 +620,65 @@ def _decode_plan(stored: Any, specs: dict[str, TensorSpec]):
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         logger.debug("plan cache: stored Hub layout ignored (%s)", e)
         return None
+    problem = _check_plan(recipes, out_specs, spans, specs)
+    if problem is not None:
+        logger.debug("plan cache: stored Hub layout ignored (%s)", problem)
+        return None
     return arch, recipes, out_specs, spans
+
+
+def _check_plan(recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans: dict[str, "_Span"],
+                specs: dict[str, TensorSpec]) -> str | None:
+    """Why a plan is not one of the model it is used for, or None. What transformers' reverse
+    conversions do (renames and bijective data moves: splits, concatenations, transposes):
+
+    - a renamed tensor keeps its shape and dtype, and a source whose own name is also an output
+      keeps it (``lm_head.weight`` is never written as ``model.embed_tokens.weight``);
+    - any other output has the shape and dtype its recipe gives on the sources (meta tensors);
+    - every source is used, and the outputs hold exactly the sources' elements: the ranges of one
+      source (per-expert splits) do not overlap and cover it.
+    """
+    used: dict[str, list[tuple[int, int]]] = {}  # source -> the element ranges outputs take of it
+    mixed: set[str] = set()  # sources an arbitrary recipe reads (cat, transpose...): no ranges to check
+    for name, spec in out_specs.items():
+        recipe = recipes[name]
+        span = spans.get(name)
+        if isinstance(recipe, _Leaf):
+            source = specs[recipe.name]
+            if (source.shape, source.dtype) != (spec.shape, spec.dtype):
+                return f"{name}: {spec.shape} {spec.dtype} from {recipe.name} {source.shape} {source.dtype}"
+            if recipe.name != name and recipe.name in out_specs:
+                return f"{name} is taken from {recipe.name}, which the plan writes under its own name too"
+            used.setdefault(recipe.name, []).append((0, spec.numel))
+        elif span is not None:
+            if specs[span.source].dtype != spec.dtype:
+                return f"{name}: {spec.dtype} from {span.source} {specs[span.source].dtype}"
+            used.setdefault(span.source, []).append((span.offset, span.offset + spec.numel))
+        else:
+            try:
+                out = _replay(recipe, lambda n: torch.empty(specs[n].shape, dtype=specs[n].dtype, device="meta"))
+            except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                return f"{name}: its recipe does not run on the sources ({e})"
+            if not isinstance(out, torch.Tensor) or (tuple(out.shape), out.dtype) != (spec.shape, spec.dtype):
+                return f"{name}: its recipe does not give {spec.shape} {spec.dtype}"
+            for leaf in set(_leaves(recipe)):
+                used.setdefault(leaf, [])
+                mixed.add(leaf)
+    if set(used) != set(specs):
+        return f"sources not used: {sorted(set(specs) - set(used))[:3]}"
+    if sum(s.numel for s in out_specs.values()) != sum(s.numel for s in specs.values()):
+        return "the outputs do not hold exactly the sources' elements"
+    for source, ranges in used.items():
+        if source not in mixed and not _tiles(sorted(ranges), specs[source].numel):
+            return f"the outputs of {source} overlap or leave part of it out"
+    return None
+
+
+def _tiles(ranges: list[tuple[int, int]], numel: int) -> bool:
+    """Whether sorted ``[start, stop)`` ranges cover ``[0, numel)`` exactly, end to end."""
+    at = 0
+    for start, stop in ranges:
+        if start != at:
+            return False
+        at = stop
+    return at == numel
