@@ -46,36 +46,55 @@ def test_completed_ranges_report_only_the_contiguous_prefix():
 
 
 def test_an_error_on_a_pool_thread_is_raised_unchanged_and_drops_the_queued_pieces():
+    """Pieces 0 and 1 hold both threads; 2..5 are queued behind them. Piece 0 fails: the queued
+    pieces never run, piece 1 (in flight) ends, and the caller gets the very error, also on a
+    later submit. Every step waits on an event, none on a clock."""
     ran = []
     error = OSError(errno.ENOSPC, "No space left on device")
-    started = threading.Event()
+    go = threading.Event()
+    pool = PiecePool(2)
 
     def piece(i):
         if i == 0:
-            started.set()
+            go.wait()
             raise error
-        time.sleep(0.01)
+        if i == 1:
+            go.wait()
+            with pool._cv:  # end only once piece 0's error is recorded: 2..5 are still queued then
+                pool._cv.wait_for(lambda: pool._error is not None)
         ran.append(i)
 
-    pool = PiecePool(2)
-    pool.submit(piece, 0)
-    started.wait(5)
-    time.sleep(0.05)
+    for i in range(6):  # the queue holds 4: submitting 4 and 5 waits until 0 and 1 are running
+        pool.submit(piece, i)
+    go.set()
     with pytest.raises(OSError) as e:
-        for i in range(1, 200):
-            pool.submit(piece, i)
         pool.wait()
     assert e.value is error
+    with pytest.raises(OSError) as e:
+        pool.submit(piece, 6)
+    assert e.value is error
     pool.close()
-    assert len(ran) < 199  # the queued pieces were dropped, not run after the error
+    assert ran == [1]  # the queued pieces were dropped, not run after the error
 
 
 def test_close_waits_for_the_pieces_in_flight():
+    """Three pieces are running when close() is called, and each can end only from then on:
+    close() must return after all three, not drop or abandon them. Events only, no clock."""
     finished = []
+    running = [threading.Event() for _ in range(3)]
+    closing = threading.Event()
     pool = PiecePool(3)
+
+    def piece(i):
+        running[i].set()
+        closing.wait()
+        finished.append(i)
+
     for i in range(3):
-        pool.submit(lambda i=i: (time.sleep(0.1), finished.append(i)))
-    time.sleep(0.02)
+        pool.submit(piece, i)
+    for event in running:
+        event.wait()
+    closing.set()
     pool.close()
     assert sorted(finished) == [0, 1, 2]
 

@@ -9,7 +9,7 @@ import json
 import os
 import random
 import sys
-import time
+import threading
 
 import pytest
 
@@ -71,11 +71,19 @@ class _Recorder:
     def __init__(self, result: int = 0):
         self.calls: list[tuple[str, int, int]] = []
         self.result = result
+        self._cv = threading.Condition()
 
     def __call__(self, fd: int, offset: int, length: int, flags: int) -> int:
         assert flags == following._SYNC_FILE_RANGE_WRITE
-        self.calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        with self._cv:
+            self.calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+            self._cv.notify_all()
         return self.result
+
+    def wait_for_calls(self, n: int) -> None:
+        """Until ``n`` calls were made (an event, not a deadline)."""
+        with self._cv:
+            self._cv.wait_for(lambda: len(self.calls) >= n)
 
 
 @linux_only
@@ -89,9 +97,7 @@ def test_writeback_starts_the_finished_prefix_in_stretches_then_the_rest(tmp_pat
 
     def calls_after(final_up_to: int, expected: int) -> None:
         writeback.advance(final_up_to)
-        deadline = time.monotonic() + 10
-        while len(recorder.calls) < expected and time.monotonic() < deadline:
-            time.sleep(0.001)
+        recorder.wait_for_calls(expected)  # the thread has made this stretch's call before the next advance
 
     calls_after(5_000, 0)  # under one stretch: nothing yet
     calls_after(12_000, 1)

@@ -115,15 +115,23 @@ def test_a_child_that_plans_other_bytes_is_not_used(qwen2_fp32_ws2, tmp_path, ad
 
 
 def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32_ws2, tmp_path, adoptions, bars, monkeypatch):
+    taken_r, taken_w = os.pipe()  # the merge writes a byte here once it has taken the child's file
+    recording = head_start.HeadStart.adopt
+
+    def adopt_then_tell(self, *args, **kwargs):
+        taken = recording(self, *args, **kwargs)
+        if taken:
+            os.write(taken_w, b"t")
+        return taken
+
     def half_written_then_killed(planned, sources, fd, sha256, progress):
         buffered = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)  # fd itself is O_DIRECT
         os.pwrite(buffered, b"\0" * 4096, 0)
         progress(4096)
-        import time
-
-        time.sleep(0.5)  # the report reaches the merge before the child dies
+        os.read(taken_r, 1)  # the child dies only after its file was taken (forked: it has the pipe)
         os.kill(os.getpid(), 9)
 
+    monkeypatch.setattr(head_start.HeadStart, "adopt", adopt_then_tell)
     monkeypatch.setattr(head_start, "_write", half_written_then_killed)
     with_head, without = tmp_path / "with", tmp_path / "without"
     proc = run_cli("merge", qwen2_fp32_ws2.actor, with_head, "--dtype", "auto")
@@ -135,6 +143,8 @@ def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32
     assert run_cli("merge", qwen2_fp32_ws2.actor, without, "--dtype", "auto", env={head_start.ENV: "0"},
                    in_process=True).returncode == 0
     assert _folder(with_head) == _folder(without)
+    os.close(taken_r)
+    os.close(taken_w)
 
 
 def _children() -> list[int]:
