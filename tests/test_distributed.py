@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -197,8 +196,7 @@ def test_killed_rank_fails_every_rank_and_leaves_no_target(qwen2_fp32_ws2, tmp_p
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for r in range(2)
     ]
-    t0 = time.monotonic()
-    try:
+    try:  # rank 0 must not hang: it notices the lost rank, or times out (HF_MERGE_DIST_TIMEOUT)
         logs = [p.communicate(timeout=int(TIMEOUT_S) + 240)[0] for p in procs]
     finally:
         for p in procs:
@@ -207,7 +205,6 @@ def test_killed_rank_fails_every_rank_and_leaves_no_target(qwen2_fp32_ws2, tmp_p
     assert procs[1].returncode == -signal.SIGKILL, logs
     rank0 = json.loads((tmp_path / "0.rank0.json").read_text())
     assert rank0["code"] != 0 and "error: lost contact with the other ranks" in rank0["stderr"], rank0
-    assert time.monotonic() - t0 < int(TIMEOUT_S) + 240  # rank 0 did not hang: it noticed, or timed out
     assert not target.exists() and no_leftovers(target)
 
 
