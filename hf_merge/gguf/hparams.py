@@ -13,23 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from .. import config_fields
 from ..errors import MappingError
 from .arch import GgufArch
 
 DEFAULT_ROPE_THETA = 10000.0
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings wherever the config keeps them (``rope_parameters`` wins over the old keys)."""
-    out: dict[str, Any] = {}
-    if config.get("rope_theta") is not None:
-        out["rope_theta"] = config["rope_theta"]
-    out.update(config.get("rope_scaling") or {})
-    params = config.get("rope_parameters") or {}
-    out.update(params.get("full_attention", params))
-    if "type" in out and "rope_type" not in out:
-        out["rope_type"] = out["type"]
-    return out
+rope_parameters = config_fields.rope_settings
 
 
 def head_counts(config: dict[str, Any]) -> dict[str, int]:
@@ -117,8 +108,8 @@ _NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 
 def _add_moe(writer, arch: GgufArch, config: dict[str, Any]) -> None:
     # transformers 5 spells the expert count num_local_experts for qwen3_moe, num_experts for qwen2_moe
-    n_experts = config.get("num_experts") or config.get("num_local_experts")
-    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", config.get("num_experts_per_tok")),
+    n_experts, top_k = config_fields.get(config, "num_experts"), config_fields.get(config, "num_experts_per_tok")
+    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", top_k),
                        ("moe_intermediate_size", config.get("moe_intermediate_size"))):
         if value is None:
             raise MappingError(f"config.json has no {key!r}; GGUF output of a {arch.name} model needs it")
@@ -129,7 +120,7 @@ def _add_moe(writer, arch: GgufArch, config: dict[str, Any]) -> None:
             f"uses {want}: the GGUF model would route differently, so it is not written"
         )
     writer.add_expert_count(n_experts)
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_used_count(top_k)
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if arch.name == "qwen2moe" and config.get("shared_expert_intermediate_size") is not None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])

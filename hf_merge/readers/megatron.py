@@ -51,6 +51,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from .. import config_fields
 from ..config_overrides import ConfigOverrides
 from ..errors import (
     CorruptCheckpointError,
@@ -302,7 +303,7 @@ def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -
         )
     config = load_config(cdir)  # a JSON object, with architectures / text_config shapes checked
     for key in _INT_FIELDS:  # the sizes the name mapping and the QKV split compute with
-        value = config.get(key)
+        value = config_fields.get(config, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise MissingConfigError(
                 f"{cdir / 'config.json'}: {key} is {str(value)[:40]!r}, not a positive integer; fix it or pass config_dir= "
@@ -447,11 +448,11 @@ def hf_names(
         head.notes.append(f"{len(view.skipped)} optimizer / rng entries in the dist_ckpt ignored")
     moe = None
     if moe_layers:
-        topk = config.get("num_experts_per_tok")
+        topk = config_fields.get(config, "num_experts_per_tok")
         example = sorted({t.removeprefix(HF_LAYER).replace("{expert}", "{e}") for r in table.rules
                           for _, t in r.targets if "{expert}" in t})
         moe = (
-            f"MoE with {config.get(table.sizes['expert'])} experts" + (f" (top-{topk})" if isinstance(topk, int) else "")
+            f"MoE with {config_fields.get(config, table.sizes['expert'])} experts" + (f" (top-{topk})" if isinstance(topk, int) else "")
             + f" in {len(moe_layers)} of {num_layers} layers; written one tensor per expert "
             f"({HF_LAYER.format(layer='{i}')} + {', '.join(example)}), as save_pretrained writes"
         )
