@@ -389,7 +389,7 @@ def _output_head(
     if OUTPUT_BIAS in present:
         raise MappingError(f"{where}: {OUTPUT_BIAS} is a value-head tensor but the checkpoint is not a value model")
     tied = OUTPUT_LAYER not in present
-    cfg_tied = config.get("tie_word_embeddings")
+    cfg_tied = config_fields.ties_word_embeddings(config)  # an absent key: the config class's default
     if tied and cfg_tied is not True:
         overrides = ConfigOverrides(tie_word_embeddings=True)
         warnings.append(
@@ -421,8 +421,8 @@ def hf_names(
 ) -> _Named:
     """``src`` (Megatron names) under HF names by ``table``, with the checkpoint's structure checked."""
     try:
-        num_layers = int(config["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError):
+        num_layers = int(config_fields.get(config, "num_hidden_layers"))
+    except (TypeError, ValueError):
         raise MissingConfigError(f"{where}: config.json lacks num_hidden_layers") from None
     head = _output_head(src.specs(), table, config, is_value_model, where)
     view = NameTableView(src, table.for_value_model() if head.value_model else table, config, where=where)
@@ -633,7 +633,7 @@ def open_megatron(
     if lay.hf_dir is not None and _hf_weight_files(lay.hf_dir):
         named.head.notes.append(f"{lay.hf_dir} also holds HF weights; the dist_ckpt model tensors are used")
     details.update(
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=int(config_fields.get(config, "num_hidden_layers")),
         family=table.name.split(".", 1)[-1],
         moe=named.moe,
         model_type=model_type,
@@ -833,7 +833,7 @@ def _open_legacy(
     offset = 0
     where = str(lay.legacy_dir)
     seen_globals: dict[str, tuple[int, int]] = {}
-    drop_tied_copy = bool(config.get("tie_word_embeddings")) and pp * vpp_n > 1
+    drop_tied_copy = config_fields.ties_word_embeddings(config) and pp * vpp_n > 1
     for v in range(vpp_n):
         for p in range(pp):
             sds = [files[p][t][v] for t in range(tp)]
@@ -876,10 +876,10 @@ def _open_legacy(
                 shape, pieces = _tp_pieces(name, rule, local, where)
                 src.add(name, shape, pieces)
             offset += len(layers)
-    if offset != config.get("num_hidden_layers"):  # an int or absent (checked by _load_hf_config)
+    if offset != config_fields.get(config, "num_hidden_layers"):  # an int or absent (checked by _load_hf_config)
         raise MappingError(
             f"{where}: the rank files hold {offset} layers but config.json has num_hidden_layers="
-            f"{config.get('num_hidden_layers')}; is config.json the right one?"
+            f"{config_fields.get(config, 'num_hidden_layers')}; is config.json the right one?"
         )
     if drop_tied_copy and OUTPUT_LAYER in src.specs():
         # The copy was seen before the embedding (cannot happen in stage order); keep it honest.
