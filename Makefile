@@ -5,7 +5,16 @@ STAMP := $(VENV)/.installed
 TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 torchdata==0.11.0 \
 	einops==0.8.2 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0
 
-.PHONY: venv demo test bench fuzz clean
+# The compatibility pass (docs/compatibility.md): the transformers 4.x stack of a verl 0.6-era
+# training environment, on the same CPU torch, in a second venv; runs the tests marked `compat`.
+COMPAT_VENV ?= .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+COMPAT_STACK := torch==2.13.0 transformers==4.57.6 peft==0.17.1 accelerate==1.10.1 "huggingface_hub>=0.34,<0.35" \
+	safetensors==0.4.3
+COMPAT_TEST := pytest pytest-timeout megatron-core==0.16.1 gguf==0.19.0 sentencepiece==0.2.3 protobuf==7.36.2
+
+.PHONY: venv demo test test-compat bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +33,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+$(COMPAT_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q $(COMPAT_STACK) $(COMPAT_TEST)
+	$(COMPAT_PY) -m pip install -q -e .
+	# installing hf-merge into a training environment must keep its torch and transformers
+	$(COMPAT_PY) -c "from importlib.metadata import version as v; \
+		assert (v('torch'), v('transformers')) == ('2.13.0+cpu', '4.57.6'), (v('torch'), v('transformers'))"
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -m pytest -q -m compat tests
+
 # FUZZ_SECONDS=600 make fuzz: mutate every input format, run inspect + merge, print the outcome table
 # (FUZZ_ARGS: more options, e.g. --seed 2032 --work DIR; --replay DIR/bad/NNNNN-CLASS re-runs one case)
 fuzz: $(STAMP)
@@ -33,4 +55,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_merge.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache

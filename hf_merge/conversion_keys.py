@@ -23,6 +23,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from .transformers_compat import major_version
+
 __all__ = ["declared_keys", "keys_from_source", "may_convert"]
 
 _BUILD = "_build_checkpoint_conversion_mapping"
@@ -33,6 +35,9 @@ _MAPPING = "mapping"
 def declared_keys() -> frozenset[str] | None:
     """The keys transformers declares conversions for, or None when they cannot be read without
     importing it (not installed, already imported, or a source shape not recognised)."""
+    major = major_version()
+    if major is not None and major < 5:
+        return frozenset()  # transformers 4.x declares no weight conversions (a VLM's renames: nested config)
     if "transformers.conversion_mapping" in sys.modules:
         return None
     spec = importlib.util.find_spec("transformers")  # the package's location; nothing is imported

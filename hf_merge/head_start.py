@@ -307,8 +307,8 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
     if not isinstance(config, dict):
         raise _Skip("config.json is not an object")
     text = config.get("text_config") or {}
-    if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
-        raise _Skip("tied weights")
+    if config.get("tie_word_embeddings", text.get("tie_word_embeddings")) is not False:
+        raise _Skip("tied weights (or config.json leaves it to the config class's default)")
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     if architectures and may_convert(config, architectures[0], ask_transformers=False) is not False:
         raise _Skip("save_pretrained may rename or split this model's tensors (the Hub layout)")

@@ -20,6 +20,8 @@ import torch
 from .errors import MissingConfigError, UnsafeCheckpointError
 from .output import WEIGHT_INDEXES, WEIGHT_SUFFIXES, holds_side_files_only  # noqa: F401 - holds_side_files_only re-exported
 from .spec import config_dtype_name, dtype_name, parse_dtype
+from . import config_fields
+from .transformers_compat import tied_weights
 
 DEFAULT_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -97,11 +99,7 @@ def resolve_dtype(requested: "str | torch.dtype | None", config: dict[str, Any])
     return parse_dtype(requested)
 
 
-def ties_word_embeddings(config: dict[str, Any]) -> bool:
-    text = config.get("text_config") or {}
-    if "tie_word_embeddings" in config:
-        return bool(config["tie_word_embeddings"])
-    return bool(text.get("tie_word_embeddings", False))
+ties_word_embeddings = config_fields.ties_word_embeddings
 
 
 def tied_pairs(config: dict[str, Any], names: "Collection[str] | None" = None) -> dict[str, str]:
@@ -157,7 +155,7 @@ def _ask_transformers(config: dict[str, Any], names: "Collection[str] | None") -
     except Exception as e:  # noqa: BLE001 - transformers' own error: keep the plain pairs it declares
         logger.debug("%s not built to expand its tied weights (%s)", cls.__name__, e)
         return {k: v for k, v in declared.items() if plain}
-    return {str(k): str(v) for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items()}
+    return tied_weights(model)
 
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import config_fields
 from .checkpoint import open_checkpoint
 from .hf_files import load_config, tied_pairs
 
@@ -49,7 +50,7 @@ def describe(
             info.config_overrides.apply(cfg)
             report["hf_config"] = str(hf_dir)
             report["architecture"] = (cfg.get("architectures") or [None])[0]
-            report["config_dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
+            report["config_dtype"] = config_fields.get(cfg, "dtype")
             report["tied_embeddings"] = bool(tied_pairs(cfg))
             report["model_kind"] = model_family(cfg, specs)  # dense / MoE / VLM (a reader may set "family" itself)
             report["output_layout"] = _output_layout(ckpt, cfg)
@@ -75,14 +76,11 @@ def describe(
         ckpt.close()
 
 
-#: config keys holding the number of routed experts (MoE families name it differently)
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
 def model_family(config: dict[str, Any], specs: dict) -> str:
     """``dense``, ``MoE with E experts``, ``VLM`` or ``VLM, MoE with E experts`` (from config.json)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    experts = next((c[k] for c in (config, text) for k in EXPERT_COUNT_KEYS if isinstance(c.get(k), int) and c[k] > 1), None)
+    counts = (config_fields.get(c, "num_experts") for c in (config, text))
+    experts = next((n for n in counts if isinstance(n, int) and not isinstance(n, bool) and n > 1), None)
     parts = []
     if isinstance(config.get("vision_config"), dict):
         parts.append("VLM")

@@ -21,7 +21,9 @@ Unlike ``from_pretrained``, a checkpoint that does not fit the model is an error
 unexpected weights are named), not a warning, unless ``strict=False``. Head weights a base model
 does not have (``AutoModel`` on a ``...ForCausalLM`` checkpoint) are skipped, as transformers does.
 
-Needs transformers >= 5 (the ``dtype`` argument, ``_finalize_model_loading``, conversion mapping).
+Under transformers 4.x (no weight conversions, no ``_finalize_model_loading``) every load is
+handed to ``from_pretrained(None, state_dict=...)`` with lazy values: still one tensor read at a
+time, but neither checked against the model before reading nor mapped from the rank files.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from . import filemap
 from .mapped import Mapper
 from .device_fill import StagerPool, stages
 from .merging import build_views, model_view
+from .transformers_compat import has_weight_conversions
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -151,11 +154,6 @@ def from_sharded_pretrained(
     """
     import transformers
 
-    if int(transformers.__version__.split(".")[0]) < 5:
-        raise UnsupportedCheckpointError(
-            f"from_sharded_pretrained needs transformers >= 5 (found {transformers.__version__}); "
-            "upgrade it, or merge with `hf-merge merge` and use from_pretrained"
-        )
     if lora not in LORA_MODES:
         raise ValueError(f"lora must be one of {LORA_MODES}, not {lora!r}")
     if "torch_dtype" in kwargs:
@@ -593,6 +591,12 @@ def _load_model(
     name: str,
     map_weights: bool = True,
 ):
+    if not has_weight_conversions():
+        return _load_legacy(
+            model_class, config, view, model_kwargs=model_kwargs, load_dtype=load_dtype, device_map=device_map,
+            max_memory=max_memory, quantization_config=quantization_config, strict=strict,
+            offload_folder=offload_folder, offload_buffers=offload_buffers, name=name,
+        )
     from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
 
     model = _meta_model(model_class, config, load_dtype, model_kwargs)
@@ -742,6 +746,11 @@ class _LazyTensor:
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
+    def to(self, *args: Any, **kwargs: Any) -> "_LazyTensor":
+        """transformers 4.x's loop moves each value first (``value.to(device)``) and places what
+        ``value[...]`` reads afterwards: the move is deferred to that read."""
+        return self
+
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
 
@@ -787,14 +796,45 @@ def _load_with_transformers(
     model.config.name_or_path = name
     model.name_or_path = name
     missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
-    mismatched = sorted(info["mismatched_keys"])
+    mismatched = sorted(m if isinstance(m, str) else m[0] for m in info["mismatched_keys"])  # 4.x: names
     if strict and (missing or unexpected or mismatched):
         raise MappingError(
             f"the checkpoint does not fit {model_class.__name__}: missing {_names(missing)}, unexpected "
-            f"{_names(unexpected)}, other shape {_names([m[0] for m in mismatched])}; check config.json and auto_class, "
+            f"{_names(unexpected)}, other shape {_names(mismatched)}; check config.json and auto_class, "
             "or pass strict=False"
         )
     return model
+
+
+def _load_legacy(model_class, config, view: LazyCheckpoint, *, offload_folder, **options):
+    """transformers 4.x: its own loop over lazy values (it has no weight conversions nor
+    ``_finalize_model_loading`` to fill a model ourselves). Head weights a base model has no place
+    for are skipped, as in the transformers 5 path; a shape that differs is named, not a crash."""
+    if offload_folder is not None:
+        raise UnsupportedCheckpointError(
+            "disk offload of a sharded checkpoint needs transformers >= 5; merge with `hf-merge merge` and "
+            "use from_pretrained, or load without offload_folder"
+        )
+    prefix = getattr(model_class, "base_model_prefix", "") or ""
+    names = list(view.specs())
+    skipped: list[str] = []
+    if prefix and not _holds_base_model(model_class, config, prefix) and any(n.startswith(f"{prefix}.") for n in names):
+        skipped = [n for n in names if not n.startswith(f"{prefix}.")]
+        if skipped:
+            logger.info("%s has no place for %s; skipped (as from_pretrained does for a base model)",
+                        model_class.__name__, _names(skipped))
+    plan = LoadPlan(skipped_heads=skipped)
+    options["model_kwargs"] = {"ignore_mismatched_sizes": True, **options["model_kwargs"]}  # named below, not a crash
+    return _load_with_transformers(model_class, config, view, plan, offload_folder=None, **options)
+
+
+def _holds_base_model(model_class, config, prefix: str) -> bool:
+    """Whether ``model_class`` wraps its base model under ``prefix`` (a task model), as
+    transformers 4.x decides it: the attribute on the model, built here on the meta device."""
+    from transformers.modeling_utils import no_init_weights
+
+    with torch.device("meta"), no_init_weights():
+        return hasattr(model_class(copy.deepcopy(config)), prefix)
 
 
 def _names(names) -> str:

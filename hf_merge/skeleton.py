@@ -64,7 +64,7 @@ def _build(cls, config: dict[str, Any]):
     with torch.device("meta"):
         try:
             from transformers.initialization import no_init_weights
-        except ImportError:  # older transformers 5
+        except ImportError:  # transformers 4.x and early 5.x
             from transformers.modeling_utils import no_init_weights
         with no_init_weights():
             return cls(config_obj)

@@ -12,15 +12,15 @@ from helpers import assert_tensors_equal, folder_tensors, model_logits, no_lefto
 import hf_merge
 
 LAYOUT_FIXTURES = [
-    "qwen2_fp32_ws2",
-    "llama_tied_bf16_ws4",
+    pytest.param("qwen2_fp32_ws2", marks=pytest.mark.compat),
+    pytest.param("llama_tied_bf16_ws4", marks=pytest.mark.compat),
     "qwen2_shard1",
     "hsdp_ckpt",
     "uneven_ckpt",
     "ws1_ckpt",
     "mixed_buffers_ckpt",
     "shard1_dtensor_ckpt",
-    "hsdp_fsdp2_ckpt",
+    pytest.param("hsdp_fsdp2_ckpt", marks=pytest.mark.compat),
     "uneven_fsdp2_ckpt",
     "ws1_fsdp2_ckpt",
 ]
@@ -58,6 +58,7 @@ def test_explicit_dtype_float16(qwen2_fp32_ws2, tmp_path):
     assert_tensors_equal(folder_tensors(target), folder_tensors(qwen2_fp32_ws2.reference), dtype=torch.float16)
 
 
+@pytest.mark.compat
 def test_tied_embeddings_written_once(llama_tied_bf16_ws4, tmp_path):
     target = tmp_path / "merged"
     hf_merge.merge(llama_tied_bf16_ws4.actor, target)
@@ -69,6 +70,7 @@ def test_tied_embeddings_written_once(llama_tied_bf16_ws4, tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.compat
 def test_side_files_copied(qwen2_fp32_ws2, tmp_path):
     target = tmp_path / "merged"
     hf_merge.merge(qwen2_fp32_ws2.actor, target)

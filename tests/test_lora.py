@@ -22,6 +22,7 @@ def _peft_logits(base_dir, adapter_dir, input_ids):
         return model(input_ids).logits.float()
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("fixture", ["lora_ckpt", "lora_rslora_ckpt", "lora_modules_to_save_ckpt"])
 def test_fused_and_adapter_match_peft(fixture, request, tmp_path):
     ckpt = request.getfixturevalue(fixture)
@@ -47,6 +48,7 @@ def test_fused_and_adapter_match_peft(fixture, request, tmp_path):
     assert_tensors_equal(folder_tensors(adapter), folder_tensors(ckpt.reference_adapter))
 
 
+@pytest.mark.compat
 def test_adapter_mode_writes_adapter_folder_only(lora_ckpt, tmp_path):
     target = tmp_path / "adapter"
     proc = run_cli("merge", lora_ckpt.actor, target, "--lora", "adapter")
@@ -76,6 +78,7 @@ def test_missing_alpha_is_refused_then_flag_works(lora_ckpt, tmp_path):
     assert_tensors_equal(folder_tensors(tmp_path / "out"), folder_tensors(lora_ckpt.reference))
 
 
+@pytest.mark.compat
 def test_lora_only_needs_base_model(lora_only_ckpt, tmp_path):
     line = error_line(run_cli("merge", lora_only_ckpt.actor, tmp_path / "out"))
     assert "--base-model" in line

@@ -224,6 +224,31 @@ def test_from_sharded_pretrained_gives_megatrons_logits(megatron_moe_root, name)
         torch.testing.assert_close(model(ref["input_ids"]).logits, ref["logits"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.compat
+def test_config_written_by_save_pretrained_merges_the_same(megatron_moe_root, merged, tmp_path):
+    """config.json as transformers' own ``save_pretrained`` writes it for Qwen3-MoE (transformers 5
+    stores the expert count as ``num_local_experts``, its attribute_map's target; the Hub's and
+    4.x configs say ``num_experts``): the merge reads the field either way, same bytes."""
+    import transformers
+    from hf_merge.cli.app import main
+
+    hf = megatron_moe_root / "qwen3_moe" / "actor" / "model" / "huggingface"
+    cfg = json.loads((hf / "config.json").read_text())
+    transformers.AutoConfig.for_model(**cfg).save_pretrained(tmp_path / "config")
+    written = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert written.get("num_local_experts", written.get("num_experts")) == mk.EXPERTS
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        assert "num_experts" not in written  # the rename this test is about
+    target = tmp_path / "out"
+    args = ["-q", "merge", str(megatron_moe_root / SOURCES["qwen3_moe"]), str(target), "--no-checksums",
+            "--config", str(tmp_path / "config")]
+    assert main(args) == 0
+    a, b = folder_tensors(merged["qwen3_moe"]), folder_tensors(target)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_table_schema_checks_placeholders():
     """Placeholders are validated when a table is built; match reads them back."""
     table = find_table("megatron", {"model_type": "qwen3_moe"})

@@ -103,6 +103,7 @@ def test_import_hf_merge_patches_auto_classes():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_fp32_logits_equal_the_unsharded_model_exactly(qwen2_fp32_ws2, loaded):
     ref = torch.load(qwen2_fp32_ws2.logits)
     assert type(loaded) is Qwen2ForCausalLM
@@ -112,6 +113,7 @@ def test_fp32_logits_equal_the_unsharded_model_exactly(qwen2_fp32_ws2, loaded):
     assert torch.equal(_logits(loaded, ref["input_ids"]), ref["logits"])
 
 
+@pytest.mark.compat
 def test_every_tensor_equals_from_pretrained(ref, loaded):
     ours = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
     theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
@@ -257,6 +259,7 @@ def test_weights_read_into_own_memory_when_disabled_or_cast(qwen2_vocab2k_ws2, k
     assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
 
 
+@pytest.mark.compat
 def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_fp32_ws2):
     assert json.loads((qwen2_fp32_ws2.hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor)  # dtype: the config's
@@ -270,6 +273,7 @@ def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_f
     assert keep.dtype == torch.float32 and keep.config.dtype == torch.float32
 
 
+@pytest.mark.compat
 def test_auto_model_builds_the_base_model(qwen2_fp32_ws2):
     model = AutoModel.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype=torch.float32)
     assert type(model) is Qwen2Model  # the `model.` prefix stripped, lm_head skipped
@@ -279,12 +283,14 @@ def test_auto_model_builds_the_base_model(qwen2_fp32_ws2):
         assert torch.equal(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
 
 
+@pytest.mark.compat
 def test_default_class_is_the_configs_architecture(qwen2_fp32_ws2):
     model = hf_merge.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
     assert type(model) is Qwen2ForCausalLM
     assert type(from_sharded_pretrained(qwen2_fp32_ws2.actor, auto_class="AutoModel")) is Qwen2Model
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("device_map", ["cpu", "auto", {"": "cpu"}, "dict"])
 def test_device_map(qwen2_fp32_ws2, device_map):
     if device_map == "dict":
@@ -322,6 +328,7 @@ def test_a_plain_hf_folder_loads_too(qwen2_fp32_ws2):
     assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
 
 
+@pytest.mark.compat
 def test_tied_embeddings_are_tied(llama_tied_bf16_ws4):
     model = AutoModelForCausalLM.from_sharded_pretrained(llama_tied_bf16_ws4.actor)
     assert type(model) is LlamaForCausalLM and model.dtype == torch.bfloat16
@@ -342,6 +349,7 @@ def test_persistent_buffer_in_rank_files_is_skipped_like_transformers(mixed_buff
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_config_name_and_generation_config(qwen2_fp32_ws2, loaded):
     assert loaded.config.name_or_path == str(qwen2_fp32_ws2.actor)
     assert loaded.name_or_path == str(qwen2_fp32_ws2.actor)
@@ -350,6 +358,7 @@ def test_config_name_and_generation_config(qwen2_fp32_ws2, loaded):
         assert getattr(loaded.generation_config, key) == saved[key]
 
 
+@pytest.mark.compat
 def test_generate_equals_the_reference(qwen2_fp32_ws2, ref, loaded):
     ids = torch.load(qwen2_fp32_ws2.logits)["input_ids"][:1]
     kw = dict(max_new_tokens=5, do_sample=False)
@@ -430,6 +439,7 @@ def test_missing_config_raises_the_typed_error(qwen2_fp32_ws2, tmp_path):
     assert torch.equal(_logits(model, torch.load(qwen2_fp32_ws2.logits)["input_ids"]), torch.load(qwen2_fp32_ws2.logits)["logits"])
 
 
+@pytest.mark.compat
 def test_missing_and_unexpected_weights_are_named(qwen2_fp32_ws2):
     with pytest.raises(MappingError, match=r"score\.weight"):
         AutoModelForTokenClassification.from_sharded_pretrained(qwen2_fp32_ws2.actor, num_labels=1)
@@ -440,6 +450,7 @@ def test_missing_and_unexpected_weights_are_named(qwen2_fp32_ws2):
     assert model.score.weight.shape == (1, 64) and _no_meta(model) == []
 
 
+@pytest.mark.compat
 def test_wrong_shapes_are_named(qwen2_fp32_ws2, tmp_path):
     cfg = json.loads((qwen2_fp32_ws2.hf_dir / "config.json").read_text())
     cfg["intermediate_size"] = 96
@@ -480,12 +491,14 @@ def test_bitsandbytes_equals_from_pretrained_quantized(qwen2_fp32_ws2, bits):
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
 
 
+@pytest.mark.compat
 def test_lora_fuse_is_the_default(lora_ckpt):
     model = AutoModelForCausalLM.from_sharded_pretrained(lora_ckpt.actor, dtype="float32")
     ref = torch.load(lora_ckpt.logits)
     torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", ["lora_ckpt", "lora_modules_to_save_ckpt"])
 def test_lora_adapter_gives_a_peft_model(checkpoint, name):
     from peft import PeftModel
@@ -501,6 +514,7 @@ def test_lora_adapter_gives_a_peft_model(checkpoint, name):
     assert model.peft_config["default"].lora_alpha == ref.peft_config["default"].lora_alpha
 
 
+@pytest.mark.compat
 def test_lora_only_checkpoint_with_base_model(lora_only_ckpt):
     from peft import PeftModel
 

@@ -27,6 +27,7 @@ def _copy(merged, tmp_path):
     return dest
 
 
+@pytest.mark.compat
 def test_good_merge_passes_against_source_and_reference(merged, qwen2_fp32_ws2):
     proc = run_cli("verify", merged, "--against", qwen2_fp32_ws2.actor)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -36,6 +37,7 @@ def test_good_merge_passes_against_source_and_reference(merged, qwen2_fp32_ws2):
     assert report.ok, report.table()
 
 
+@pytest.mark.compat
 def test_lora_merge_verifies_against_source(lora_ckpt, tmp_path):
     target = tmp_path / "m"
     result = hf_merge.merge(lora_ckpt.actor, target, lora="fuse", verify=True)
@@ -43,6 +45,7 @@ def test_lora_merge_verifies_against_source(lora_ckpt, tmp_path):
     assert verify(target, lora_ckpt.actor).ok
 
 
+@pytest.mark.compat
 def test_flipped_byte_fails_naming_the_tensor(merged, qwen2_fp32_ws2, tmp_path):
     bad = _copy(merged, tmp_path)
     path = bad / "model.safetensors"
@@ -74,6 +77,7 @@ def test_missing_tensor_and_wrong_dtype_fail(merged, qwen2_fp32_ws2, tmp_path):
     assert proc.returncode == 1 and "missing tensor model.norm.weight" in proc.stdout
 
 
+@pytest.mark.compat
 def test_logits_check_runs_a_forward_pass(merged, qwen2_fp32_ws2):
     report = verify(merged, qwen2_fp32_ws2.reference, atol=1e-2, logits=True, logits_atol=0.1)
     names = {c.name: c for c in report.checks}

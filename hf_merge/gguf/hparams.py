@@ -13,33 +13,32 @@ from typing import Any
 
 import numpy as np
 
+from .. import config_fields
 from ..errors import MappingError
 from .arch import GgufArch
 
 DEFAULT_ROPE_THETA = 10000.0
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings wherever the config keeps them (``rope_parameters`` wins over the old keys)."""
-    out: dict[str, Any] = {}
-    if config.get("rope_theta") is not None:
-        out["rope_theta"] = config["rope_theta"]
-    out.update(config.get("rope_scaling") or {})
-    params = config.get("rope_parameters") or {}
-    out.update(params.get("full_attention", params))
-    if "type" in out and "rope_type" not in out:
-        out["rope_type"] = out["type"]
-    return out
+rope_parameters = config_fields.rope_settings
+
+
+def _field(config: dict[str, Any], name: str) -> Any:
+    """A field config.json must have, under whichever spelling (:func:`hf_merge.config_fields.get`)."""
+    value = config_fields.get(config, name)
+    if value is None:
+        raise MappingError(f"config.json has no {name!r}; GGUF output needs it")
+    return value
 
 
 def head_counts(config: dict[str, Any]) -> dict[str, int]:
     """``{"heads": query heads, "kv_heads": key/value heads}``: what the permute tables name."""
-    heads = config["num_attention_heads"]
-    return {"heads": heads, "kv_heads": config.get("num_key_value_heads") or heads}
+    heads = _field(config, "num_attention_heads")
+    return {"heads": heads, "kv_heads": config_fields.get(config, "num_key_value_heads") or heads}
 
 
 def head_dim(config: dict[str, Any]) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config_fields.get(config, "head_dim") or _field(config, "hidden_size") // _field(config, "num_attention_heads")
 
 
 def rope_freqs(config: dict[str, Any]) -> np.ndarray | None:
@@ -74,16 +73,14 @@ def add_hparams(writer, arch: GgufArch, config: dict[str, Any], ftype) -> None:
     """Add the hyper-parameter keys of ``config`` to a ``gguf.GGUFWriter``."""
     import gguf
 
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
-        if key not in config:
-            raise MappingError(f"config.json has no {key!r}; GGUF output needs it")
-    writer.add_block_count(config["num_hidden_layers"])
-    if config.get("max_position_embeddings") is not None:
-        writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    heads = head_counts(config)
+    writer.add_block_count(_field(config, "num_hidden_layers"))
+    if config_fields.get(config, "max_position_embeddings") is not None:
+        writer.add_context_length(config_fields.get(config, "max_position_embeddings"))
+    writer.add_embedding_length(_field(config, "hidden_size"))
+    writer.add_feed_forward_length(_field(config, "intermediate_size"))
+    writer.add_head_count(heads["heads"])
+    writer.add_head_count_kv(heads["kv_heads"])
     rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope.get("rope_theta", DEFAULT_ROPE_THETA)))
     rope_type = str(rope.get("rope_type", "default")).lower()
@@ -104,7 +101,7 @@ def add_hparams(writer, arch: GgufArch, config: dict[str, Any], ftype) -> None:
     if arch.moe:
         _add_moe(writer, arch, config)
     if arch.name == "llama":  # llama.cpp's llama converter also writes these two
-        writer.add_vocab_size(config["vocab_size"])
+        writer.add_vocab_size(_field(config, "vocab_size"))
         writer.add_rope_dimension_count(head_dim(config))
     writer.add_file_type(int(gguf.LlamaFileType[ftype.file_type]))
     if ftype.quantized:
@@ -117,8 +114,8 @@ _NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 
 def _add_moe(writer, arch: GgufArch, config: dict[str, Any]) -> None:
     # transformers 5 spells the expert count num_local_experts for qwen3_moe, num_experts for qwen2_moe
-    n_experts = config.get("num_experts") or config.get("num_local_experts")
-    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", config.get("num_experts_per_tok")),
+    n_experts, top_k = config_fields.get(config, "num_experts"), config_fields.get(config, "num_experts_per_tok")
+    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", top_k),
                        ("moe_intermediate_size", config.get("moe_intermediate_size"))):
         if value is None:
             raise MappingError(f"config.json has no {key!r}; GGUF output of a {arch.name} model needs it")
@@ -129,7 +126,7 @@ def _add_moe(writer, arch: GgufArch, config: dict[str, Any]) -> None:
             f"uses {want}: the GGUF model would route differently, so it is not written"
         )
     writer.add_expert_count(n_experts)
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_used_count(top_k)
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if arch.name == "qwen2moe" and config.get("shared_expert_intermediate_size") is not None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])

@@ -51,6 +51,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from .. import config_fields
 from ..config_overrides import ConfigOverrides
 from ..errors import (
     CorruptCheckpointError,
@@ -302,7 +303,7 @@ def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -
         )
     config = load_config(cdir)  # a JSON object, with architectures / text_config shapes checked
     for key in _INT_FIELDS:  # the sizes the name mapping and the QKV split compute with
-        value = config.get(key)
+        value = config_fields.get(config, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise MissingConfigError(
                 f"{cdir / 'config.json'}: {key} is {str(value)[:40]!r}, not a positive integer; fix it or pass config_dir= "
@@ -388,7 +389,7 @@ def _output_head(
     if OUTPUT_BIAS in present:
         raise MappingError(f"{where}: {OUTPUT_BIAS} is a value-head tensor but the checkpoint is not a value model")
     tied = OUTPUT_LAYER not in present
-    cfg_tied = config.get("tie_word_embeddings")
+    cfg_tied = config_fields.ties_word_embeddings(config)  # an absent key: the config class's default
     if tied and cfg_tied is not True:
         overrides = ConfigOverrides(tie_word_embeddings=True)
         warnings.append(
@@ -420,8 +421,8 @@ def hf_names(
 ) -> _Named:
     """``src`` (Megatron names) under HF names by ``table``, with the checkpoint's structure checked."""
     try:
-        num_layers = int(config["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError):
+        num_layers = int(config_fields.get(config, "num_hidden_layers"))
+    except (TypeError, ValueError):
         raise MissingConfigError(f"{where}: config.json lacks num_hidden_layers") from None
     head = _output_head(src.specs(), table, config, is_value_model, where)
     view = NameTableView(src, table.for_value_model() if head.value_model else table, config, where=where)
@@ -447,11 +448,11 @@ def hf_names(
         head.notes.append(f"{len(view.skipped)} optimizer / rng entries in the dist_ckpt ignored")
     moe = None
     if moe_layers:
-        topk = config.get("num_experts_per_tok")
+        topk = config_fields.get(config, "num_experts_per_tok")
         example = sorted({t.removeprefix(HF_LAYER).replace("{expert}", "{e}") for r in table.rules
                           for _, t in r.targets if "{expert}" in t})
         moe = (
-            f"MoE with {config.get(table.sizes['expert'])} experts" + (f" (top-{topk})" if isinstance(topk, int) else "")
+            f"MoE with {config_fields.get(config, table.sizes['expert'])} experts" + (f" (top-{topk})" if isinstance(topk, int) else "")
             + f" in {len(moe_layers)} of {num_layers} layers; written one tensor per expert "
             f"({HF_LAYER.format(layer='{i}')} + {', '.join(example)}), as save_pretrained writes"
         )
@@ -632,7 +633,7 @@ def open_megatron(
     if lay.hf_dir is not None and _hf_weight_files(lay.hf_dir):
         named.head.notes.append(f"{lay.hf_dir} also holds HF weights; the dist_ckpt model tensors are used")
     details.update(
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=int(config_fields.get(config, "num_hidden_layers")),
         family=table.name.split(".", 1)[-1],
         moe=named.moe,
         model_type=model_type,
@@ -832,7 +833,7 @@ def _open_legacy(
     offset = 0
     where = str(lay.legacy_dir)
     seen_globals: dict[str, tuple[int, int]] = {}
-    drop_tied_copy = bool(config.get("tie_word_embeddings")) and pp * vpp_n > 1
+    drop_tied_copy = config_fields.ties_word_embeddings(config) and pp * vpp_n > 1
     for v in range(vpp_n):
         for p in range(pp):
             sds = [files[p][t][v] for t in range(tp)]
@@ -875,10 +876,10 @@ def _open_legacy(
                 shape, pieces = _tp_pieces(name, rule, local, where)
                 src.add(name, shape, pieces)
             offset += len(layers)
-    if offset != config.get("num_hidden_layers"):  # an int or absent (checked by _load_hf_config)
+    if offset != config_fields.get(config, "num_hidden_layers"):  # an int or absent (checked by _load_hf_config)
         raise MappingError(
             f"{where}: the rank files hold {offset} layers but config.json has num_hidden_layers="
-            f"{config.get('num_hidden_layers')}; is config.json the right one?"
+            f"{config_fields.get(config, 'num_hidden_layers')}; is config.json the right one?"
         )
     if drop_tied_copy and OUTPUT_LAYER in src.specs():
         # The copy was seen before the embedding (cannot happen in stage order); keep it honest.

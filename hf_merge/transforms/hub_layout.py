@@ -19,7 +19,8 @@ so the writer's ``copy_file_range`` path is kept.
 An operation outside :data:`KNOWN_OPERATIONS`, or a torch call outside :data:`REPLAYABLE_CALLS`, is
 a :class:`~hf_merge.errors.MappingError` naming it and the architecture, never a silent
 pass-through. Models transformers does not convert (dense Llama/Qwen..., remote code) pass through
-unchanged. Checked with transformers 5.24.
+unchanged. Checked with transformers 5.24. Under transformers 4.x (no weight conversions: MoE
+experts are held as saved) only a VLM's prefixes are renamed, as 4.x's ``save_pretrained`` does.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
 from ..errors import MappingError
 from ..skeleton import model_class_for, skeleton
 from ..spec import TensorSpec, c_contiguous, dtype_name, parse_dtype
+from ..transformers_compat import has_weight_conversions, legacy_saved_names
 
 logger = logging.getLogger(__name__)
 
@@ -467,6 +469,8 @@ def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
         # transformers declares no conversion for this class, its model type or a sub-model:
         # save_pretrained keeps the in-memory names (dense models); no need to build the model
         return _PASSTHROUGH
+    if not has_weight_conversions():
+        return _legacy_plan(specs, config)
     cls = model_class_for(config)
     if cls is None:
         return _PASSTHROUGH
@@ -515,6 +519,22 @@ def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
     if all(isinstance(r, _Leaf) and r.name == n for n, r in recipes.items()) and len(recipes) == len(specs):
         return _PASSTHROUGH
     return arch, recipes, out_specs
+
+
+def _legacy_plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
+    """transformers 4.x: MoE experts are held as saved; only a VLM's prefixes are renamed, as that
+    release's ``save_pretrained`` does (:func:`hf_merge.transformers_compat.legacy_saved_names`)."""
+    cls = model_class_for(config)
+    if cls is None:
+        return _PASSTHROUGH
+    try:
+        table = legacy_saved_names(cls, list(specs))
+    except ValueError as e:
+        raise MappingError(f"{cls.__name__}: save_pretrained's renaming of this checkpoint clashes ({e}); report it") from e
+    if not table:
+        return _PASSTHROUGH
+    recipes = {saved: _Leaf(name) for saved, name in table.items()}
+    return cls.__name__, recipes, {saved: specs[name].renamed(saved) for saved, name in table.items()}
 
 
 # --------------------------------------------------------------------------------------------

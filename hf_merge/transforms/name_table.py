@@ -45,6 +45,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from .. import config_fields
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
 from ..errors import MappingError, MissingConfigError
 from ..spec import TensorSpec
@@ -335,12 +336,12 @@ def _positive_int(value: Any) -> bool:
 def attention_heads(config: Mapping[str, Any], where: str = "config.json") -> tuple[int, int, int]:
     """``(num_attention_heads, num_key_value_heads, head_dim)`` of an HF config (kv heads default to
     the query heads, head_dim to hidden_size // heads). MissingConfigError if they are not positive."""
-    missing = [k for k in ("num_attention_heads", "hidden_size") if not _positive_int(config.get(k))]
+    nq, hidden = (config_fields.get(config, k) for k in ("num_attention_heads", "hidden_size"))
+    missing = [k for k, v in (("num_attention_heads", nq), ("hidden_size", hidden)) if not _positive_int(v)]
     if missing:
         raise MissingConfigError(f"{where}: config.json has no positive integer {missing[0]}; cannot split the fused QKV tensors")
-    nq, hidden = config["num_attention_heads"], config["hidden_size"]
-    nkv = config.get("num_key_value_heads") or nq
-    hd = config.get("head_dim") or hidden // nq
+    nkv = config_fields.get(config, "num_key_value_heads") or nq
+    hd = config_fields.get(config, "head_dim") or hidden // nq
     if not (_positive_int(nkv) and _positive_int(hd)):
         raise MissingConfigError(
             f"{where}: num_key_value_heads={nkv!r} and head_dim={hd!r} (hidden_size // num_attention_heads if "
@@ -365,12 +366,12 @@ def rope_source_rows(rows: int, n_heads: int) -> torch.Tensor:
 
 def _rope_heads(config: Mapping[str, Any], op: str) -> int:
     try:
-        n_q = int(config["num_attention_heads"])
-    except (KeyError, TypeError, ValueError):
+        n_q = int(config_fields.get(config, "num_attention_heads"))
+    except (TypeError, ValueError):
         raise MappingError("config.json has no num_attention_heads; the q/k rotary permutation needs it") from None
     if op == "rope_q":
         return n_q
-    return int(config.get("num_key_value_heads") or n_q)
+    return int(config_fields.get(config, "num_key_value_heads") or n_q)
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,7 +473,7 @@ class NameTableView(LazyCheckpoint):
     def _config_sizes(self, config: Mapping[str, Any]) -> dict[str, int | None]:
         sizes: dict[str, int | None] = {}
         for p, key in self.table.sizes.items():
-            value = config.get(key)
+            value = config_fields.get(config, key)
             sizes[p] = value if _positive_int(value) else None
         return sizes
 
@@ -598,9 +599,9 @@ class NameTableView(LazyCheckpoint):
             if not any(pattern_key(t) in written for _, t in rules[src].targets):
                 continue
             for ckey, want in wants.items():
-                if config.get(ckey) != want:
+                if config_fields.get(config, ckey) != want:
                     raise MappingError(
-                        f"{self._where}the checkpoint has {src} but config.json has {ckey}={config.get(ckey)!r}; "
+                        f"{self._where}the checkpoint has {src} but config.json has {ckey}={config_fields.get(config, ckey)!r}; "
                         f"set {ckey}: {json.dumps(want)} in config.json (or pass the right config_dir)"
                     )
 
