@@ -73,7 +73,6 @@ def merge_gguf(
     from . import quant
     from .arch import arch_for
     from .tokenizer import load_vocab
-    from .pipeline import sync_file
     from .writer import write_gguf
 
     target = Path(target)
@@ -128,10 +127,9 @@ def merge_gguf(
                     from .kquant import quantize_file
 
                     bf16 = tmp / f".{fname}.bf16"
-                    planned = write_gguf(views.model, cfg, bf16, ftype, vocab=vocab, name=name, durable=False)
+                    planned = write_gguf(views.model, cfg, bf16, ftype, vocab=vocab, name=name)
                     quantize_file(bf16, tmp / fname, ftype.name)
                     bf16.unlink()
-                    sync_file(tmp / fname)
                 else:
                     planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
                 files.append(fname)

@@ -3,12 +3,10 @@
 - :func:`prefetched` runs an iterator on a thread, at most ``depth`` items ahead of its consumer
   (torch and numpy release the GIL in their kernels, so reading + quantizing runs on one core
   while ``write`` runs on the other).
-- :func:`sync_file` makes a finished file durable before its folder's atomic rename.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Iterator, TypeVar
@@ -68,15 +66,3 @@ def prefetched(items: Iterator[T], depth: int = 1, *, one_thread: bool = False) 
     finally:
         stop.set()
         thread.join()
-
-
-def sync_file(path) -> None:
-    """``fdatasync`` a finished file (through a descriptor of its own: any descriptor of the file
-    will do), so it is on disk before its folder is atomically renamed into place. The kernel's
-    background writeback already overlaps the disk writes with the computation (measured: syncing
-    every 256 MB as the file grew was no faster), so this only waits for the tail."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
