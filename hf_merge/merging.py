@@ -19,7 +19,7 @@ from .hf_files import (
     write_config, written_dtype,
 )
 from .hub import push, write_card
-from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_target
+from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_free_space, check_target
 from .errors import HfMergeError, HubError
 from .plan import parse_size, plan_shards
 from .preload import preload
@@ -409,6 +409,7 @@ def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lo
                 # PEFT loads one adapter file: never shard it.
                 views.adapter.specs(), max_shard_size=2**62, metadata=metadata, filename_pattern=ADAPTER_PATTERN
             )
+        check_free_space(target, sum(f.file_size for plan in (model_plan, adapter_plan) if plan for f in plan.files))
     except BaseException:
         ckpt.close()
         raise

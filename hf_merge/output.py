@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import durable
-from .errors import TargetExistsError
+from .errors import InsufficientSpaceError, TargetExistsError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -57,6 +57,31 @@ def resolve_target(target: Path) -> Path:
             raise TargetExistsError(f"{target} is a symlink to the file {real}; choose a target folder")
         return real
     return target
+
+
+#: room asked for beyond the planned weight files: config, tokenizer, index, card, provenance
+SIDE_FILES_ROOM = 64 << 20
+
+
+def check_free_space(target: Path, planned: int) -> None:
+    """Refuse, before anything is written, a merge whose ``planned`` bytes (plus room for the side
+    files) do not fit on the file system that will hold ``target``. Under ``--overwrite`` the old
+    target stays until the new one is in place, so its space does not count as free."""
+    folder = Path(target).absolute()
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    free = durable.free_bytes(folder)
+    needed = planned + SIDE_FILES_ROOM
+    if free < needed:
+        raise InsufficientSpaceError(
+            f"not enough free space for {target}: the merge writes {_gb(planned)} (plus up to {_gb(SIDE_FILES_ROOM)} "
+            f"of side files), the file system of {folder} has {_gb(free)} free; free {_gb(needed - free)} or more, "
+            "or choose a target on another file system"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
 
 
 def check_target(target: Path, *, overwrite: bool) -> None:

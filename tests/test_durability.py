@@ -193,3 +193,47 @@ def test_an_old_target_left_aside_is_put_back_by_the_next_run(qwen2_fp32_ws2, tm
         hf_merge.merge(qwen2_fp32_ws2.actor, target)
     assert_tensors_equal(folder_tensors(target), before)
     assert no_leftovers(target)
+
+
+def _statvfs_with(free: int, under: Path, monkeypatch) -> None:
+    """``os.statvfs`` of a folder under ``under`` says ``free`` bytes are available (in 1-byte blocks)."""
+    real = os.statvfs
+
+    def statvfs(path):
+        st = real(path)
+        if not Path(path).absolute().is_relative_to(under):
+            return st
+        return os.statvfs_result((st.f_bsize, 1, max(free, st.f_blocks), free, free, st.f_files, st.f_ffree,
+                                  st.f_favail, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+@pytest.mark.parametrize("gguf", [None, "q8_0"])
+def test_free_space_is_checked_before_writing(gguf, qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """The planned bytes plus room for the side files must be free on the target's file system:
+    less is refused with a typed error (exit 3, one line) and leaves nothing; that much merges.
+    Safetensors files are planned to the byte (one byte less is refused); a GGUF file's plan is its
+    tensor data (its metadata is in the room for side files)."""
+    if gguf:
+        pytest.importorskip("gguf")
+    from helpers import error_line, run_cli
+
+    args = [qwen2_fp32_ws2.actor, "--max-shard-size", "20KB"] if gguf is None else [
+        qwen2_fp32_ws2.actor, "--gguf", gguf, "--gguf-pre-tokenizer", "gpt-2"]
+    sizing = tmp_path / "sizing"
+    proc = run_cli("merge", args[0], sizing, *args[1:])
+    assert proc.returncode == 0, proc.stderr
+    weights = sum(p.stat().st_size for p in sizing.iterdir() if p.suffix in (".safetensors", ".gguf"))
+    needed = weights + output.SIDE_FILES_ROOM
+    target = tmp_path / "space" / "out"
+    _statvfs_with(needed - 1 if gguf is None else weights // 2, tmp_path / "space", monkeypatch)
+    proc = run_cli("merge", args[0], target, *args[1:])
+    assert proc.returncode == 3, proc.stderr
+    line = error_line(proc)
+    assert "not enough free space" in line and "choose a target on another file system" in line, line
+    assert not (tmp_path / "space").exists()  # nothing written, the parent folder made for it gone too
+    _statvfs_with(needed, tmp_path / "space", monkeypatch)
+    proc = run_cli("merge", args[0], target, *args[1:])
+    assert proc.returncode == 0, proc.stderr
+    assert no_leftovers(target)
