@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
 
 #: threads fsyncing the files of one folder
@@ -58,14 +58,38 @@ def sync_tree(folder: Path) -> None:
             if not p.is_symlink():
                 files.append(p)
         dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
-    if len(files) > 1:
-        with ThreadPoolExecutor(min(SYNC_THREADS, len(files)), thread_name_prefix="fsync") as pool:
-            list(pool.map(sync_file, files))  # the first error is raised here
-    else:
-        for p in files:
-            sync_file(p)
+    _sync_files(files)
     for p in reversed(folders):  # os.walk is top-down: reversed, each folder comes after its children
         sync_dir(p)
+
+
+def _sync_files(files: list[Path]) -> None:
+    """fsync ``files`` on up to :data:`SYNC_THREADS` daemon threads; the first error is raised. An
+    interrupt (SIGTERM, Ctrl-C) leaves at once: the fsyncs in flight (a slow disk's) are not waited
+    for, here or at interpreter exit (which a thread pool's threads would be)."""
+    todo = list(files)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                if not todo or errors:
+                    return
+                path = todo.pop()
+            try:
+                sync_file(path)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller
+                with lock:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=run, name="fsync", daemon=True) for _ in range(min(SYNC_THREADS, len(files)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _renameat2():

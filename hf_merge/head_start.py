@@ -82,6 +82,7 @@ def begin(request: Request) -> "HeadStart | None":
     except OSError:  # no such folder (the merge says so), or a file system without O_TMPFILE / O_DIRECT
         return None
     read_end, write_end = os.pipe()
+    parent = os.getpid()
     try:
         pid = os.fork()
     except OSError:
@@ -90,7 +91,7 @@ def begin(request: Request) -> "HeadStart | None":
         return None
     if pid == 0:  # the child: never returns
         os.close(read_end)
-        _child(request, fd, write_end)
+        _child(request, fd, write_end, parent)
     os.close(write_end)
     return HeadStart(pid, fd, read_end)
 
@@ -233,7 +234,7 @@ def _load_child_modules() -> None:
     from .readers import fsdp_files, rank_records  # noqa: F401
 
 
-def _child(request: Request, fd: int, write_end: int) -> None:
+def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
     """Plan, report, write, report; exit without returning into the parent's code."""
     code = 0
 
@@ -243,7 +244,7 @@ def _child(request: Request, fd: int, write_end: int) -> None:
             data = data[os.write(write_end, data):]
 
     try:
-        _die_with_parent()
+        die_with_parent(parent)
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C: the parent decides and stops this child
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         plan, sources = _plan(request)
@@ -260,11 +261,11 @@ def _child(request: Request, fd: int, write_end: int) -> None:
         os._exit(code)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this child when the parent dies (PR_SET_PDEATHSIG), so no writer outlives a killed merge."""
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this child when the parent (its pid, taken before the fork) dies (PR_SET_PDEATHSIG),
+    so no writer outlives a killed merge."""
     import ctypes
 
-    parent = os.getppid()
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before that took effect

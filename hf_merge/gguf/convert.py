@@ -128,10 +128,11 @@ def merge_gguf(
                 fname = file_name(name, ftype.name)
                 if ftype.k_quant:  # BF16 first, then llama.cpp's C quantizer (kquant.py)
                     from .kquant import quantize_file
+                    from .pipeline import interruptible
 
                     bf16 = tmp / f".{fname}.bf16"
                     planned = write_gguf(views.model, cfg, bf16, ftype, vocab=vocab, name=name)
-                    quantize_file(bf16, tmp / fname, ftype.name)
+                    interruptible(lambda: quantize_file(bf16, tmp / fname, ftype.name))  # minutes of C
                     bf16.unlink()
                 else:
                     planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -26,7 +26,9 @@ def prefetched(items: Iterator[T], depth: int = 1, *, one_thread: bool = False) 
     torch with one intra-op thread with ``one_thread``: see :func:`.quant.one_torch_thread`).
 
     An exception in ``items`` is raised here, at the point it would have been; closing this
-    generator early (or an exception in the consumer) stops the thread after its current item.
+    generator early (or an exception in the consumer) stops the thread after its current item. An
+    interrupt (SIGTERM, Ctrl-C) while waiting for an item leaves at once: the thread, which only
+    computes, stops after its current item.
     """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -63,6 +65,33 @@ def prefetched(items: Iterator[T], depth: int = 1, *, one_thread: bool = False) 
             if isinstance(item, _Failed):
                 raise item.error
             yield item
-    finally:
+    except BaseException as e:
+        stop.set()
+        if not isinstance(e, GeneratorExit):  # SIGTERM / Ctrl-C while waiting here: not after the chunk in hand
+            raise
+        thread.join()
+        raise
+    else:
         stop.set()
         thread.join()
+
+
+def interruptible(work: Callable[[], T]) -> T:
+    """``work()`` on a thread of its own, waited for here: a long C call (llama.cpp's quantizer)
+    then does not hold back SIGTERM / Ctrl-C, which the main thread only sees between Python
+    steps. Its exception is raised here; on an interrupt the thread is left to end with the process."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, work()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box.append((False, e))
+
+    thread = threading.Thread(target=run, name="hf-merge-work", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
