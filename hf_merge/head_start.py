@@ -230,7 +230,7 @@ class HeadStart:
 
 
 def _load_child_modules() -> None:
-    from . import conversion_keys, copypool, plan, sequential  # noqa: F401
+    from . import conversion_keys, copypool, output, plan, sequential  # noqa: F401
     from .readers import fsdp_files, rank_records  # noqa: F401
 
 
@@ -294,6 +294,8 @@ def _output_dtype(requested: str | None, config: dict[str, Any]) -> str | None:
 def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
     from . import __version__
     from .conversion_keys import may_convert
+    from .durable import free_bytes
+    from .output import SIDE_FILES_ROOM
     from .plan import plan_shards
     from .readers.fsdp_files import check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir
     from .readers.rank_records import index_rank_file
@@ -349,6 +351,9 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
         specs.append(TensorSpec(name, first.shape, first.dtype))
     plan = plan_shards(specs, max_shard_size=request.max_shard_size,
                        metadata={"hf_merge_version": __version__, "source_format": "verl-fsdp"})
+    planned = sum(f.file_size for f in plan.files) + SIDE_FILES_ROOM
+    if free_bytes(Path(request.target).absolute().parent) < planned:
+        raise _Skip("not enough free space (the merge says so before writing)")
     file = plan.files[0]
     sources: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> descriptor, for the sink's preadv
     ids = []
