@@ -53,7 +53,7 @@ def keys(w):
     w.add_type("model")
     w.add_name("vocab-check")
     add_to_writer(w, vocab)
-write_file(None, out, "llama", [], keys, durable=False)
+write_file(None, out, "llama", [], keys)
 print(json.dumps({"pre": vocab.pre, "load_vocab_s": t1 - t0, "write_keys_s": cpu() - t1}))
 """
 

@@ -251,6 +251,19 @@ class Job:
         self.exchange(None)
         return result
 
+    def one_writer(self, work: Callable[[], Any]) -> Any:
+        """``work()`` on rank 0 alone, for an output only one process can write (a GGUF file is one
+        stream); the other ranks wait for it (up to the job's timeout) and return rank 0's result
+        with their own rank. A failure on rank 0 fails every rank."""
+        result = error = None
+        if self.rank == 0:
+            try:
+                result = work()
+            except BaseException as e:  # noqa: BLE001 - reported to every rank
+                error = e
+        first = self.exchange(error, result)[0]
+        return _with_rank(first, self.rank)
+
     # -- the merge ---------------------------------------------------------------------------
     def merge(
         self,

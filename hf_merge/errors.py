@@ -49,6 +49,12 @@ class TargetExistsError(HfMergeError):
     """The output folder exists and is not empty (use --overwrite)."""
 
 
+class InsufficientSpaceError(HfMergeError):
+    """The target's file system has less free space than the merge plans to write; nothing was written."""
+
+    exit_code = 3
+
+
 class MappingError(HfMergeError):
     """A tensor name or fused layout could not be mapped to the Hugging Face layout."""
 

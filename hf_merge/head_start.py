@@ -82,6 +82,7 @@ def begin(request: Request) -> "HeadStart | None":
     except OSError:  # no such folder (the merge says so), or a file system without O_TMPFILE / O_DIRECT
         return None
     read_end, write_end = os.pipe()
+    parent = os.getpid()
     try:
         pid = os.fork()
     except OSError:
@@ -90,7 +91,7 @@ def begin(request: Request) -> "HeadStart | None":
         return None
     if pid == 0:  # the child: never returns
         os.close(read_end)
-        _child(request, fd, write_end)
+        _child(request, fd, write_end, parent)
     os.close(write_end)
     return HeadStart(pid, fd, read_end)
 
@@ -229,11 +230,11 @@ class HeadStart:
 
 
 def _load_child_modules() -> None:
-    from . import conversion_keys, copypool, plan, sequential  # noqa: F401
+    from . import conversion_keys, copypool, output, plan, sequential  # noqa: F401
     from .readers import fsdp_files, rank_records  # noqa: F401
 
 
-def _child(request: Request, fd: int, write_end: int) -> None:
+def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
     """Plan, report, write, report; exit without returning into the parent's code."""
     code = 0
 
@@ -243,7 +244,7 @@ def _child(request: Request, fd: int, write_end: int) -> None:
             data = data[os.write(write_end, data):]
 
     try:
-        _die_with_parent()
+        die_with_parent(parent)
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C: the parent decides and stops this child
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         plan, sources = _plan(request)
@@ -260,11 +261,11 @@ def _child(request: Request, fd: int, write_end: int) -> None:
         os._exit(code)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this child when the parent dies (PR_SET_PDEATHSIG), so no writer outlives a killed merge."""
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this child when the parent (its pid, taken before the fork) dies (PR_SET_PDEATHSIG),
+    so no writer outlives a killed merge."""
     import ctypes
 
-    parent = os.getppid()
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before that took effect
@@ -293,6 +294,8 @@ def _output_dtype(requested: str | None, config: dict[str, Any]) -> str | None:
 def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
     from . import __version__
     from .conversion_keys import may_convert
+    from .durable import free_bytes
+    from .output import SIDE_FILES_ROOM
     from .plan import plan_shards
     from .readers.fsdp_files import check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir
     from .readers.rank_records import index_rank_file
@@ -348,6 +351,9 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
         specs.append(TensorSpec(name, first.shape, first.dtype))
     plan = plan_shards(specs, max_shard_size=request.max_shard_size,
                        metadata={"hf_merge_version": __version__, "source_format": "verl-fsdp"})
+    planned = sum(f.file_size for f in plan.files) + SIDE_FILES_ROOM
+    if free_bytes(Path(request.target).absolute().parent) < planned:
+        raise _Skip("not enough free space (the merge says so before writing)")
     file = plan.files[0]
     sources: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> descriptor, for the sink's preadv
     ids = []

@@ -19,7 +19,7 @@ from .hf_files import (
     write_config, written_dtype,
 )
 from .hub import push, write_card
-from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_target
+from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_free_space, check_target
 from .errors import HfMergeError, HubError
 from .plan import parse_size, plan_shards
 from .preload import preload
@@ -223,7 +223,8 @@ def merge(
         source_options: format-specific reader options, e.g. ``{"tag": "global_step100",
             "source_weights": "module"}`` for DeepSpeed (each format takes the ones it declares).
         gguf / gguf_pre_tokenizer: write one GGUF file (``"f32"``, ``"bf16"``, ``"q8_0"``, ...) for
-            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`).
+            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`). In a distributed
+            job rank 0 writes it alone; the other ranks wait and return its result.
         distributed: this process is one rank of a merge shared by every rank of a torch.distributed
             job (see :mod:`hf_merge.distributed`). None: yes when launched by torchrun (``RANK``,
             ``WORLD_SIZE`` > 1, ``MASTER_ADDR``/``PORT`` set) and no process group exists yet; a
@@ -240,12 +241,22 @@ def merge(
 
         if quantize is not None or verify:
             raise HfMergeError("--gguf writes its own quantized types; it does not combine with --quantize or --verify")
-        return merge_gguf(
-            source, target, gguf, backend=backend, dtype=dtype, config=config, overwrite=overwrite, lora=lora,
-            lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
-            pre_tokenizer=gguf_pre_tokenizer, push_to_hub=push_to_hub, private=private, is_value_model=is_value_model,
-            source_options=source_options,
-        )
+
+        def write_gguf() -> MergeResult:
+            return merge_gguf(
+                source, target, gguf, backend=backend, dtype=dtype, config=config, overwrite=overwrite, lora=lora,
+                lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
+                pre_tokenizer=gguf_pre_tokenizer, push_to_hub=push_to_hub, private=private, is_value_model=is_value_model,
+                source_options=source_options,
+            )
+
+        from .distributed import join_job
+
+        job = join_job(distributed)  # under torchrun: one GGUF stream, written by rank 0 while the others wait
+        if job is None:
+            return write_gguf()
+        with job:
+            return job.one_writer(write_gguf)
     target = Path(target)
     try:
         max_shard_size = parse_size(max_shard_size)
@@ -416,6 +427,7 @@ def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lo
                 # PEFT loads one adapter file: never shard it.
                 views.adapter.specs(), max_shard_size=2**62, metadata=metadata, filename_pattern=ADAPTER_PATTERN
             )
+        check_free_space(target, sum(f.file_size for plan in (model_plan, adapter_plan) if plan for f in plan.files))
     except BaseException:
         ckpt.close()
         raise

@@ -10,6 +10,15 @@ a held lock) from before it reads the source until the target is in place; a sec
 is refused at once. The final rename never replaces a target that appeared meanwhile unless
 ``overwrite`` is set (a directory is renamed only onto a missing or empty one).
 
+Durability (see ``docs/durability.md``): before the rename every file and folder in the temporary
+folder is fsynced (:func:`hf_merge.durable.sync_tree`), after it the parent folder, so after a
+power loss the target is either absent (or the old one) or complete. ``overwrite`` keeps the old
+target until the new one is in place: the two folders are swapped in one atomic step
+(``renameat2(RENAME_EXCHANGE)``), the parent is fsynced, then the old one (now under the temporary
+name) is removed. Where the swap is not available the old target is renamed aside to
+``.<target>.hf-merge-old-<pid>`` first; a run killed between the two renames leaves it there, and
+the next run on the target puts it back before doing anything else.
+
 Symlinked targets: a symlink to a folder means that folder (the output is written beside the
 real folder, so the final rename stays atomic); a dangling symlink is refused.
 """
@@ -23,7 +32,8 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from .errors import TargetExistsError
+from . import durable
+from .errors import InsufficientSpaceError, TargetExistsError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -47,6 +57,31 @@ def resolve_target(target: Path) -> Path:
             raise TargetExistsError(f"{target} is a symlink to the file {real}; choose a target folder")
         return real
     return target
+
+
+#: room asked for beyond the planned weight files: config, tokenizer, index, card, provenance
+SIDE_FILES_ROOM = 64 << 20
+
+
+def check_free_space(target: Path, planned: int) -> None:
+    """Refuse, before anything is written, a merge whose ``planned`` bytes (plus room for the side
+    files) do not fit on the file system that will hold ``target``. Under ``--overwrite`` the old
+    target stays until the new one is in place, so its space does not count as free."""
+    folder = Path(target).absolute()
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    free = durable.free_bytes(folder)
+    needed = planned + SIDE_FILES_ROOM
+    if free < needed:
+        raise InsufficientSpaceError(
+            f"not enough free space for {target}: the merge writes {_gb(planned)} (plus up to {_gb(SIDE_FILES_ROOM)} "
+            f"of side files), the file system of {folder} has {_gb(free)} free; free {_gb(needed - free)} or more, "
+            "or choose a target on another file system"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
 
 
 def check_target(target: Path, *, overwrite: bool) -> None:
@@ -79,17 +114,23 @@ def _remove(path: Path) -> None:
 
 def remove_stale_temporaries(target: Path, *, locked: bool = False) -> list[Path]:
     """Delete temporary folders of earlier runs on this target whose process is gone (with
-    ``locked``: every one but ours, since no other run can be writing this target)."""
+    ``locked``: every one but ours, since no other run can be writing this target). An old target
+    that an ``overwrite`` killed between its two renames left aside is put back first, when the
+    target is missing (it is the last complete model there was)."""
     removed = []
     parent = target.parent
     if not parent.is_dir():
         return removed
-    for tag in (_TMP_TAG, _OLD_TAG):
+    for tag in (_OLD_TAG, _TMP_TAG):
         prefix = f".{target.name}{tag}"
-        for p in parent.iterdir():
+        for p in sorted(parent.iterdir()):
             if p.name.startswith(prefix):
                 pid = p.name[len(prefix):]
                 if pid.isdigit() and int(pid) != os.getpid() and (locked or not _pid_alive(int(pid))):
+                    if tag == _OLD_TAG and locked and not (target.exists() or target.is_symlink()):
+                        os.rename(p, target)
+                        durable.sync_dir(parent)
+                        continue
                     _remove(p)
                     removed.append(p)
     return removed
@@ -143,34 +184,44 @@ def _make_parents(folder: Path) -> list[Path]:
     return created
 
 
+def _appeared(target: Path) -> TargetExistsError:
+    return TargetExistsError(
+        f"{target} appeared while merging (another process wrote it); pass --overwrite to replace it, "
+        "or choose another folder"
+    )
+
+
 def _place(tmp: Path, target: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``target``; replace an existing target only with ``overwrite``."""
+    """Make ``tmp`` durable and rename it to ``target`` (durably); replace an existing target only
+    with ``overwrite``, keeping the old one until the new one is in place."""
+    durable.sync_tree(tmp)
+    parent = target.parent
     if target.is_symlink() or target.exists():
         if not overwrite and not (target.is_dir() and not target.is_symlink() and not any(target.iterdir())):
-            raise TargetExistsError(
-                f"{target} appeared while merging (another process wrote it); pass --overwrite to replace it, "
-                "or choose another folder"
-            )
+            raise _appeared(target)
         if overwrite:
-            old = target.parent / f".{target.name}{_OLD_TAG}{os.getpid()}"
+            if durable.exchange(tmp, target):  # one step: the old target now has tmp's name
+                durable.sync_dir(parent)
+                _remove(tmp)
+                return
+            old = parent / f".{target.name}{_OLD_TAG}{os.getpid()}"
             _remove(old)
-            os.rename(target, old)
+            os.rename(target, old)  # killed from here to the next rename: the next run puts it back
             try:
                 os.rename(tmp, target)
             except BaseException:
                 os.rename(old, target)
                 raise
+            durable.sync_dir(parent)
             _remove(old)
             return
     try:
         os.rename(tmp, target)  # onto a missing or empty folder only: the kernel refuses anything else
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise TargetExistsError(
-                f"{target} appeared while merging (another process wrote it); pass --overwrite to replace it, "
-                "or choose another folder"
-            ) from None
+            raise _appeared(target) from None
         raise
+    durable.sync_dir(parent)
 
 
 class StagedFolder:
@@ -190,8 +241,8 @@ class StagedFolder:
         try:
             self._lock.__enter__()
             try:
+                remove_stale_temporaries(target, locked=True)  # may put back an old target left aside
                 check_target(target, overwrite=overwrite)  # again, now that no other run can write it
-                remove_stale_temporaries(target, locked=True)
                 _remove(self.tmp)
                 self.tmp.mkdir()
             except BaseException:
@@ -206,6 +257,8 @@ class StagedFolder:
         """Move the finished folder into place; the lock is released either way."""
         try:
             _place(self.tmp, self.target, self.overwrite)
+            for folder in self._created:  # parent folders this run made: their entries too
+                durable.sync_dir(folder.parent)
         except BaseException:
             self.discard()
             raise

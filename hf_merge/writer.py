@@ -28,6 +28,8 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -244,7 +246,40 @@ def _write_files(
         yield from trailing.finish_all()
 
 
-def _worker(ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, copy_threads: int) -> None:
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_handlers_before_fork: dict[int, object] = {}  # the handlers _signals_deferred replaced (for the children)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends (then their handlers run as usual): a
+    KeyboardInterrupt raised inside ``fork`` is swallowed by the interpreter's at-fork code, and
+    the merge would go on. Nothing changes off the main thread (handlers live there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    _handlers_before_fork.clear()
+    for s in _STOP_SIGNALS:
+        if signal.getsignal(s) not in (signal.SIG_IGN, None):
+            _handlers_before_fork[s] = signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in _handlers_before_fork.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])
+
+
+def _worker(
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, copy_threads: int, parent: int
+) -> None:
+    from .head_start import die_with_parent
+
+    for s, handler in _handlers_before_fork.items():  # forked while the parent deferred them
+        signal.signal(s, handler)
+    die_with_parent(parent)  # a SIGKILLed merge leaves no writer behind
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
     try:
         for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, copy_threads):
@@ -340,12 +375,14 @@ def _write_parallel(
     # Largest files first, round robin: shares of similar size.
     order = sorted(files, key=lambda f: -f.file_size)
     shares = [order[i::n] for i in range(n)]
-    procs = [ctx.Process(target=_worker, args=(ckpt, share, folder, queue, sha256, threads), daemon=True) for share in shares]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_worker, args=(ckpt, share, folder, queue, sha256, threads, os.getpid()),
+                         daemon=True) for share in shares]
     done = 0
     digests: dict[str, str | None] = {}
     try:
+        with _signals_deferred():  # an interrupt lands after the forks, not in one
+            for p in procs:
+                p.start()
         while done < len(procs):
             try:
                 kind, value = queue.get(timeout=1.0)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -149,3 +150,15 @@ def fresh_merge_imports(argv: list[str], modules: list[str]) -> dict:
     )
     assert proc.stdout.strip(), proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def processes() -> Iterator[tuple[int, list[str]]]:
+    """``(pid, fields)`` of every process, ``fields`` being /proc/PID/stat after the command name
+    (state, ppid, pgrp, ...)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            yield int(entry.name), stat[stat.rindex(")") + 2 :].split()

@@ -263,3 +263,30 @@ def test_torchrun_verify_cli_exits_non_zero_on_every_rank(qwen2_fp32_ws2, fsdp_s
                           str(qwen2_fp32_ws2.actor)), timeout=600)
     assert proc.returncode != 0, proc.output
     assert proc.output.count("file checksums  FAIL") == 1 and f"{corrupted}: sha256 differs" in proc.output, proc.output
+
+
+def test_gguf_under_torchrun_has_one_writer(qwen2_fp32_ws2, tmp_path):
+    """GGUF is one stream: rank 0 writes it while rank 1 waits; both exit 0 with one report, and the
+    file equals a single-process one. A failure on rank 0 fails rank 1 too, naming rank 0."""
+    pytest.importorskip("gguf")
+    src = str(qwen2_fp32_ws2.actor)
+    single = tmp_path / "single"
+    merge(src, single, gguf="q8_0", gguf_pre_tokenizer="gpt-2")
+    out = tmp_path / "dist"
+    gguf_args = ["--gguf", "q8_0", "--gguf-pre-tokenizer", "gpt-2"]
+    jobs = [{"argv": ["merge", src, str(out / "ok"), *gguf_args]},
+            {"argv": ["merge", src, str(out / "blind"), *gguf_args], "missing_source_on_rank": 0}]
+    outcome = _run_jobs(jobs, tmp_path, ranks=2)
+    assert [outcome[0, r]["code"] for r in range(2)] == [0, 0], outcome
+    assert "wrote" in outcome[0, 0]["stderr"] + outcome[0, 0]["stdout"] and not outcome[0, 1]["stdout"], outcome
+    files = sorted(p.name for p in (out / "ok").iterdir())
+    assert files == sorted(p.name for p in single.iterdir()) and sum(f.endswith(".gguf") for f in files) == 1
+    name = next(f for f in files if f.endswith(".gguf"))
+    assert (out / "ok" / name).read_bytes() == (single / name).read_bytes()
+    assert no_leftovers(out / "ok")
+    for r in range(2):
+        assert outcome[1, r]["code"] == 2, outcome[1, r]
+        lines = [ln for ln in outcome[1, r]["stderr"].splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and "not-mounted-here does not exist" in lines[0], outcome[1, r]
+    assert lines[0].startswith("error: rank 0 of 2 "), lines
+    assert not (out / "blind").exists() and no_leftovers(out / "blind")

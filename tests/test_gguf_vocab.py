@@ -93,7 +93,7 @@ def test_header_equals_the_transformers_way(kind, request, tmp_path, monkeypatch
 
     monkeypatch.setattr(bpe_vocab, "transformers_bpe_vocab", refuse)
     vocab = load_vocab(folder, size, pre_tokenizer=pre)
-    write_file(None, tmp_path / "new.gguf", "llama", [], _keys(vocab), durable=False)
+    write_file(None, tmp_path / "new.gguf", "llama", [], _keys(vocab))
     assert (tmp_path / "new.gguf").read_bytes() == expected
     fields = gguf.GGUFReader(tmp_path / "new.gguf").fields
     assert len(fields["tokenizer.ggml.tokens"].data) == size

@@ -17,7 +17,7 @@ from hf_merge import head_start
 from hf_merge.readers import rank_records
 from hf_merge.readers.safe_pickle import DTENSOR_FILE, torch_names
 
-from helpers import error_line, run_cli
+from helpers import error_line, processes, run_cli
 
 pytestmark = pytest.mark.skipif(
     not (hasattr(os, "fork") and getattr(os, "O_TMPFILE", 0) and getattr(os, "O_DIRECT", 0)), reason="Linux only"
@@ -149,16 +149,7 @@ def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32
 
 def _children() -> list[int]:
     me = str(os.getpid())
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[1] == me:
-                found.append(int(entry.name))
-    return found
+    return [pid for pid, fields in processes() if fields[1] == me]
 
 
 def test_a_merge_that_fails_stops_the_child_and_leaves_nothing(qwen2_fp32_ws2, tmp_path):

@@ -110,8 +110,9 @@ def exit_now(code: int) -> NoReturn:
 
     A finished command needs nothing of the interpreter's teardown, and with torch imported that
     teardown (its modules' finalisers and atexit hooks) takes ~0.25 s here, a tenth of a 3 GB
-    merge. Everything a command writes is written, fsynced where it must be, and renamed into
-    place before :func:`main` returns; its threads are joined or are daemons. Inside a
+    merge. Everything a command writes is written, fsynced (every file and folder before the
+    rename into place, the parent after it: docs/durability.md) and renamed into place before
+    :func:`main` returns; its threads are joined or are daemons. Inside a
     ``torch.distributed`` program that still has a process group, the normal exit runs instead.
     """
     dist = sys.modules.get("torch.distributed")

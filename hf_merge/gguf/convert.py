@@ -69,12 +69,11 @@ def merge_gguf(
     from ..checkpoint import open_checkpoint
     from ..hf_files import checkpoint_config
     from ..hub import push, write_card
-    from ..output import check_target, committed, stage
+    from ..output import check_free_space, check_target, committed, stage
     from . import quant
     from .arch import arch_for
     from .tokenizer import load_vocab
-    from .pipeline import sync_file
-    from .writer import write_gguf
+    from .writer import plan_tensors, total_bytes, write_gguf
 
     target = Path(target)
     check_target(target, overwrite=overwrite)
@@ -118,6 +117,9 @@ def merge_gguf(
             logger.warning(warning)
         name = model_name(cfg, base_model_name, ckpt.info.path if ckpt.info.format == "hf" else None, target)
         provenance = merging._provenance(ckpt, cfg, views, base_model_name, views.out_dtype, requested=dtype)
+        if views.model is not None:  # k-quants: the BF16 file and the quantized one exist together for a while
+            planned_bytes = total_bytes(plan_tensors(views.model, cfg, arch_for(cfg), ftype))
+            check_free_space(target, planned_bytes * (2 if ftype.k_quant else 1))
         record: dict[str, Any] = {"type": ftype.name, "architecture": arch_for(cfg).name}
         files: list[str] = []
         planned = []
@@ -126,12 +128,12 @@ def merge_gguf(
                 fname = file_name(name, ftype.name)
                 if ftype.k_quant:  # BF16 first, then llama.cpp's C quantizer (kquant.py)
                     from .kquant import quantize_file
+                    from .pipeline import interruptible
 
                     bf16 = tmp / f".{fname}.bf16"
-                    planned = write_gguf(views.model, cfg, bf16, ftype, vocab=vocab, name=name, durable=False)
-                    quantize_file(bf16, tmp / fname, ftype.name)
+                    planned = write_gguf(views.model, cfg, bf16, ftype, vocab=vocab, name=name)
+                    interruptible(lambda: quantize_file(bf16, tmp / fname, ftype.name))  # minutes of C
                     bf16.unlink()
-                    sync_file(tmp / fname)
                 else:
                     planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
                 files.append(fname)

@@ -3,15 +3,13 @@
 - :func:`prefetched` runs an iterator on a thread, at most ``depth`` items ahead of its consumer
   (torch and numpy release the GIL in their kernels, so reading + quantizing runs on one core
   while ``write`` runs on the other).
-- :func:`sync_file` makes a finished file durable before its folder's atomic rename.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
-from typing import Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -28,7 +26,9 @@ def prefetched(items: Iterator[T], depth: int = 1, *, one_thread: bool = False) 
     torch with one intra-op thread with ``one_thread``: see :func:`.quant.one_torch_thread`).
 
     An exception in ``items`` is raised here, at the point it would have been; closing this
-    generator early (or an exception in the consumer) stops the thread after its current item.
+    generator early (or an exception in the consumer) stops the thread after its current item. An
+    interrupt (SIGTERM, Ctrl-C) while waiting for an item leaves at once: the thread, which only
+    computes, stops after its current item.
     """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -65,18 +65,33 @@ def prefetched(items: Iterator[T], depth: int = 1, *, one_thread: bool = False) 
             if isinstance(item, _Failed):
                 raise item.error
             yield item
-    finally:
+    except BaseException as e:
+        stop.set()
+        if not isinstance(e, GeneratorExit):  # SIGTERM / Ctrl-C while waiting here: not after the chunk in hand
+            raise
+        thread.join()
+        raise
+    else:
         stop.set()
         thread.join()
 
 
-def sync_file(path) -> None:
-    """``fdatasync`` a finished file (through a descriptor of its own: any descriptor of the file
-    will do), so it is on disk before its folder is atomically renamed into place. The kernel's
-    background writeback already overlaps the disk writes with the computation (measured: syncing
-    every 256 MB as the file grew was no faster), so this only waits for the tail."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
+def interruptible(work: Callable[[], T]) -> T:
+    """``work()`` on a thread of its own, waited for here: a long C call (llama.cpp's quantizer)
+    then does not hold back SIGTERM / Ctrl-C, which the main thread only sees between Python
+    steps. Its exception is raised here; on an interrupt the thread is left to end with the process."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, work()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box.append((False, e))
+
+    thread = threading.Thread(target=run, name="hf-merge-work", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value

@@ -22,7 +22,7 @@ import torch
 from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
 from . import quant
-from .pipeline import prefetched, sync_file
+from .pipeline import prefetched
 from .arch import GgufArch, Piece, arch_for, map_names
 from .hparams import add_hparams, head_counts, rope_freqs
 from .tokenizer import Vocab, add_to_writer
@@ -162,12 +162,10 @@ def write_file(
     planned: list[PlannedTensor],
     add_keys: Callable[[Any], None],
     computed: dict[str, np.ndarray] | None = None,
-    *,
-    durable: bool = True,
 ) -> None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
-    then each tensor's data in order (``computed`` holds the few tensors with no pieces). With
-    ``durable`` (not for a temporary file) the file is on disk when this returns."""
+    then each tensor's data in order (``computed`` holds the few tensors with no pieces). The
+    folder's commit fsyncs it (:mod:`hf_merge.durable`)."""
     import gguf
 
     from .kv import writer_class
@@ -190,8 +188,6 @@ def write_file(
             writer.write_tensor_data(_StreamedTensor(t, chunks))
         writer.flush()
         writer.close()
-        if durable:
-            sync_file(path)
     finally:
         writer.close()
     logger.debug("wrote %s: %d tensors, %d bytes of tensor data", path, len(planned), total_bytes(planned))
@@ -199,10 +195,8 @@ def write_file(
 
 def write_gguf(
     view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str,
-    durable: bool = True,
 ) -> list[PlannedTensor]:
-    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan
-    (``durable``: see :func:`write_file`)."""
+    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan."""
     arch = arch_for(config)
     planned = plan_tensors(view, config, arch, ftype)
     freqs = rope_freqs(config)
@@ -213,8 +207,7 @@ def write_gguf(
         add_hparams(writer, arch, config, ftype)
         add_to_writer(writer, vocab)
 
-    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None,
-               durable=durable)
+    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None)
     return planned
 
 
