@@ -57,6 +57,14 @@ _MeshLayout = stand_in("torch.distributed._mesh_layout", "_MeshLayout")
 _FlatLayout = stand_in("torch.distributed._mesh_layout", "_FlatLayout")
 _CLASSES = (_DTensorClass, _Spec, _TensorMeta, _ShardOrderEntry, _Shard, _Replicate, _Partial, _StridedShard, _Mesh, _MeshLayout, _FlatLayout)
 
+#: the same classes as torch 2.4 pickles them (modules it had then)
+_OLD_PAIRS: dict[Pair, type] = {
+    ("torch.distributed._tensor.api", "DTensor"): _DTensorClass,
+    ("torch.distributed._tensor.placement_types", "DTensorSpec"): _Spec,
+    ("torch.distributed._tensor.placement_types", "TensorMeta"): _TensorMeta,
+    ("torch.distributed._tensor.placement_types", "Shard"): _Shard,
+}
+
 _PLACEMENT_KINDS: dict[type, str] = {_Shard: "Shard", _Replicate: "Replicate", _Partial: "Partial", _StridedShard: "_StridedShard"}
 
 
@@ -155,6 +163,7 @@ def _recorders(wrapper: Any) -> dict[Pair, Any]:
     for cls in _CLASSES:
         module, _, name = cls.__qualname__.rpartition(".")
         subs[(module, name)] = cls
+    subs.update(_OLD_PAIRS)
     return subs
 
 
