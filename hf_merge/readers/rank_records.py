@@ -320,11 +320,14 @@ def mesh_ranks(mesh: Any) -> tuple[_Storage, tuple[int, ...], list[int]]:
     layout, rank_map = mesh.get("_layout"), mesh.get("_rank_map")
     axes = _mesh_axes(layout)
     if axes is None or not isinstance(rank_map, _TensorRecord):
-        fields = sorted(mesh.state)[:8]
-        kind = type(layout).__qualname__.rpartition(".")[2] if layout is not None else "no layout"
-        if isinstance(layout, StandIn):
-            kind += f" with fields {sorted(layout.state)[:6]}" if layout.state else f" of {len(layout.args)} arguments"
-        raise UnknownMeshLayout(f"a DeviceMesh with fields {fields}, {kind}")
+        if axes is not None:
+            what = f"its layout comes with a {type(rank_map).__name__} rank map, not a tensor"
+        elif isinstance(layout, StandIn):
+            name = type(layout).__qualname__.rpartition(".")[2]
+            what = f"its {name} has fields {sorted(layout.state)[:6]}" if layout.state else f"its {name} has {len(layout.args)} arguments"
+        else:
+            what = f"a DeviceMesh of fields {sorted(mesh.state)[:8]}, with neither a mesh tensor nor a layout and rank map"
+        raise UnknownMeshLayout(what)
     if math.prod(rank_map.size) > 1 << 20:
         raise ValueError(f"device mesh rank map of {math.prod(rank_map.size)} ranks")
     ranks = _elements(rank_map)
@@ -378,8 +381,8 @@ def unknown_layout_error(key: Any, where: str, e: UnknownMeshLayout) -> Unsuppor
     """The one error for a device mesh this reader does not know: not damage, another torch."""
     return UnsupportedCheckpointError(
         f"{str(key)[:80]} in {where}: its device mesh is pickled in a form this hf-merge does not know ({e}); "
-        "nothing is wrong with the file: a torch release other than 2.4 to 2.15 wrote it (a torch.save file "
-        "does not record which). Report it with the training run's torch version "
+        "nothing is wrong with the file: a torch release other than those read here (2.4 to 2.15) wrote it, and a "
+        "torch.save file does not record which. Report it with the training run's torch version "
         "(python -c 'import torch; print(torch.__version__)'), or re-save the state dict with torch 2.4 to 2.15"
     )
 
