@@ -535,7 +535,7 @@ def _named_policy() -> tuple[Allowlist, Allowlist, dict[Pair, Any]]:
     return allow, Allowlist.of(names=names), subs
 
 
-_INT_CODES = {"int64": "q", "int32": "i"}  # a device mesh's ranks: int64 (torch <= 2.12), int32 (2.13+)
+_INT_CODES = {"int64": "q", "int32": "i"}  # init_device_mesh: int32 ranks; DeviceMesh(torch.arange(n)): int64
 
 
 def _read_ints(path: Path, offset: int, numel: int, code: str) -> list[int]:
