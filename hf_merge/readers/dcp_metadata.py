@@ -19,7 +19,7 @@ from .safe_pickle import DCP_METADATA, Pair, StandIn, stand_in
 
 __all__ = ["check_tensor_properties", "metadata_substitutes"]
 
-#: ``TensorProperties.__getstate__``'s tuple: 5 fields (torch 2.2-2.14), ``strides`` sixth (2.15+)
+#: ``TensorProperties.__getstate__``'s tuple: 5 fields (torch <= 2.14), ``strides`` sixth (2.15+)
 _TENSOR_PROPERTIES = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory", "strides")
 
 
