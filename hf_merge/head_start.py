@@ -336,12 +336,14 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
         else:
             if len(first.placements) != 1 or first.placements[0].kind != "Shard" or first.placements[0].dim != 0:
                 raise _Skip(f"{name}: placements {first.placements}")
+            if first.mesh != tuple(range(world)):  # rank r holds chunk r only on the identity mesh
+                raise _Skip(f"{name}: device mesh {first.mesh_shape} of ranks {first.mesh}")
             rows, row_bytes = first.shape[0], item * math.prod(first.shape[1:])
             pieces[name] = []
             for r, ix in enumerate(indexes):
                 t = ix[name]
                 lo, hi = chunk_range(0, rows, world, r)  # as the reader places a Shard(0) piece
-                if (t.dtype, t.shape, t.placements) != (first.dtype, first.shape, first.placements) or \
+                if (t.dtype, t.shape, t.placements, t.mesh) != (first.dtype, first.shape, first.placements, first.mesh) or \
                         t.local_shape != (hi - lo, *first.shape[1:]):
                     raise _Skip(f"{name}: rank {r} disagrees")
                 if hi > lo:

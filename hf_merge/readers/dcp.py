@@ -57,7 +57,7 @@ from ..errors import (
 )
 from ..spec import TensorSpec, c_contiguous
 from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, torch_names
-from .dcp_metadata import metadata_substitutes
+from .dcp_metadata import check_tensor_properties, metadata_substitutes
 from .torch_zip import Window, read_records
 
 METADATA_FILE = ".metadata"
@@ -85,6 +85,7 @@ def load_dcp_metadata(path: Path) -> Any:
         md = load_pickle(f, DCP_METADATA, str(meta_path), substitutes=metadata_substitutes())
     if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
         raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__})")
+    check_tensor_properties(md, str(meta_path))
     return md
 
 

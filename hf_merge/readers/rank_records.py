@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,14 @@ _Mesh = stand_in("torch.distributed.device_mesh", "DeviceMesh")
 _MeshLayout = stand_in("torch.distributed._mesh_layout", "_MeshLayout")
 _FlatLayout = stand_in("torch.distributed._mesh_layout", "_FlatLayout")
 _CLASSES = (_DTensorClass, _Spec, _TensorMeta, _ShardOrderEntry, _Shard, _Replicate, _Partial, _StridedShard, _Mesh, _MeshLayout, _FlatLayout)
+
+#: the same classes as torch 2.4 pickles them (modules it had then)
+_OLD_PAIRS: dict[Pair, type] = {
+    ("torch.distributed._tensor.api", "DTensor"): _DTensorClass,
+    ("torch.distributed._tensor.placement_types", "DTensorSpec"): _Spec,
+    ("torch.distributed._tensor.placement_types", "TensorMeta"): _TensorMeta,
+    ("torch.distributed._tensor.placement_types", "Shard"): _Shard,
+}
 
 _PLACEMENT_KINDS: dict[type, str] = {_Shard: "Shard", _Replicate: "Replicate", _Partial: "Partial", _StridedShard: "_StridedShard"}
 
@@ -154,6 +163,7 @@ def _recorders(wrapper: Any) -> dict[Pair, Any]:
     for cls in _CLASSES:
         module, _, name = cls.__qualname__.rpartition(".")
         subs[(module, name)] = cls
+    subs.update(_OLD_PAIRS)
     return subs
 
 
@@ -247,41 +257,102 @@ class _Mapped:
         return t.set_(self.storage(rec.storage), offset, size, stride)
 
 
-def _mesh_tensor(mesh: _Mesh, mapped: _Mapped) -> torch.Tensor:
-    """The device mesh's rank tensor: pickled as ``mesh`` (older torch) or as ``_layout`` +
-    ``_rank_map`` (torch >= 2.9: mesh dim ``i`` walks ``_rank_map`` along the ``i``-th axis of the
-    layout, its nested modes row-major, as ``_MeshLayout.remap_to_tensor``)."""
-    import torch
+class UnknownMeshLayout(Exception):
+    """A DeviceMesh pickled in a form this reader does not know (not damage: another torch)."""
 
-    full = mesh.get("mesh")
-    if isinstance(full, _TensorRecord):
-        return mapped.tensor(full).clone()
-    layout, rank_map = mesh.get("_layout"), mesh.get("_rank_map")
-    if not isinstance(layout, _MeshLayout) or not isinstance(rank_map, _TensorRecord):
-        raise ValueError("device mesh has neither a mesh tensor nor a layout and rank map")
-    ranks = mapped.tensor(rank_map).reshape(-1)
+
+def _mesh_axes(layout: Any) -> list[tuple[list[int], list[int]]] | None:
+    """Per mesh dim, the flattened (shapes, strides) of a ``_MeshLayout``'s modes, as each torch
+    pickles it: torch >= 2.13 ``{'axes': (_FlatLayout{'shape', 'stride'}, ...)}``; torch 2.10-2.12
+    ``{'shape': IntTuple, 'stride': IntTuple}`` (a CuTe layout: its top-level modes are the mesh
+    dims, an int being one dim). None: neither (a layout this reader does not know)."""
+    if not isinstance(layout, _MeshLayout):
+        return None
     axes = layout.get("axes", layout.args[0] if layout.args else None)
-    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, _FlatLayout) for a in axes):
-        raise ValueError("device mesh layout has no axes")
-    sizes, shape, stride = [], [], []
-    for axis in axes:
-        s, t = _flat(axis.get("shape")), _flat(axis.get("stride"))
+    if axes is not None:
+        if not isinstance(axes, (tuple, list)) or not all(isinstance(a, _FlatLayout) for a in axes):
+            return None
+        modes = [(a.get("shape"), a.get("stride")) for a in axes]
+    elif "shape" in layout.state and "stride" in layout.state:
+        shape, stride = layout.get("shape"), layout.get("stride")
+        if isinstance(shape, (tuple, list)) != isinstance(stride, (tuple, list)):
+            raise ValueError("device mesh layout has a shape and a stride of different nesting")
+        modes = list(zip(shape, stride, strict=True)) if isinstance(shape, (tuple, list)) else [(shape, stride)]
+    else:
+        return None
+    out = []
+    for shape, stride in modes:
+        s, t = _flat(shape), _flat(stride)
         if len(s) != len(t):
             raise ValueError("device mesh layout axis has mismatched shape and stride")
-        sizes.append(math.prod(s))
-        shape += s
-        stride += t
-    if math.prod(sizes) != ranks.numel() or not all(n > 0 for n in shape) or any(t < 0 for t in stride):
-        raise ValueError(f"device mesh layout {sizes} does not cover its rank map of {ranks.numel()} ranks (a sub-mesh)")
-    offsets = torch.zeros((), dtype=torch.long)
+        out.append((s, t))
+    return out
+
+
+def _elements(rec: _TensorRecord) -> list[int]:
+    """Storage positions of a small tensor's elements, row-major (checked inside its storage)."""
+    pos = [rec.offset]
+    for n, t in zip(rec.size, rec.stride, strict=True):
+        pos = [p + i * t for p in pos for i in range(n)]
+    if any(p < 0 or p >= rec.storage.numel for p in pos):
+        raise ValueError("device mesh ranks lie outside their storage")
+    return pos
+
+
+def mesh_ranks(mesh: Any) -> tuple[_Storage, tuple[int, ...], list[int]]:
+    """Where a DeviceMesh's ranks are: ``(storage, mesh shape, positions)``, the rank at row-major
+    mesh coordinate ``j`` being element ``positions[j]`` of ``storage``. Pure Python (the torch
+    reader and the torch-free index share it). Pickled as ``mesh`` (torch <= 2.9) or as
+    ``_layout`` + ``_rank_map`` (torch >= 2.10: mesh dim ``i`` walks ``_rank_map`` along the
+    ``i``-th mode of the layout, its nested modes row-major, as ``_MeshLayout.remap_to_tensor``).
+
+    Raises:
+        UnknownMeshLayout: neither form (a torch release this reader does not know).
+        ValueError, TypeError: a known form with inconsistent values.
+    """
+    if not isinstance(mesh, _Mesh):
+        raise TypeError("DTensor spec without a device mesh")
+    full = mesh.get("mesh")
+    if isinstance(full, _TensorRecord):
+        if len(full.size) > 8 or math.prod(full.size) > 1 << 20:
+            raise ValueError(f"device mesh of shape {list(full.size)[:8]}")
+        return full.storage, full.size, _elements(full)
+    layout, rank_map = mesh.get("_layout"), mesh.get("_rank_map")
+    axes = _mesh_axes(layout)
+    if axes is None or not isinstance(rank_map, _TensorRecord):
+        if axes is not None:
+            what = f"its layout comes with a {type(rank_map).__name__} rank map, not a tensor"
+        elif isinstance(layout, StandIn):
+            name = type(layout).__qualname__.rpartition(".")[2]
+            what = f"its {name} has fields {sorted(layout.state)[:6]}" if layout.state else f"its {name} has {len(layout.args)} arguments"
+        else:
+            what = f"a DeviceMesh of fields {sorted(mesh.state)[:8]}, with neither a mesh tensor nor a layout and rank map"
+        raise UnknownMeshLayout(what)
+    if math.prod(rank_map.size) > 1 << 20:
+        raise ValueError(f"device mesh rank map of {math.prod(rank_map.size)} ranks")
+    ranks = _elements(rank_map)
+    sizes = [math.prod(s) for s, _ in axes]
+    shape = [n for s, _ in axes for n in s]
+    stride = [t for _, ts in axes for t in ts]
+    if math.prod(sizes) != len(ranks) or not all(n > 0 for n in shape) or any(t < 0 for t in stride):
+        raise ValueError(f"device mesh layout {sizes} does not cover its rank map of {len(ranks)} ranks (a sub-mesh)")
+    offsets = [0]
     for n, t in zip(shape, stride):
-        offsets = offsets.unsqueeze(-1) + torch.arange(n) * t
-    offsets = offsets.reshape(sizes)
-    if offsets.numel() and int(offsets.max()) >= ranks.numel():
+        offsets = [o + i * t for o in offsets for i in range(n)]
+    if max(offsets) >= len(ranks):
         raise ValueError("device mesh layout points past its rank map")
-    if torch.unique(offsets).numel() != offsets.numel():
+    if len(set(offsets)) != len(offsets):
         raise ValueError("device mesh layout names a rank twice")
-    return ranks[offsets]
+    return rank_map.storage, tuple(sizes), [ranks[o] for o in offsets]
+
+
+def _mesh_tensor(mesh: Any, mapped: _Mapped) -> torch.Tensor:
+    """The device mesh's rank tensor (one axis per mesh dimension), from :func:`mesh_ranks`."""
+    import torch
+
+    storage, shape, positions = mesh_ranks(mesh)
+    whole = mapped.tensor(_TensorRecord(storage, 0, (storage.numel,), (1,)))
+    return whole[torch.tensor(positions, dtype=torch.long)].reshape(shape).clone()
 
 
 def _cached_mesh(mesh: Any, mapped: _Mapped) -> torch.Tensor:
@@ -298,6 +369,22 @@ def _flat(value: Any) -> list[int]:
     if isinstance(value, (tuple, list)):
         return [x for v in value for x in _flat(v)]
     raise TypeError(f"device mesh layout holds {str(value)[:40]}")
+
+
+def _inconsistent(key: Any, where: str, e: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{str(key)[:80]} in {where}: inconsistent tensor metadata ({str(e)[:150]}); the file is damaged, re-copy it"
+    )
+
+
+def unknown_layout_error(key: Any, where: str, e: UnknownMeshLayout) -> UnsupportedCheckpointError:
+    """The one error for a device mesh this reader does not know: not damage, another torch."""
+    return UnsupportedCheckpointError(
+        f"{str(key)[:80]} in {where}: its device mesh is pickled in a form this hf-merge does not know ({e}); "
+        "nothing is wrong with the file: a torch release other than those read here (2.4 to 2.15) wrote it, and a "
+        "torch.save file does not record which. Report it with the training run's torch version "
+        "(python -c 'import torch; print(torch.__version__)'), or re-save the state dict with torch 2.4 to 2.15"
+    )
 
 
 def _placement(p: Any) -> Placement:
@@ -386,10 +473,10 @@ def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
                 out[key] = _dtensor(value, mapped)
             else:
                 out[key] = value  # the reader says what it is not
+        except UnknownMeshLayout as e:
+            raise unknown_layout_error(key, where, e) from None
         except (TypeError, ValueError, RuntimeError, IndexError) as e:
-            raise CorruptCheckpointError(
-                f"{str(key)[:80]} in {where}: inconsistent tensor metadata ({str(e)[:150]}); the file is damaged, re-copy it"
-            ) from None
+            raise _inconsistent(key, where, e) from None
     return out
 
 
@@ -418,6 +505,8 @@ class IndexedTensor:
     placements: "tuple[Placement, ...] | None"
     local_shape: tuple[int, ...]
     span: "tuple[int, int] | None"
+    mesh_shape: "tuple[int, ...] | None" = None  # a DTensor's device mesh: its shape and
+    mesh: "tuple[int, ...] | None" = None  # global ranks, row-major (as LocalDTensor.mesh)
 
 
 @functools.cache
@@ -446,12 +535,26 @@ def _named_policy() -> tuple[Allowlist, Allowlist, dict[Pair, Any]]:
     return allow, Allowlist.of(names=names), subs
 
 
+_INT_CODES = {"int64": "q", "int32": "i"}  # init_device_mesh: int32 ranks; DeviceMesh(torch.arange(n)): int64
+
+
+def _read_ints(path: Path, offset: int, numel: int, code: str) -> list[int]:
+    """``numel`` little-endian integers (struct ``code``) at ``offset`` of ``path``."""
+    size = numel * struct.calcsize(code)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise ValueError("device mesh ranks run past the end of the file")
+    return list(struct.unpack(f"<{numel}{code}", data))
+
+
 def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
     """What :func:`load_rank_records` reads, as specs and file spans, without importing torch.
 
-    Stricter than :func:`load_rank_records` (fewer names allowed, mesh not interpreted): a caller
-    that must be sure of the bytes checks them against the torch reader's (see
-    :mod:`hf_merge.head_start`). Raises what :func:`load_rank_records` raises.
+    Stricter than :func:`load_rank_records` (fewer names allowed); the device mesh is read by the
+    same :func:`mesh_ranks`. A caller that must be sure of the bytes checks them against the torch
+    reader's (see :mod:`hf_merge.head_start`). Raises what :func:`load_rank_records` raises.
     """
     path = Path(path)
     where = path.name
@@ -467,6 +570,25 @@ def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
         item = rec.storage.dtype.itemsize
         return records[f"{prefix}data/{rec.storage.key}"].data_start + rec.offset * item, n * item
 
+    meshes: dict[int, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}  # id(mesh) -> (it, shape, ranks)
+
+    def mesh(key: Any, spec: _Spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        m = spec.get("mesh")
+        hit = meshes.get(id(m))
+        if hit is None or hit[0] is not m:
+            try:
+                storage, shape, positions = mesh_ranks(m)
+                code = _INT_CODES.get(storage.dtype.name)
+                if code is None or storage.numel > 1 << 20:
+                    raise TypeError(f"device mesh ranks are {storage.numel} {storage.dtype.name} values")
+                values = _read_ints(path, records[f"{prefix}data/{storage.key}"].data_start, storage.numel, code)
+            except UnknownMeshLayout as e:
+                raise unknown_layout_error(key, where, e) from None
+            except (TypeError, ValueError) as e:
+                raise _inconsistent(key, where, e) from None
+            hit = meshes[id(m)] = (m, shape, tuple(values[p] for p in positions))
+        return hit[1], hit[2]
+
     out: dict[str, IndexedTensor] = {}
     for key, value in state.items():
         if isinstance(value, _TensorRecord):
@@ -476,7 +598,7 @@ def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
             if not isinstance(local, _TensorRecord) or not isinstance(spec, _Spec) or local.storage.dtype != value.wrapper.dtype:
                 raise CorruptCheckpointError(f"{str(key)[:80]} in {where}: a DTensor without its local tensor and spec")
             placements = tuple(_placement(p) for p in spec.get("placements") or ())
-            out[key] = IndexedTensor(value.wrapper.dtype, value.wrapper.size, placements, local.size, span(local))
+            out[key] = IndexedTensor(value.wrapper.dtype, value.wrapper.size, placements, local.size, span(local), *mesh(key, spec))
         else:
             raise UnsupportedCheckpointError(f"{str(key)[:80]} in {where} is a {type(value).__name__}, not a tensor")
     return out

@@ -124,7 +124,7 @@ TENSOR_FILE = Allowlist.of(
     classes=_STD_CLASSES,
 )
 
-#: DTensor state dicts (verl FSDP1/FSDP2 rank files), torch 2.4 - 2.13. ``_rebuild_from_type_v2``
+#: DTensor state dicts (verl FSDP1/FSDP2 rank files), torch 2.4 - 2.15. ``_rebuild_from_type_v2``
 #: and ``_rebuild_wrapper_subclass`` are torch's own rebuild functions; the DTensor classes are
 #: filled by ``BUILD`` / ``__setstate__`` only, never called.
 DTENSOR_FILE = TENSOR_FILE | Allowlist.of(
@@ -144,6 +144,11 @@ DTENSOR_FILE = TENSOR_FILE | Allowlist.of(
         ("torch.distributed.device_mesh", "DeviceMesh"),
         ("torch.distributed._mesh_layout", "_MeshLayout"),
         ("torch.distributed._mesh_layout", "_FlatLayout"),
+        # torch 2.4 pickles DTensor and its spec under their modules of then
+        ("torch.distributed._tensor.api", "DTensor"),
+        ("torch.distributed._tensor.placement_types", "DTensorSpec"),
+        ("torch.distributed._tensor.placement_types", "TensorMeta"),
+        ("torch.distributed._tensor.placement_types", "Shard"),
     ],
 )
 
