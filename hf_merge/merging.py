@@ -23,6 +23,7 @@ from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_tar
 from .errors import HfMergeError, HubError
 from .plan import parse_size, plan_shards
 from .preload import preload
+from .readers import record_crc
 from .spec import dtype_name, parse_dtype
 from .transforms import Cast, drop_tied
 from .verification import verify_or_raise
@@ -188,6 +189,7 @@ def merge(
     gguf_pre_tokenizer: str | None = None,
     distributed: bool | None = None,
     head_start: Any = None,
+    source_crc: bool = True,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -227,7 +229,14 @@ def merge(
             when only one rank merges).
         head_start: internal, from the CLI: a :class:`~hf_merge.head_start.HeadStart` whose first
             file is taken when it is byte for byte the one planned here (else it is stopped).
+        source_crc: check the CRC-32 of every zip record of the source that is read (rank files,
+            ``.distcp``, DeepSpeed and legacy Megatron ``.pt``); a damaged record raises
+            :class:`~hf_merge.readers.record_crc.SourceCrcError`. ``False`` skips the check
+            (``--no-source-crc``). See docs/integrity.md.
     """
+    if not source_crc:
+        with record_crc.skipping():
+            return merge(**{**locals(), "source_crc": True})
     if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
         from .gguf.convert import merge_gguf
 

@@ -42,6 +42,7 @@ from .errors import LoraError, MappingError, MissingConfigError, QuantizationErr
 from .hf_files import find_config_dir, load_config
 from . import filemap
 from .mapped import Mapper
+from .readers import record_crc
 from .merging import build_views, model_view
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ def from_sharded_pretrained(
     offload_folder: "str | os.PathLike | None" = None,
     offload_buffers: bool = False,
     disable_mmap: bool | None = None,
+    source_crc: bool = True,
     **kwargs: Any,
 ) -> "PreTrainedModel":
     """Load a sharded training checkpoint as a transformers model, without merging it to disk first.
@@ -139,6 +141,8 @@ def from_sharded_pretrained(
             own memory. By default a CPU weight the rank files hold in its load dtype is mapped from
             them (copy-on-write pages, like ``from_pretrained``'s mapping of safetensors), so the
             rank files must not be rewritten in place while the model lives (deleting them is fine).
+        source_crc: check the CRC-32 of every zip record of the source before its bytes are loaded
+            (as ``merge`` does; see docs/integrity.md); ``False`` skips it.
         **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
             config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
 
@@ -148,6 +152,12 @@ def from_sharded_pretrained(
     Raises:
         HfMergeError: a subclass naming what is wrong with the source and what to do, as the CLI does.
     """
+    if not source_crc:
+        params = dict(locals())
+        extra = params.pop("kwargs")
+        params.pop("source_crc")
+        with record_crc.skipping():
+            return from_sharded_pretrained(**params, **extra)
     import transformers
 
     if int(transformers.__version__.split(".")[0]) < 5:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -170,7 +171,7 @@ def test_step_and_role_folders_resolve(megatron_root, tmp_path):
     run = tmp_path / "ckpts"
     (run / "global_step_7").mkdir(parents=True)
     (run / "global_step_3").mkdir()
-    (run / "global_step_7" / "actor").symlink_to(role_dir(megatron_root, "qwen2_v1"))
+    shutil.copytree(role_dir(megatron_root, "qwen2_v1"), run / "global_step_7" / "actor")  # a symlink out is refused
     (run / "latest_checkpointed_iteration.txt").write_text("7\n")
     assert probe(run)
     ckpt = open_megatron(run)
@@ -188,7 +189,7 @@ def test_bad_latest_step_file_falls_back_to_the_highest_step(megatron_root, tmp_
     run = tmp_path / "ckpts"
     (run / "global_step_7").mkdir(parents=True)
     (run / "global_step_3").mkdir()
-    (run / "global_step_7" / "actor").symlink_to(role_dir(megatron_root, "qwen2_v1"))
+    shutil.copytree(role_dir(megatron_root, "qwen2_v1"), run / "global_step_7" / "actor")  # a symlink out is refused
     for content in (b"\xff\xfe3", "\u00b2".encode(), b"999999999999999999999999"):
         (run / "latest_checkpointed_iteration.txt").write_bytes(content)
         ckpt = open_megatron(run)

@@ -48,6 +48,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .. import filemap
+from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
     CorruptCheckpointError,
@@ -81,7 +82,7 @@ def load_dcp_metadata(path: Path) -> Any:
     meta_path = Path(path) / METADATA_FILE
     if not meta_path.is_file():
         raise SourceNotFoundError(f"{path}: no {METADATA_FILE} file; not a torch.distributed.checkpoint folder")
-    with open(meta_path, "rb") as f:
+    with open(contained.check(meta_path), "rb") as f:
         md = load_pickle(f, DCP_METADATA, str(meta_path), substitutes=metadata_substitutes())
     if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
         raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__})")
@@ -104,6 +105,7 @@ class _Layout:
     storage_offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    crc: int = 0  # the storage record's CRC-32, from the archive's zip directory
 
 
 @dataclass
@@ -205,7 +207,7 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
         raise CorruptCheckpointError(
             f"{where}: storage record of chunk at byte {chunk.start} has {info.size} bytes, expected {nbytes}"
         )
-    layout = _Layout(data_start, nbytes, dtype, rec.storage_offset, rec.size, rec.stride)
+    layout = _Layout(data_start, nbytes, dtype, rec.storage_offset, rec.size, rec.stride, info.crc)
     if layout.size != chunk.sizes:
         raise CorruptCheckpointError(
             f"{where}: chunk at byte {chunk.start} holds shape {layout.size}, metadata says {chunk.sizes}"
@@ -259,7 +261,7 @@ class DcpCheckpoint(LazyCheckpoint):
             ) from None
         self._file_sizes = {}
         for rel in sorted(files):
-            p = self.path / rel
+            p = contained.check(self.path / rel)
             if not p.is_file():
                 raise CorruptCheckpointError(f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing")
             self._file_sizes[rel] = p.stat().st_size
@@ -387,6 +389,15 @@ class DcpCheckpoint(LazyCheckpoint):
                 )
         return chunk.layout
 
+    def _checked_layout(self, name: str, chunk: _Chunk) -> _Layout:
+        """The chunk's layout, its storage record's CRC-32 checked (once) before its bytes are used."""
+        lay = self._layout(name, chunk)
+        record_crc.check_record(
+            self._fd(chunk.file), lay.data_start, lay.storage_nbytes, lay.crc,
+            f"{chunk.file}: zip record of {name[:60]} (archive at byte {chunk.start})",
+        )
+        return lay
+
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         spec = self._spec(name)
         out = torch.empty(spec.shape, dtype=dtype or spec.dtype)
@@ -461,6 +472,7 @@ class DcpCheckpoint(LazyCheckpoint):
             if mapped.token is not None:
                 filemap.register_within(mapped.token, mapped.whole, [view])
             chunk.view = view
+        self._checked_layout(name, chunk)
         return chunk.view
 
     def _map(self, rel: str) -> _Mapped | None:
@@ -507,7 +519,7 @@ class DcpCheckpoint(LazyCheckpoint):
         self, name: str, chunk: _Chunk, src_start: tuple[int, ...], size: tuple[int, ...], dst: torch.Tensor
     ) -> None:
         """Copy the box ``src_start + size`` of one chunk into ``dst`` with bounded reads."""
-        lay = self._layout(name, chunk)
+        lay = self._checked_layout(name, chunk)
         item = lay.dtype.itemsize
         first = lay.storage_offset + sum(s * st for s, st in zip(src_start, lay.stride))
         span = 1 + sum((n - 1) * st for n, st in zip(size, lay.stride))

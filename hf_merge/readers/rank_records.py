@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..spec import DTypeName, c_contiguous
 from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
+from . import contained, record_crc
 from .torch_zip import read_data_pickle
 
 if TYPE_CHECKING:  # torch is imported where tensors are made; index_rank_file needs none
@@ -340,7 +341,7 @@ def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names:
     """A rank file's ``data.pkl`` interpreted under ``allow`` with ``substitutes``:
     ``(state, zip records, record prefix)``; storages become :class:`_Storage` records."""
     where = path.name
-    with open(path, "rb") as f:
+    with open(contained.check(path), "rb") as f:
         records, prefix, data = read_data_pickle(f, where)
         order = records.get(prefix + "byteorder")
         if order is not None:
@@ -376,6 +377,7 @@ def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
     state, records, prefix = _unpickle(path, DTENSOR_FILE, _substitutes())
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
+    record_crc.add_archive(path, records, where)
     mapped = _Mapped(path, records, prefix, where)
     out: dict[str, Any] = {}
     for key, value in state.items():

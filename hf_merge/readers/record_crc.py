@@ -1,0 +1,181 @@
+"""The CRC-32 of every zip record a merge reads, checked before its bytes are used.
+
+``torch.save`` archives (FSDP rank files, DeepSpeed and legacy Megatron ``.pt`` files, the archives
+inside a DCP ``.distcp``) carry a CRC-32 per record in their central directory. A flipped bit on the
+storage would otherwise go straight into the output.
+
+How a record is checked: **once, in full, the first time any of its bytes are used**, by whatever
+path uses them (a whole tensor, one ``Shard(1)`` column piece, a DeepSpeed parameter that is a
+slice of a flat partition, a DCP box). The record is read with ``pread`` into one reusable buffer
+and run through ``zlib.crc32``; the result is cached per record (file device, inode, mtime and the
+record's offset), so a record shared by many tensors is read once per process. The copy that follows
+reads the same bytes again, from the page cache where they fit. A record whose CRC differs raises
+:class:`SourceCrcError` naming the file and the record; nothing of it has been copied.
+
+Readers call :func:`add_archive` (or :func:`add_file`) when they open a file, and
+:func:`check_tensor` / :func:`check_record` before handing out bytes. A tensor is mapped to its
+record through :mod:`hf_merge.filemap` (where its storage lies in its file); a tensor that is not
+file-backed (copied into memory, not Linux) is not checked here.
+
+:func:`skipping` turns the checks off (``--no-source-crc``, ``source_crc=False``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from .. import filemap
+from ..errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .torch_zip import Record
+
+#: bytes per ``pread`` of a record being checked
+CHUNK = 8 << 20
+
+
+class SourceCrcError(CorruptCheckpointError):
+    """A zip record of a source file does not have the CRC-32 its central directory records."""
+
+
+@dataclass
+class _Archive:
+    where: str  # the file's name, for messages
+    starts: list[int]  # data_start of each record, sorted
+    records: list["Record"]
+
+
+_lock = threading.Lock()
+_archives: dict[tuple[int, int, int], _Archive] = {}  # (st_dev, st_ino, st_mtime_ns) -> its records
+_checked: set[tuple[int, int, int, int]] = set()  # file key + data_start of records found good
+_busy: dict[tuple[int, int, int, int], threading.Lock] = {}
+_skip = 0  # > 0 inside skipping()
+_stats = {"records": 0, "bytes": 0}
+
+
+def _key(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def enabled() -> bool:
+    return _skip == 0
+
+
+@contextlib.contextmanager
+def skipping(skip: bool = True) -> Iterator[None]:
+    """Within the block (when ``skip``), no record's CRC-32 is checked."""
+    global _skip
+    with _lock:
+        _skip += int(skip)
+    try:
+        yield
+    finally:
+        with _lock:
+            _skip -= int(skip)
+
+
+def add_archive(path: "str | Path", records: "dict[str, Record]", where: str | None = None) -> None:
+    """Make ``records`` (data offsets absolute in ``path``) checkable by :func:`check_tensor`."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    ordered = sorted(records.values(), key=lambda r: r.data_start)
+    with _lock:
+        known = _archives.get(_key(st))
+        if known is not None:  # another archive in the same file: merge the lists
+            seen = set(known.starts)
+            ordered = sorted(known.records + [r for r in ordered if r.data_start not in seen], key=lambda r: r.data_start)
+        _archives[_key(st)] = _Archive(where or Path(path).name, [r.data_start for r in ordered], ordered)
+
+
+def add_file(path: "str | Path", where: str | None = None) -> None:
+    """:func:`add_archive` for a whole ``torch.save`` file, reading its zip directory."""
+    from .torch_zip import read_records
+
+    where = where or Path(path).name
+    with open(path, "rb") as f:
+        add_archive(path, read_records(f, where), where)
+
+
+def check_tensor(tensor: "torch.Tensor") -> None:
+    """Check the record holding ``tensor``'s storage (once per record); a tensor that is not
+    file-backed, or whose file was not added, is let through."""
+    if _skip:
+        return
+    span = filemap.storage_span(tensor)
+    if span is None:
+        return
+    fd, offset, nbytes = span
+    st = os.fstat(fd)
+    with _lock:
+        archive = _archives.get(_key(st))
+    if archive is None:
+        return
+    i = bisect.bisect_right(archive.starts, offset) - 1
+    if i < 0:
+        return
+    rec = archive.records[i]
+    if offset + nbytes > rec.data_start + rec.size:
+        raise CorruptCheckpointError(
+            f"{archive.where}: a tensor's bytes {offset}..{offset + nbytes} run past zip record "
+            f"{rec.name[:60]!r}; the file is damaged, re-copy it from the training run"
+        )
+    _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:60]!r}")
+
+
+def check_record(fd: int, data_start: int, size: int, crc: int, where: str) -> None:
+    """Check one record of the file open as ``fd`` (once per record)."""
+    if _skip:
+        return
+    _check(fd, os.fstat(fd), data_start, size, crc, where)
+
+
+def _check(fd: int, st: os.stat_result, data_start: int, size: int, crc: int, where: str) -> None:
+    key = _key(st) + (data_start,)
+    if key in _checked:
+        return
+    with _lock:
+        busy = _busy.setdefault(key, threading.Lock())
+    with busy:  # another thread checking the same record: wait for its answer
+        if key in _checked:
+            return
+        got = _crc(fd, data_start, size, where)
+        if got != crc:
+            raise SourceCrcError(
+                f"{where} fails its CRC-32 (the zip directory says {crc:08x}, its {size} bytes give {got:08x}); "
+                "the file is damaged: re-copy it from the training run (--no-source-crc merges it anyway)"
+            )
+        with _lock:
+            _checked.add(key)
+            _busy.pop(key, None)
+            _stats["records"] += 1
+            _stats["bytes"] += size
+
+
+def _crc(fd: int, start: int, size: int, where: str) -> int:
+    buf = bytearray(min(CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    crc, done = 0, 0
+    while done < size:
+        n = os.preadv(fd, [view[: min(len(buf), size - done)]], start + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{where}: the file ends inside the record; re-copy it from the training run")
+        crc = zlib.crc32(view[:n], crc)
+        done += n
+    return crc
+
+
+def stats() -> dict[str, int]:
+    """Records and bytes checked in this process so far."""
+    with _lock:
+        return dict(_stats)
