@@ -307,7 +307,14 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
         from .writer import WHOLE_TENSOR_LIMIT
 
         first = plan.files[0]
-        if head.adopt(first.name, first.header, lambda: byte_recipe(view, first, WHOLE_TENSOR_LIMIT), tmp):
+
+        def recipe():
+            # the child checks the CRC-32 of every record it copies (a child that fails is not
+            # trusted: the file is then written here, and checked here)
+            with record_crc.deferred(check_at_end=False):
+                return byte_recipe(view, first, WHOLE_TENSOR_LIMIT)
+
+        if head.adopt(first.name, first.header, recipe, tmp):
             from .progress import progress_bar
             from .writer import write_index
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import shutil
 import struct
 import sys
@@ -395,3 +396,26 @@ def test_each_record_is_checked_once(tmp_path):
     checked = first["records"] - before["records"]
     assert 0 < checked <= 2 * 3 + 3  # the ranks' fp32 groups (and the module's buffers), not one per tensor
     assert again == first
+
+
+@pytest.mark.skipif(not (hasattr(os, "fork") and getattr(os, "O_TMPFILE", 0) and getattr(os, "O_DIRECT", 0)), reason="Linux only")
+def test_the_head_start_file_is_not_taken_from_a_damaged_rank_file(fsdp_copy, tmp_path, capsys, monkeypatch):
+    """The CLI's head start child writes the first output file from rank-file bytes; the merge
+    takes it only after the records it copies pass their CRC-32 (checked while the merge works out
+    the child's byte ranges). Before: exit 0, the child's file with the flipped byte taken."""
+    from hf_merge import head_start
+
+    asked: list[str] = []
+    real = head_start.HeadStart.adopt
+
+    def recording(self, name, *args, **kwargs):
+        asked.append(name)
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(head_start.HeadStart, "adopt", recording)
+    monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)  # as a fresh CLI
+    rank0 = fsdp_copy / "model_world_size_2_rank_0.pt"
+    record = _record_of(rank0, "model.embed_tokens.weight")
+    _flip(rank0, record.encode())
+    _merge_refused(capsys, fsdp_copy, tmp_path, rank0.name, record, "CRC-32", flags=("--dtype", "auto"))
+    assert asked == ["model.safetensors"]  # the child had planned the file: the merge refused it

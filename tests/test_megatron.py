@@ -31,6 +31,7 @@ from hf_merge.errors import (
     MissingConfigError,
     UnsupportedCheckpointError,
 )
+from hf_merge.readers import record_crc
 from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.readers.megatron import open_megatron, probe
 from hf_merge.transforms.fused import split_gate_up, split_qkv
@@ -280,8 +281,17 @@ def test_reading_one_tensor_reads_one_layer_slice(tmp_path, monkeypatch):
         return real(fd, bufs, off, *a)
 
     monkeypatch.setattr(os, "preadv", counting)
-    ckpt.read("model.layers.1.self_attn.q_proj.weight")
+    with record_crc.skipping():
+        ckpt.read("model.layers.1.self_attn.q_proj.weight")
     assert sum(sizes) == NQ * HD * H * 4  # the q rows of layer 1, not the stacked [L, ...] tensor
+    # with the source CRC check (the default), the chunk's record is read once in full (in pieces
+    # of at most record_crc.CHUNK) the first time any of it is used; later slices read only themselves
+    sizes.clear()
+    ckpt.read("model.layers.0.self_attn.q_proj.weight")
+    assert sizes[-1] == NQ * HD * H * 4 and sum(sizes[:-1]) > NQ * HD * H * 4 and max(sizes) <= record_crc.CHUNK
+    sizes.clear()
+    ckpt.read("model.layers.1.self_attn.q_proj.weight")
+    assert sum(sizes) == NQ * HD * H * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

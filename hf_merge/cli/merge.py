@@ -214,7 +214,7 @@ def _head_start(args: argparse.Namespace, source: str, target: str):
     if plain:
         from ..head_start import Request, begin
 
-        head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums))
+        head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums, args.source_crc))
         if head is not None:
             return head
     return contextlib.nullcontext()

@@ -343,6 +343,7 @@ def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names:
     where = path.name
     with open(contained.check(path), "rb") as f:
         records, prefix, data = read_data_pickle(f, where)
+        record_crc.add_archive(path, records, where)  # its records' CRC-32, checked when their bytes are used
         order = records.get(prefix + "byteorder")
         if order is not None:
             f.seek(order.data_start)
@@ -377,7 +378,6 @@ def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
     state, records, prefix = _unpickle(path, DTENSOR_FILE, _substitutes())
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
-    record_crc.add_archive(path, records, where)
     mapped = _Mapped(path, records, prefix, where)
     out: dict[str, Any] = {}
     for key, value in state.items():

@@ -4,13 +4,21 @@
 inside a DCP ``.distcp``) carry a CRC-32 per record in their central directory. A flipped bit on the
 storage would otherwise go straight into the output.
 
-How a record is checked: **once, in full, the first time any of its bytes are used**, by whatever
-path uses them (a whole tensor, one ``Shard(1)`` column piece, a DeepSpeed parameter that is a
-slice of a flat partition, a DCP box). The record is read with ``pread`` into one reusable buffer
-and run through ``zlib.crc32``; the result is cached per record (file device, inode, mtime and the
-record's offset), so a record shared by many tensors is read once per process. The copy that follows
-reads the same bytes again, from the page cache where they fit. A record whose CRC differs raises
-:class:`SourceCrcError` naming the file and the record; nothing of it has been copied.
+How a record is checked, once per process (cached per record: file device, inode, mtime and the
+record's offset):
+
+- **as its bytes stream past**: where a writer copies a record whole and in order through its own
+  buffer (the ``O_DIRECT`` path, :class:`Stream` in :mod:`hf_merge.sequential`'s sink, also in
+  the CLI's head-start child), ``zlib.crc32`` runs over the bytes already in the buffer: no extra
+  read. The reader only notes the record (:func:`deferred`); a record the stream did not see whole
+  is checked in full when the file's bytes are all appended, before the file is finished;
+- otherwise **in full, the first time any of its bytes are used** (a ``Shard(1)`` column piece, a
+  DeepSpeed parameter that is a slice of a flat partition, a DCP box, the page-cache copy path,
+  ``from_sharded_pretrained``): read with ``pread`` into one reusable buffer, then copied as before
+  (from the page cache where it fits).
+
+A record whose CRC differs raises :class:`SourceCrcError` naming the file and the record, before the
+output folder is renamed into place.
 
 Readers call :func:`add_archive` (or :func:`add_file`) when they open a file, and
 :func:`check_tensor` / :func:`check_record` before handing out bytes. A tensor is mapped to its
@@ -59,7 +67,8 @@ _archives: dict[tuple[int, int, int], _Archive] = {}  # (st_dev, st_ino, st_mtim
 _checked: set[tuple[int, int, int, int]] = set()  # file key + data_start of records found good
 _busy: dict[tuple[int, int, int, int], threading.Lock] = {}
 _skip = 0  # > 0 inside skipping()
-_stats = {"records": 0, "bytes": 0}
+_stats = {"records": 0, "bytes": 0, "streamed": 0}
+_local = threading.local()  # .pending: records noted inside deferred() on this thread
 
 
 def _key(st: os.stat_result) -> tuple[int, int, int]:
@@ -130,7 +139,111 @@ def check_tensor(tensor: "torch.Tensor") -> None:
             f"{archive.where}: a tensor's bytes {offset}..{offset + nbytes} run past zip record "
             f"{rec.name[:60]!r}; the file is damaged, re-copy it from the training run"
         )
-    _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:60]!r}")
+    where = f"{archive.where}: zip record {rec.name[:60]!r}"
+    pending = getattr(_local, "pending", None)
+    key = _key(st) + (rec.data_start,)
+    if pending is not None:  # a writer's stream may check it as it copies; else at the end of deferred()
+        if key not in _checked:
+            pending.setdefault(key, (fd, st, rec, where))  # fd: the reader's, open while it is
+        return
+    _check(fd, st, rec.data_start, rec.size, rec.crc, where)
+
+
+@contextlib.contextmanager
+def deferred(check_at_end: bool = True) -> Iterator[None]:
+    """Within the block, :func:`check_tensor` on this thread only notes the records it would check.
+
+    At the end of the block (when it ends without an error), every noted record that a
+    :class:`Stream` did not check as its bytes passed is checked in full, unless ``check_at_end``
+    is False (the caller has another party check them: the head-start child, for its file).
+    """
+    outer = getattr(_local, "pending", None)
+    pending: dict = {}
+    _local.pending = pending
+    try:
+        yield
+        if check_at_end:
+            for key, (fd, st, rec, where) in pending.items():
+                if key not in _checked:
+                    _check(fd, st, rec.data_start, rec.size, rec.crc, where)
+    finally:
+        _local.pending = outer
+
+
+def check_ranges(ranges: "list[tuple[int, int, int]]") -> None:
+    """Check every record that ``(fd, offset, n)`` byte ranges touch (once per record): what a
+    writer that copies ranges it planned itself calls after copying them through a :class:`Stream`."""
+    if _skip:
+        return
+    for fd, offset, n in ranges:
+        st = os.fstat(fd)
+        with _lock:
+            archive = _archives.get(_key(st))
+        if archive is None:
+            continue
+        i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
+        while i < len(archive.records) and archive.records[i].data_start < offset + n:
+            rec = archive.records[i]
+            if rec.data_start + rec.size > offset:
+                _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:60]!r}")
+            i += 1
+
+
+class Stream:
+    """Checks the records whose bytes pass through a writer's buffer whole and in order.
+
+    The writer calls :meth:`feed` with each piece of file bytes it has just read into its buffer
+    (the descriptor, the file offset, the bytes). A piece that starts a known record (and
+    the pieces that follow it without a gap) are run through ``zlib.crc32``; at the record's last
+    byte its CRC is compared and the record is marked checked, or :class:`SourceCrcError` raised.
+    Pieces that start elsewhere are ignored (their records are checked in full instead).
+    """
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._next = -1
+        self._end = 0
+        self._crc = 0
+        self._rec: "tuple | None" = None  # (key, record, where)
+
+    def feed(self, fd: int, offset: int, data: memoryview) -> None:
+        if _skip:
+            return
+        if self._rec is None or fd != self._fd or offset != self._next:
+            self._start(fd, offset)
+            if self._rec is None:
+                return
+        self._crc = zlib.crc32(data, self._crc)
+        self._next += len(data)
+        if self._next >= self._end:
+            key, rec, where = self._rec
+            self._rec = None
+            if self._next != self._end:
+                return  # the run went past the record: not one record, checked in full elsewhere
+            if self._crc != rec.crc:
+                raise _mismatch(where, rec.crc, self._crc, rec.size)
+            with _lock:
+                _checked.add(key)
+                _stats["records"] += 1
+                _stats["bytes"] += rec.size
+                _stats["streamed"] += 1
+
+    def _start(self, fd: int, offset: int) -> None:
+        self._rec = None
+        st = os.fstat(fd)
+        with _lock:
+            archive = _archives.get(_key(st))
+        if archive is None:
+            return
+        i = bisect.bisect_left(archive.starts, offset)
+        if i == len(archive.starts) or archive.starts[i] != offset:
+            return
+        rec = archive.records[i]
+        key = _key(st) + (rec.data_start,)
+        if key in _checked or rec.size == 0:
+            return
+        self._rec = (key, rec, f"{archive.where}: zip record {rec.name[:60]!r}")
+        self._fd, self._next, self._end, self._crc = fd, offset, offset + rec.size, 0
 
 
 def check_record(fd: int, data_start: int, size: int, crc: int, where: str) -> None:
@@ -151,15 +264,19 @@ def _check(fd: int, st: os.stat_result, data_start: int, size: int, crc: int, wh
             return
         got = _crc(fd, data_start, size, where)
         if got != crc:
-            raise SourceCrcError(
-                f"{where} fails its CRC-32 (the zip directory says {crc:08x}, its {size} bytes give {got:08x}); "
-                "the file is damaged: re-copy it from the training run (--no-source-crc merges it anyway)"
-            )
+            raise _mismatch(where, crc, got, size)
         with _lock:
             _checked.add(key)
             _busy.pop(key, None)
             _stats["records"] += 1
             _stats["bytes"] += size
+
+
+def _mismatch(where: str, expected: int, got: int, size: int) -> SourceCrcError:
+    return SourceCrcError(
+        f"{where} fails its CRC-32 (the zip directory says {expected:08x}, its {size} bytes give {got:08x}); "
+        "the file is damaged: re-copy it from the training run (--no-source-crc merges it anyway)"
+    )
 
 
 def _crc(fd: int, start: int, size: int, where: str) -> int:
