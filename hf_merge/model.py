@@ -42,7 +42,7 @@ from .errors import LoraError, MappingError, MissingConfigError, QuantizationErr
 from .hf_files import find_config_dir, load_config
 from . import filemap
 from .mapped import Mapper
-from .readers import record_crc
+from .readers import contained, record_crc
 from .merging import build_views, model_view
 
 if TYPE_CHECKING:
@@ -260,6 +260,8 @@ def load_tokenizer(
     else:
         with open_checkpoint(source, backend=backend) as ckpt:
             hf_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
+        for item in Path(hf_dir).iterdir():  # the tokenizer files are read: none may lead out of the checkpoint
+            contained.check(item, root=source)
     try:
         return AutoTokenizer.from_pretrained(str(hf_dir), **kwargs)
     except (OSError, ValueError, TypeError) as e:

@@ -157,6 +157,8 @@ def test_side_files_symlinked_out_of_the_checkpoint(what, fsdp_copy, tmp_path, s
     else:
         assert code == 0, err
         assert not (target / "tokenizer_config.json").exists()
+        with pytest.raises(UnsafeCheckpointError, match="tokenizer_config.json"):
+            hf_merge.load_tokenizer(fsdp_copy)  # load_tokenizer reads it: refused
     _no_secret(out, err)
 
 
@@ -419,3 +421,28 @@ def test_the_head_start_file_is_not_taken_from_a_damaged_rank_file(fsdp_copy, tm
     _flip(rank0, record.encode())
     _merge_refused(capsys, fsdp_copy, tmp_path, rank0.name, record, "CRC-32", flags=("--dtype", "auto"))
     assert asked == ["model.safetensors"]  # the child had planned the file: the merge refused it
+
+
+def test_rank_file_records_are_checked_as_they_stream_through_the_writer(fsdp_copy, tmp_path):
+    """The O_DIRECT writer checks each whole rank-file record over the bytes it copies: no record
+    is read a second time for its CRC."""
+    from hf_merge import sequential
+
+    if not sequential.enabled():
+        pytest.skip("O_DIRECT writer switched off")
+    before = record_crc.stats()
+    hf_merge.merge(fsdp_copy, tmp_path / "out", dtype="auto", workers=1)
+    after = record_crc.stats()
+    checked, streamed = after["records"] - before["records"], after["streamed"] - before["streamed"]
+    assert checked > 0 and streamed == checked, (checked, streamed)
+
+
+def test_distcp_records_stream_through_the_writer_too(megatron_root, tmp_path):
+    from hf_merge import sequential
+
+    if not sequential.enabled():
+        pytest.skip("O_DIRECT writer switched off")
+    before = record_crc.stats()
+    hf_merge.merge(megatron_root / "qwen2_v1" / "actor", tmp_path / "out", dtype="auto", workers=1)
+    after = record_crc.stats()
+    assert after["streamed"] > before["streamed"] and after["records"] > before["records"]

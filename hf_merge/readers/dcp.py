@@ -41,7 +41,7 @@ import weakref
 import re
 import threading
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -175,7 +175,7 @@ def _chunk_persistent_load(pid: Any) -> Any:
     return (str(key), dtype, int(numel))
 
 
-def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
+def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layout:
     """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout.
 
     The archive's records are checked first (:func:`~hf_merge.readers.torch_zip.read_records`:
@@ -183,6 +183,9 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
     """
     window = Window(fd, chunk.start, chunk.length)
     records = read_records(window, f"{where}, chunk at byte {chunk.start}", base=chunk.start)
+    # for the writer's CRC stream; every chunk archive has an "archive/data/0": say whose it is
+    record_crc.add_archive(fd, {k: replace(r, name=f"{r.name} of {tensor[:80]} (archive at byte {chunk.start})")
+                                for k, r in records.items()}, chunk.file)
     pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pkl) != 1:
         raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} has no single data.pkl record")
@@ -381,7 +384,7 @@ class DcpCheckpoint(LazyCheckpoint):
 
     def _layout(self, name: str, chunk: _Chunk) -> _Layout:
         if chunk.layout is None:
-            chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})")
+            chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})", name)
             if chunk.layout.dtype != self._specs[name].dtype:
                 raise CorruptCheckpointError(
                     f"{self.path / chunk.file}: {name} chunk has dtype {chunk.layout.dtype}, "
@@ -440,10 +443,16 @@ class DcpCheckpoint(LazyCheckpoint):
         views = self._row_views(name, spec) if spec.shape and spec.shape[0] else None
         if views is None:
             return super().read_rows(name, dtype, max_bytes)
-        return (run for first, view in views for run in row_runs(view, first, dtype, max_bytes))
 
-    def _row_views(self, name: str, spec: TensorSpec) -> list[tuple[int, torch.Tensor]] | None:
-        """``(first row, chunk view)`` of every non-empty chunk in row order, when the chunks are
+        def runs():
+            for first, view, chunk in views:
+                self._checked_layout(name, chunk)  # its record's CRC-32 (noted, when a writer streams it)
+                yield from row_runs(view, first, dtype, max_bytes)
+
+        return runs()
+
+    def _row_views(self, name: str, spec: TensorSpec) -> list[tuple[int, torch.Tensor, _Chunk]] | None:
+        """``(first row, chunk view, chunk)`` of every non-empty chunk in row order, when the chunks are
         bands of whole rows stored in C order and their files map; else None."""
         rest = (0,) * (len(spec.shape) - 1)
         bands = sorted((c for c in self._chunks[name] if math.prod(c.sizes)), key=lambda c: c.offsets)
@@ -454,7 +463,7 @@ class DcpCheckpoint(LazyCheckpoint):
             view = self._view(name, chunk)
             if view is None:
                 return None
-            views.append((chunk.offsets[0], view))
+            views.append((chunk.offsets[0], view, chunk))
         return views
 
     def _view(self, name: str, chunk: _Chunk) -> torch.Tensor | None:
@@ -472,7 +481,6 @@ class DcpCheckpoint(LazyCheckpoint):
             if mapped.token is not None:
                 filemap.register_within(mapped.token, mapped.whole, [view])
             chunk.view = view
-        self._checked_layout(name, chunk)
         return chunk.view
 
     def _map(self, rel: str) -> _Mapped | None:

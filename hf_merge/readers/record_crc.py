@@ -92,10 +92,11 @@ def skipping(skip: bool = True) -> Iterator[None]:
             _skip -= int(skip)
 
 
-def add_archive(path: "str | Path", records: "dict[str, Record]", where: str | None = None) -> None:
-    """Make ``records`` (data offsets absolute in ``path``) checkable by :func:`check_tensor`."""
+def add_archive(path: "str | Path | int", records: "dict[str, Record]", where: str | None = None) -> None:
+    """Make ``records`` (data offsets absolute in the file ``path``, or the open descriptor)
+    checkable by :func:`check_tensor` and :class:`Stream`."""
     try:
-        st = os.stat(path)
+        st = os.fstat(path) if isinstance(path, int) else os.stat(path)
     except OSError:
         return
     ordered = sorted(records.values(), key=lambda r: r.data_start)
@@ -104,7 +105,8 @@ def add_archive(path: "str | Path", records: "dict[str, Record]", where: str | N
         if known is not None:  # another archive in the same file: merge the lists
             seen = set(known.starts)
             ordered = sorted(known.records + [r for r in ordered if r.data_start not in seen], key=lambda r: r.data_start)
-        _archives[_key(st)] = _Archive(where or Path(path).name, [r.data_start for r in ordered], ordered)
+        name = where or (known.where if known else Path(str(path)).name)
+        _archives[_key(st)] = _Archive(name, [r.data_start for r in ordered], ordered)
 
 
 def add_file(path: "str | Path", where: str | None = None) -> None:
@@ -139,7 +141,10 @@ def check_tensor(tensor: "torch.Tensor") -> None:
             f"{archive.where}: a tensor's bytes {offset}..{offset + nbytes} run past zip record "
             f"{rec.name[:60]!r}; the file is damaged, re-copy it from the training run"
         )
-    where = f"{archive.where}: zip record {rec.name[:60]!r}"
+    _check_or_note(fd, st, rec, f"{archive.where}: zip record {rec.name[:160]!r}")
+
+
+def _check_or_note(fd: int, st: os.stat_result, rec: "Record", where: str) -> None:
     pending = getattr(_local, "pending", None)
     key = _key(st) + (rec.data_start,)
     if pending is not None:  # a writer's stream may check it as it copies; else at the end of deferred()
@@ -185,7 +190,7 @@ def check_ranges(ranges: "list[tuple[int, int, int]]") -> None:
         while i < len(archive.records) and archive.records[i].data_start < offset + n:
             rec = archive.records[i]
             if rec.data_start + rec.size > offset:
-                _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:60]!r}")
+                _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:160]!r}")
             i += 1
 
 
@@ -242,15 +247,17 @@ class Stream:
         key = _key(st) + (rec.data_start,)
         if key in _checked or rec.size == 0:
             return
-        self._rec = (key, rec, f"{archive.where}: zip record {rec.name[:60]!r}")
+        self._rec = (key, rec, f"{archive.where}: zip record {rec.name[:160]!r}")
         self._fd, self._next, self._end, self._crc = fd, offset, offset + rec.size, 0
 
 
 def check_record(fd: int, data_start: int, size: int, crc: int, where: str) -> None:
-    """Check one record of the file open as ``fd`` (once per record)."""
+    """Check one record of the file open as ``fd`` (once per record; inside :func:`deferred`, noted)."""
     if _skip:
         return
-    _check(fd, os.fstat(fd), data_start, size, crc, where)
+    from .torch_zip import Record
+
+    _check_or_note(fd, os.fstat(fd), Record(where, data_start, size, crc), where)
 
 
 def _check(fd: int, st: os.stat_result, data_start: int, size: int, crc: int, where: str) -> None:
