@@ -346,6 +346,16 @@ def test_a_flipped_byte_in_a_rank_file_stops_the_merge(fsdp_copy, tmp_path, caps
     assert code == 1 and "source CRC-32" in out and "FAIL" in out
 
 
+@pytest.mark.parametrize("flags", [("--max-shard-size", "100KB", "--workers", "2", "--dtype", "auto"),
+                                   ("--max-shard-size", "100KB", "--workers", "1")], ids=["forked writers", "cast"])
+def test_a_flipped_byte_is_found_by_every_writer(flags, fsdp_copy, tmp_path, capsys):
+    """Forked writer processes and a cast (the bytes converted in memory, so checked in full)."""
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    record = _record_of(rank1, "model.layers.1.mlp.down_proj.weight")
+    _flip(rank1, record.encode())
+    _merge_refused(capsys, fsdp_copy, tmp_path, rank1.name, record, "CRC-32", flags=flags)
+
+
 def test_a_flipped_byte_in_a_shard1_column_piece_is_found(qwen2_shard1, tmp_path, capsys):
     """A Shard(1) piece is read column block by column block; its record is checked once, in full,
     the first time any of it is read."""
@@ -446,3 +456,28 @@ def test_distcp_records_stream_through_the_writer_too(megatron_root, tmp_path):
     hf_merge.merge(megatron_root / "qwen2_v1" / "actor", tmp_path / "out", dtype="auto", workers=1)
     after = record_crc.stats()
     assert after["streamed"] > before["streamed"] and after["records"] > before["records"]
+
+
+def test_a_hub_cache_snapshot_is_read_through_its_blob_links(qwen2_fp32_ws2, tmp_path, capsys):
+    """A Hugging Face cache snapshot is made of links into its repository's blobs/ folder: read
+    (``verify --against`` it, ``--base-model``-style opening); a link elsewhere is refused."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(p for p in qwen2_fp32_ws2.reference.iterdir() if p.is_file())):
+        shutil.copyfile(f, repo / "blobs" / f"blob{i}")
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    with hf_merge.open_checkpoint(snap) as ck:
+        assert ck.info.format == "hf" and "model.embed_tokens.weight" in ck.specs()
+    merged = tmp_path / "merged"
+    assert cli(["merge", str(qwen2_fp32_ws2.actor), str(merged), "--dtype", "auto"]) == 0
+    capsys.readouterr()
+    assert cli(["verify", str(merged), "--against", str(snap)]) == 0
+    weights = next(p for p in snap.iterdir() if p.name.endswith(".safetensors"))
+    weights.unlink()
+    weights.symlink_to(tmp_path / "elsewhere.safetensors")
+    shutil.copyfile(next(p for p in qwen2_fp32_ws2.reference.iterdir() if p.name.endswith(".safetensors")),
+                    tmp_path / "elsewhere.safetensors")
+    with pytest.raises(UnsafeCheckpointError, match=weights.name):
+        hf_merge.open_checkpoint(snap)
