@@ -14,8 +14,8 @@ record's offset):
   is checked in full when the file's bytes are all appended, before the file is finished;
 - otherwise **in full, the first time any of its bytes are used** (a ``Shard(1)`` column piece, a
   DeepSpeed parameter that is a slice of a flat partition, a DCP box, the page-cache copy path,
-  ``from_sharded_pretrained``): read with ``pread`` into one reusable buffer, then copied as before
-  (from the page cache where it fits).
+  ``from_sharded_pretrained``): over a read-only mapping of the record (no copy), then used as
+  before (from the page cache where it fits).
 
 A record whose CRC differs raises :class:`SourceCrcError` naming the file and the record, before the
 output folder is renamed into place.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import mmap
 import os
 import threading
 import zlib
@@ -287,6 +288,28 @@ def _mismatch(where: str, expected: int, got: int, size: int) -> SourceCrcError:
 
 
 def _crc(fd: int, start: int, size: int, where: str) -> int:
+    """The CRC-32 of ``size`` bytes of ``fd`` from ``start``: over a read-only mapping of them (no
+    copy; the kernel maps cached pages 64 KiB at a time), else read in :data:`CHUNK` pieces."""
+    if size == 0:
+        return 0
+    if start + size > os.fstat(fd).st_size:
+        raise CorruptCheckpointError(f"{where}: the file ends inside the record; re-copy it from the training run")
+    lead = start % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapped = mmap.mmap(fd, size + lead, access=mmap.ACCESS_READ, offset=start - lead)
+    except (OSError, ValueError):
+        return _crc_read(fd, start, size, where)
+    try:
+        with memoryview(mapped) as view:
+            crc = 0
+            for i in range(lead, lead + size, CHUNK):
+                crc = zlib.crc32(view[i : min(i + CHUNK, lead + size)], crc)
+            return crc
+    finally:
+        mapped.close()
+
+
+def _crc_read(fd: int, start: int, size: int, where: str) -> int:
     buf = bytearray(min(CHUNK, max(size, 1)))
     view = memoryview(buf)
     crc, done = 0, 0
