@@ -169,6 +169,17 @@ def locate(tensor: torch.Tensor) -> tuple[int, int] | None:
     return entry.fd, entry.offset + start
 
 
+def storage_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(fd, offset, nbytes)`` of the registered file bytes of ``tensor``'s whole storage."""
+    if not _storages or tensor.device.type != "cpu":
+        return None
+    with _lock:
+        entry = _storages.get(tensor.untyped_storage().data_ptr())
+    if entry is None or entry.owner() is None:
+        return None
+    return entry.fd, entry.offset, entry.nbytes
+
+
 def copy_to_file(tensor: torch.Tensor, out_fd: int, out_offset: int) -> bool:
     """Copy ``tensor``'s bytes from its file to ``out_fd`` at ``out_offset`` with
     ``copy_file_range``; False (nothing assumed written) when the tensor is not file-backed or the

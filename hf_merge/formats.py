@@ -181,16 +181,19 @@ def _what_is_there(path: Path, limit: int = 6) -> str:
 
 def open_source(path: Path, name: str, config_dir: Path | None, options: dict[str, Any]) -> "LazyCheckpoint":
     """Open ``path`` with format ``name`` (``auto``: detect), passing only the options it takes."""
+    from .readers.contained import reading
+
     notes: list[str] = []
-    if name == "auto":
-        detection = detect(path)
-        fmt = detection.chosen
-        if detection.note:
-            notes.append(detection.note)
-    else:
-        fmt = get_format(name)
-    given = {k: v for k, v in options.items() if v is not None}
-    ckpt = fmt.open(path, config_dir=config_dir, **{k: v for k, v in given.items() if k in fmt.options})
+    with reading(path):  # files leaving the checkpoint through a symlink are refused
+        if name == "auto":
+            detection = detect(path)
+            fmt = detection.chosen
+            if detection.note:
+                notes.append(detection.note)
+        else:
+            fmt = get_format(name)
+        given = {k: v for k, v in options.items() if v is not None}
+        ckpt = fmt.open(path, config_dir=config_dir, **{k: v for k, v in given.items() if k in fmt.options})
     ckpt.info.reader = fmt.name
     ckpt.info.notes[:0] = notes
     return ckpt

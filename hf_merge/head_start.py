@@ -61,6 +61,7 @@ class Request:
     dtype: str | None  # None / "config": config.json's; "auto": the shards'; else a dtype name
     max_shard_size: int
     checksums: bool
+    source_crc: bool = True  # check the CRC-32 of the rank-file records it copies (docs/integrity.md)
 
 
 class _Skip(Exception):
@@ -247,9 +248,12 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
         die_with_parent(parent)
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C: the parent decides and stops this child
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        plan, sources = _plan(request)
-        send({"plan": {"name": plan.file.name, "header": hashlib.sha256(plan.file.header).hexdigest(), "ranges": plan.ranges}})
-        send({"done": _write(plan, sources, fd, request.checksums, lambda n: send({"bytes": n}))})
+        from .readers import record_crc
+
+        with record_crc.skipping(not request.source_crc):
+            plan, sources = _plan(request)
+            send({"plan": {"name": plan.file.name, "header": hashlib.sha256(plan.file.header).hexdigest(), "ranges": plan.ranges}})
+            send({"done": _write(plan, sources, fd, request.checksums, lambda n: send({"bytes": n}))})
     except _Skip as e:
         with contextlib.suppress(BaseException):
             send({"skip": str(e)})
@@ -385,9 +389,14 @@ def _write(planned: _Planned, sources: dict[tuple[int, int], int], fd: int, sha2
         copypool.lower_this_thread(copypool.HASHING_NICE)
 
     def fill() -> None:
+        from .readers import record_crc
+
         sink.add_memory(memoryview(file.header))
         for dev, ino, offset, n in planned.ranges:
             sink.add_file(sources[(dev, ino)], offset, n)
             sink.report()
+        # every record copied was checked as it streamed through the sink; any it did not see whole, here.
+        # A mismatch fails this child: the merge then writes the file itself, and its reader refuses the record.
+        record_crc.check_ranges([(sources[(dev, ino)], offset, n) for dev, ino, offset, n in planned.ranges])
 
     return sequential.fill_and_finish(sink, fill)

@@ -23,6 +23,7 @@ from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_fre
 from .errors import HfMergeError, HubError
 from .plan import parse_size, plan_shards
 from .preload import preload
+from .readers import record_crc
 from .spec import dtype_name, parse_dtype
 from .transforms import Cast, drop_tied
 from .verification import verify_or_raise
@@ -192,6 +193,7 @@ def merge(
     distributed: bool | None = None,
     dist_writers: str = "node",
     head_start: Any = None,
+    source_crc: bool = True,
 ) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 
@@ -235,7 +237,14 @@ def merge(
             writes a share; for file systems where more writing processes help).
         head_start: internal, from the CLI: a :class:`~hf_merge.head_start.HeadStart` whose first
             file is taken when it is byte for byte the one planned here (else it is stopped).
+        source_crc: check the CRC-32 of every zip record of the source that is read (rank files,
+            ``.distcp``, DeepSpeed and legacy Megatron ``.pt``); a damaged record raises
+            :class:`~hf_merge.readers.record_crc.SourceCrcError`. ``False`` skips the check
+            (``--no-source-crc``). See docs/integrity.md.
     """
+    if not source_crc:
+        with record_crc.skipping():
+            return merge(**{**locals(), "source_crc": True})
     if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
         from .gguf.convert import merge_gguf
 
@@ -316,7 +325,14 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
         from .writer import WHOLE_TENSOR_LIMIT
 
         first = plan.files[0]
-        if head.adopt(first.name, first.header, lambda: byte_recipe(view, first, WHOLE_TENSOR_LIMIT), tmp):
+
+        def recipe():
+            # the child checks the CRC-32 of every record it copies (a child that fails is not
+            # trusted: the file is then written here, and checked here)
+            with record_crc.deferred(check_at_end=False):
+                return byte_recipe(view, first, WHOLE_TENSOR_LIMIT)
+
+        if head.adopt(first.name, first.header, recipe, tmp):
             from .progress import progress_bar
             from .writer import write_index
 

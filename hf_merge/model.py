@@ -45,6 +45,7 @@ from .hf_files import find_config_dir, load_config
 from . import filemap
 from .mapped import Mapper
 from .device_fill import StagerPool, stages
+from .readers import contained, record_crc
 from .merging import build_views, model_view
 from .transformers_compat import has_weight_conversions
 
@@ -101,6 +102,7 @@ def from_sharded_pretrained(
     offload_folder: "str | os.PathLike | None" = None,
     offload_buffers: bool = False,
     disable_mmap: bool | None = None,
+    source_crc: bool = True,
     **kwargs: Any,
 ) -> "PreTrainedModel":
     """Load a sharded training checkpoint as a transformers model, without merging it to disk first.
@@ -143,6 +145,8 @@ def from_sharded_pretrained(
             own memory. By default a CPU weight the rank files hold in its load dtype is mapped from
             them (copy-on-write pages, like ``from_pretrained``'s mapping of safetensors), so the
             rank files must not be rewritten in place while the model lives (deleting them is fine).
+        source_crc: check the CRC-32 of every zip record of the source before its bytes are loaded
+            (as ``merge`` does; see docs/integrity.md); ``False`` skips it.
         **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
             config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
 
@@ -152,6 +156,12 @@ def from_sharded_pretrained(
     Raises:
         HfMergeError: a subclass naming what is wrong with the source and what to do, as the CLI does.
     """
+    if not source_crc:
+        params = dict(locals())
+        extra = params.pop("kwargs")
+        params.pop("source_crc")
+        with record_crc.skipping():
+            return from_sharded_pretrained(**params, **extra)
     import transformers
 
     if lora not in LORA_MODES:
@@ -249,6 +259,8 @@ def load_tokenizer(
     else:
         with open_checkpoint(source, backend=backend) as ckpt:
             hf_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
+        for item in Path(hf_dir).iterdir():  # the tokenizer files are read: none may lead out of the checkpoint
+            contained.check(item, root=source)
     try:
         return AutoTokenizer.from_pretrained(str(hf_dir), **kwargs)
     except (OSError, ValueError, TypeError) as e:

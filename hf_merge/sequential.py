@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import filemap
 from .plan import FilePlan
+from .readers import record_crc
 
 if TYPE_CHECKING:  # the sink itself runs without torch (hf_merge.head_start)
     import torch
@@ -127,6 +128,7 @@ class _Sink:
             self._free.put(b)
         self._buf = self._buffers[0]
         self._view = memoryview(self._buf)
+        self._crc = record_crc.Stream()  # the source records' CRC-32, over the bytes as they land
         self._fill = 0
         self._offset = 0  # file offset of the current buffer
         self._written = 0  # bytes the writers finished (under _lock)
@@ -147,6 +149,7 @@ class _Sink:
         while n:
             k = min(n, PIECE, CHUNK - self._fill)
             filemap.pread_exact(fd, self._view[self._fill : self._fill + k], offset)
+            self._crc.feed(fd, offset, self._view[self._fill : self._fill + k])
             self._landed(k)
             offset += k
             n -= k
@@ -369,6 +372,10 @@ def write_file(
         raise
 
     def fill() -> None:
+        with record_crc.deferred():  # records the sink saw whole are checked as they passed, the rest here
+            fill_all()
+
+    def fill_all() -> None:
         sink.add_memory(memoryview(plan.header))
         for spec, start in plan.placed():
             if spec.nbytes == 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from hf_merge.errors import (
     MissingConfigError,
     UnsupportedCheckpointError,
 )
+from hf_merge.readers import record_crc
 from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.readers.megatron import open_megatron, probe
 from hf_merge.transforms.fused import split_gate_up, split_qkv
@@ -170,7 +172,7 @@ def test_step_and_role_folders_resolve(megatron_root, tmp_path):
     run = tmp_path / "ckpts"
     (run / "global_step_7").mkdir(parents=True)
     (run / "global_step_3").mkdir()
-    (run / "global_step_7" / "actor").symlink_to(role_dir(megatron_root, "qwen2_v1"))
+    shutil.copytree(role_dir(megatron_root, "qwen2_v1"), run / "global_step_7" / "actor")  # a symlink out is refused
     (run / "latest_checkpointed_iteration.txt").write_text("7\n")
     assert probe(run)
     ckpt = open_megatron(run)
@@ -188,7 +190,7 @@ def test_bad_latest_step_file_falls_back_to_the_highest_step(megatron_root, tmp_
     run = tmp_path / "ckpts"
     (run / "global_step_7").mkdir(parents=True)
     (run / "global_step_3").mkdir()
-    (run / "global_step_7" / "actor").symlink_to(role_dir(megatron_root, "qwen2_v1"))
+    shutil.copytree(role_dir(megatron_root, "qwen2_v1"), run / "global_step_7" / "actor")  # a symlink out is refused
     for content in (b"\xff\xfe3", "\u00b2".encode(), b"999999999999999999999999"):
         (run / "latest_checkpointed_iteration.txt").write_bytes(content)
         ckpt = open_megatron(run)
@@ -279,8 +281,17 @@ def test_reading_one_tensor_reads_one_layer_slice(tmp_path, monkeypatch):
         return real(fd, bufs, off, *a)
 
     monkeypatch.setattr(os, "preadv", counting)
-    ckpt.read("model.layers.1.self_attn.q_proj.weight")
+    with record_crc.skipping():
+        ckpt.read("model.layers.1.self_attn.q_proj.weight")
     assert sum(sizes) == NQ * HD * H * 4  # the q rows of layer 1, not the stacked [L, ...] tensor
+    # with the source CRC check (the default), the chunk's record is checked once in full (over a
+    # mapping of it, no preadv) the first time any of it is used; the slice itself is read as before
+    sizes.clear()
+    before = record_crc.stats()
+    ckpt.read("model.layers.0.self_attn.q_proj.weight")
+    assert sum(sizes) == NQ * HD * H * 4 and record_crc.stats()["records"] == before["records"] + 1
+    ckpt.read("model.layers.1.self_attn.q_proj.weight")
+    assert record_crc.stats()["records"] == before["records"] + 1  # the same record: not checked again
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -432,7 +432,7 @@ def test_missing_config_raises_the_typed_error(qwen2_fp32_ws2, tmp_path):
     actor = tmp_path / "actor"
     actor.mkdir()
     for f in qwen2_fp32_ws2.rank_files + [qwen2_fp32_ws2.actor / "fsdp_config.json"]:
-        os.symlink(f, actor / f.name)
+        os.link(f, actor / f.name)  # a symlink leaving the checkpoint would be refused
     with pytest.raises(MissingConfigError, match="config"):
         AutoModelForCausalLM.from_sharded_pretrained(actor)
     model = AutoModelForCausalLM.from_sharded_pretrained(actor, config=qwen2_fp32_ws2.hf_dir, dtype="float32")

@@ -406,8 +406,9 @@ def test_compressed_record_is_refused(fsdp_copy, tmp_path, capsys):
 
 
 def test_verify_against_source_checks_record_crcs(fsdp_copy, tmp_path, capsys):
-    """A flipped tensor byte keeps every structure valid: the merge copies it faithfully (exit 0),
-    and ``verify --against`` finds it through the zip directory's CRC-32."""
+    """A flipped tensor byte keeps every structure valid: the merge refuses it (the record's CRC-32,
+    checked as it reads); with --no-source-crc it copies it faithfully (exit 0), and
+    ``verify --against`` finds it through the zip directory's CRC-32."""
     rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
     raw = bytearray(rank1.read_bytes())
     at = _local_header(raw, b"/data/0")
@@ -415,7 +416,8 @@ def test_verify_against_source_checks_record_crcs(fsdp_copy, tmp_path, capsys):
     raw[data_start + 1] ^= 0x40
     rank1.write_bytes(bytes(raw))
     target = tmp_path / "out"
-    assert cli(["merge", str(fsdp_copy), str(target), "--dtype", "auto"]) == 0
+    _merge_fails(fsdp_copy, tmp_path, capsys, rank1.name, "data/0", "CRC-32")
+    assert cli(["merge", str(fsdp_copy), str(target), "--dtype", "auto", "--no-source-crc"]) == 0
     capsys.readouterr()
     assert cli(["verify", str(target), "--against", str(fsdp_copy)]) == 1
     out = capsys.readouterr()

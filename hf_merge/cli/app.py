@@ -10,13 +10,14 @@ import sys
 from typing import NoReturn
 
 from .. import __version__
+from ..errors import redact_credentials
 from . import _errors
 
 
 class _NoteFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         prefix = "warning" if record.levelno >= logging.WARNING else "note"
-        return f"{prefix}: {record.getMessage()}"
+        return redact_credentials(f"{prefix}: {record.getMessage()}")
 
 
 def _setup_logging(quiet: bool) -> None:

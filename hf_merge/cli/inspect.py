@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from ..errors import redact_credentials
 from ._formats import add_backend_argument, add_source_option_arguments, source_options
 
 EXAMPLES = """examples:
@@ -46,10 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = describe(args.source, backend=args.backend, config=args.config, tensors=args.tensors,
                       source_names=args.source_names, source_options=source_options(args))
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(render(report))
+    text = json.dumps(report, indent=2, default=str) if args.json else render(report)
+    print(redact_credentials(text))
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from ..errors import redact_credentials
 from ..progress import human_bytes
 from ._args import dtype_arg, float_dtype_arg, positive_int, size_arg
 
@@ -83,6 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     hub.add_argument("--private", action=argparse.BooleanOptionalAction, default=None, help="create the repo private / public")
     p.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source before finishing")
     p.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip recording sha256 of output files")
+    p.add_argument("--no-source-crc", dest="source_crc", action="store_false",
+                   help="do not check the CRC-32 of the source's zip records as they are read (on by default; see docs/integrity.md)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     q = p.add_argument_group("quantized output (needs bitsandbytes: pip install bitsandbytes)")
     q.add_argument("--quantize", choices=["nf4", "fp4", "int8"], default=None, help="write bitsandbytes 4-bit (nf4, fp4) or 8-bit (int8) weights, as transformers saves them")
@@ -123,13 +126,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         adapter = {**result.adapter, "path": str(result.adapter["path"])} if result.adapter else None
-        print(json.dumps({
+        print(redact_credentials(json.dumps({
             "target": str(result.target), "files": result.files, "dtype": result.dtype, "quantization": result.quantization,
             "tensors": result.num_tensors, "bytes": result.total_bytes, "adapter": adapter, "notes": result.notes,
             "url": result.url,
-        }, indent=2))
+        }, indent=2)))
     elif not getattr(args, "quiet", False):
-        print(summary_line(result), file=sys.stderr)
+        print(redact_credentials(summary_line(result)), file=sys.stderr)
         if result.url:
             print(f"pushed to {result.url}", file=sys.stderr)
     return 0
@@ -190,6 +193,7 @@ def _merge(args: argparse.Namespace, source: str, target: str, head):
         base_model_name=args.base_model_name,
         verify=args.verify,
         checksums=args.checksums,
+        source_crc=args.source_crc,
         quantize=_quantize_options(args),
         push_to_hub=args.push_to_hub,
         private=args.private,
@@ -214,7 +218,7 @@ def _head_start(args: argparse.Namespace, source: str, target: str):
     if plain:
         from ..head_start import Request, begin
 
-        head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums))
+        head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums, args.source_crc))
         if head is not None:
             return head
     return contextlib.nullcontext()

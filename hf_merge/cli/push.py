@@ -69,5 +69,7 @@ def run(args: argparse.Namespace) -> int:
         create_pr=args.create_pr,
         token=args.token,
     )
-    print(url)
+    from ..errors import redact_credentials
+
+    print(redact_credentials(url))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import redact_credentials
 from ._formats import add_backend_argument
 
 VERIFY_EXAMPLES = """examples:
@@ -97,8 +98,8 @@ def run_test(args: argparse.Namespace) -> int:
 
 
 def _print(report, failure: str) -> int:
-    print(report.table())
+    print(redact_credentials(report.table()))
     if not report.ok:
-        print(f"error: {failure}: {report.summary()}", file=sys.stderr)
+        print(redact_credentials(f"error: {failure}: {report.summary()}"), file=sys.stderr)
         return 1
     return 0

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .. import filemap
+from . import contained, record_crc
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
@@ -69,6 +70,7 @@ class _Piece:
 
 
 def _load_json(path: Path) -> Any:
+    contained.check(path)
     try:
         if path.stat().st_size > SMALL_JSON:
             raise CorruptCheckpointError(f"{path.name} is {path.stat().st_size} bytes, too large for a ColossalAI index; re-copy it")
@@ -282,7 +284,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
     # ---- files -----------------------------------------------------------------------------
 
     def _file_specs(self, file: str) -> dict[str, TensorSpec]:
-        path = self.folder / file
+        path = contained.check(self.folder / file)
         if not path.is_file():
             raise CorruptCheckpointError(f"{file} is named by the checkpoint's index but missing from {self.folder}; re-copy it")
         if file.endswith(".safetensors"):
@@ -318,13 +320,16 @@ class ColossalAICheckpoint(LazyCheckpoint):
             if token is not None:
                 self._mapped.append(token)
                 weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
+                record_crc.add_file(path)
         return self._bins[file]
 
     def _box(self, piece: _Piece) -> torch.Tensor:
         """The piece's own tensor (a view of the file: memory-mapped, or read from the safetensors slice)."""
         if piece.file in self._safe:
             return self._safe[piece.file].get_tensor(piece.key)
-        return self._bin(piece.file)[piece.key]
+        tensor = self._bin(piece.file)[piece.key]
+        record_crc.check_tensor(tensor)
+        return tensor
 
     # ---- the LazyCheckpoint interface ---------------------------------------------------------
 

@@ -41,13 +41,14 @@ import weakref
 import re
 import threading
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from .. import filemap
+from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
     CorruptCheckpointError,
@@ -81,7 +82,7 @@ def load_dcp_metadata(path: Path) -> Any:
     meta_path = Path(path) / METADATA_FILE
     if not meta_path.is_file():
         raise SourceNotFoundError(f"{path}: no {METADATA_FILE} file; not a torch.distributed.checkpoint folder")
-    with open(meta_path, "rb") as f:
+    with open(contained.check(meta_path), "rb") as f:
         md = load_pickle(f, DCP_METADATA, str(meta_path), substitutes=metadata_substitutes())
     if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
         raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__})")
@@ -105,6 +106,7 @@ class _Layout:
     storage_offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    crc: int = 0  # the storage record's CRC-32, from the archive's zip directory
 
 
 @dataclass
@@ -174,7 +176,7 @@ def _chunk_persistent_load(pid: Any) -> Any:
     return (str(key), dtype, int(numel))
 
 
-def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
+def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layout:
     """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout.
 
     The archive's records are checked first (:func:`~hf_merge.readers.torch_zip.read_records`:
@@ -182,6 +184,9 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
     """
     window = Window(fd, chunk.start, chunk.length)
     records = read_records(window, f"{where}, chunk at byte {chunk.start}", base=chunk.start)
+    # for the writer's CRC stream; every chunk archive has an "archive/data/0": say whose it is
+    record_crc.add_archive(fd, {k: replace(r, name=f"{r.name} of {tensor[:80]} (archive at byte {chunk.start})")
+                                for k, r in records.items()}, chunk.file)
     pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pkl) != 1:
         raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} has no single data.pkl record")
@@ -206,7 +211,7 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str) -> _Layout:
         raise CorruptCheckpointError(
             f"{where}: storage record of chunk at byte {chunk.start} has {info.size} bytes, expected {nbytes}"
         )
-    layout = _Layout(data_start, nbytes, dtype, rec.storage_offset, rec.size, rec.stride)
+    layout = _Layout(data_start, nbytes, dtype, rec.storage_offset, rec.size, rec.stride, info.crc)
     if layout.size != chunk.sizes:
         raise CorruptCheckpointError(
             f"{where}: chunk at byte {chunk.start} holds shape {layout.size}, metadata says {chunk.sizes}"
@@ -260,7 +265,7 @@ class DcpCheckpoint(LazyCheckpoint):
             ) from None
         self._file_sizes = {}
         for rel in sorted(files):
-            p = self.path / rel
+            p = contained.check(self.path / rel)
             if not p.is_file():
                 raise CorruptCheckpointError(f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing")
             self._file_sizes[rel] = p.stat().st_size
@@ -380,13 +385,22 @@ class DcpCheckpoint(LazyCheckpoint):
 
     def _layout(self, name: str, chunk: _Chunk) -> _Layout:
         if chunk.layout is None:
-            chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})")
+            chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})", name)
             if chunk.layout.dtype != self._specs[name].dtype:
                 raise CorruptCheckpointError(
                     f"{self.path / chunk.file}: {name} chunk has dtype {chunk.layout.dtype}, "
                     f"metadata says {self._specs[name].dtype}"
                 )
         return chunk.layout
+
+    def _checked_layout(self, name: str, chunk: _Chunk) -> _Layout:
+        """The chunk's layout, its storage record's CRC-32 checked (once) before its bytes are used."""
+        lay = self._layout(name, chunk)
+        record_crc.check_record(
+            self._fd(chunk.file), lay.data_start, lay.storage_nbytes, lay.crc,
+            f"{chunk.file}: zip record of {name[:60]} (archive at byte {chunk.start})",
+        )
+        return lay
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         spec = self._spec(name)
@@ -430,10 +444,16 @@ class DcpCheckpoint(LazyCheckpoint):
         views = self._row_views(name, spec) if spec.shape and spec.shape[0] else None
         if views is None:
             return super().read_rows(name, dtype, max_bytes)
-        return (run for first, view in views for run in row_runs(view, first, dtype, max_bytes))
 
-    def _row_views(self, name: str, spec: TensorSpec) -> list[tuple[int, torch.Tensor]] | None:
-        """``(first row, chunk view)`` of every non-empty chunk in row order, when the chunks are
+        def runs():
+            for first, view, chunk in views:
+                self._checked_layout(name, chunk)  # its record's CRC-32 (noted, when a writer streams it)
+                yield from row_runs(view, first, dtype, max_bytes)
+
+        return runs()
+
+    def _row_views(self, name: str, spec: TensorSpec) -> list[tuple[int, torch.Tensor, _Chunk]] | None:
+        """``(first row, chunk view, chunk)`` of every non-empty chunk in row order, when the chunks are
         bands of whole rows stored in C order and their files map; else None."""
         rest = (0,) * (len(spec.shape) - 1)
         bands = sorted((c for c in self._chunks[name] if math.prod(c.sizes)), key=lambda c: c.offsets)
@@ -444,7 +464,7 @@ class DcpCheckpoint(LazyCheckpoint):
             view = self._view(name, chunk)
             if view is None:
                 return None
-            views.append((chunk.offsets[0], view))
+            views.append((chunk.offsets[0], view, chunk))
         return views
 
     def _view(self, name: str, chunk: _Chunk) -> torch.Tensor | None:
@@ -508,7 +528,7 @@ class DcpCheckpoint(LazyCheckpoint):
         self, name: str, chunk: _Chunk, src_start: tuple[int, ...], size: tuple[int, ...], dst: torch.Tensor
     ) -> None:
         """Copy the box ``src_start + size`` of one chunk into ``dst`` with bounded reads."""
-        lay = self._layout(name, chunk)
+        lay = self._checked_layout(name, chunk)
         item = lay.dtype.itemsize
         first = lay.storage_offset + sum(s * st for s, st in zip(src_start, lay.stride))
         span = 1 + sum((n - 1) * st for n, st in zip(size, lay.stride))

@@ -45,6 +45,7 @@ from ..formats import SourceFormat
 from ..spec import TensorSpec
 from .deepspeed_universal import LATEST as LATEST_UNIVERSAL
 from .deepspeed_universal import UniversalCheckpoint, is_universal_tag_dir
+from . import contained, record_crc
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
     # the policy scans the pickle first (stand-ins only); torch's unpickler then binds the names
     # to the inert classes above
     with torch.serialization.safe_globals(pairs):
-        state = torch_load(path, DEEPSPEED_FILE)
+        state = torch_load(contained.check(path), DEEPSPEED_FILE)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{Path(path).name} holds a {type(state).__name__}, not a DeepSpeed state dict")
     return state
@@ -170,13 +171,14 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
     else:
         # `latest` names the training tag; a folder holding only ds_to_universal output has `latest_universal`
         latest = next((path / n for n in ("latest", LATEST_UNIVERSAL) if (path / n).is_file()), path / "latest")
-        text = latest.read_bytes()[:256].decode(errors="replace").strip() if latest.is_file() else ""  # a tag name
+        # a tag name; never echoed (only compared with the tag folders that exist)
+        text = contained.check(latest).read_bytes()[:256].decode(errors="replace").strip() if latest.is_file() else ""
         if text in tags:
             chosen = text
             notes.append(f"using tag {chosen} (from {path.name}/{latest.name})")
         else:
             chosen = max(tags, key=lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t))
-            why = f"`latest` names {text!r}, which is missing" if text else "no `latest` file"
+            why = f"`{latest.name}` names no tag folder here" if text else "no `latest` file"
             notes.append(f"using tag {chosen} ({why}; the highest of {len(tags)} tags; pass --tag to choose)")
     return DeepSpeedLocation(path, path / chosen, tuple(notes), path)
 
@@ -239,6 +241,50 @@ def _cut(name: str, starts: list[int], sizes: list[int], offset: int, numel: int
             "a rank's optim_states file is missing or from another run"
         )
     return pieces
+
+
+#: alignments (elements) a ZeRO 1/2 parameter start may be padded to; powers of two
+_ALIGNMENTS = tuple(1 << k for k in range(0, 17))
+
+
+def check_group_tiling(g: int, numels: list[int], pad: list[Any], held: int, kept_padding: int = 0) -> None:
+    """A ZeRO 1/2 param group's parameters and alignment paddings tile its partitions exactly.
+
+    ``numels[i]`` elements of parameter ``i``, then ``pad[i]`` unused ones; the partitions hold
+    ``held`` elements, of which the last ``kept_padding`` are the group's own padding. Every padding
+    is a non-negative integer and pads the next parameter's start to one power-of-two boundary (a
+    padding moved to another parameter, which still adds up, would shift every parameter between);
+    the parameters and paddings end exactly where the partitions' data ends.
+
+    Raises:
+        CorruptCheckpointError: naming the group and the first parameter that is off.
+    """
+    if len(pad) != len(numels):
+        raise CorruptCheckpointError(f"param group {g}: {len(pad)} alignment paddings for {len(numels)} parameters")
+    for i, x in enumerate(pad):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise CorruptCheckpointError(
+                f"param group {g}: the alignment padding after parameter {i} is not a non-negative integer "
+                "(it would overlap the parameters); the optim_states file is damaged"
+            )
+    if any(pad):
+        ends, offset = [], 0
+        for n, x in zip(numels, pad):
+            ends.append(offset + n)
+            offset += n + x
+        if not any(all(x == (-end) % a for x, end in zip(pad, ends)) for a in _ALIGNMENTS):
+            first = next(i for i, x in enumerate(pad) if x)
+            raise CorruptCheckpointError(
+                f"param group {g}: the alignment paddings (first after parameter {first}) do not pad the parameters "
+                "to one boundary; they are shifted or damaged, which would shift the parameters: the optim_states "
+                "file is damaged"
+            )
+    needed = sum(numels) + sum(pad) + kept_padding
+    if needed != held:
+        raise CorruptCheckpointError(
+            f"param group {g}: the parameters and paddings take {needed} elements, the partitions hold {held}; "
+            "param_shapes and the optim_states files disagree (damaged, or from different runs)"
+        )
 
 
 class DeepSpeedCheckpoint(LazyCheckpoint):
@@ -352,6 +398,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         if token is not None:
             self._mapped.append(token)
             weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
+            record_crc.add_file(path)  # its records' CRC-32, checked when a tensor's bytes are first used
         return state
 
     # ---- layouts ------------------------------------------------------------------------
@@ -403,10 +450,16 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                 self._add(name, shape, frag.dtype, [_Piece(("frozen", 0, name), 0, 0, numel)], "frozen")
                 continue
             frags = []
+            per_rank = math.ceil(numel / len(models))
             for r, m in enumerate(models):
                 frag = (m.get("frozen_param_fragments") or {}).get(name)
                 if not isinstance(frag, torch.Tensor):
                     raise CorruptCheckpointError(f"frozen parameter {name}: rank {r}'s model_states has no fragment of it")
+                if frag.numel() != per_rank:  # ZeRO 3: ceil(numel / world) per rank, the last zero-padded
+                    raise CorruptCheckpointError(
+                        f"frozen parameter {name}: rank {r}'s fragment has {frag.numel()} elements, ZeRO 3 gives each of "
+                        f"{len(models)} ranks {per_rank}; the model_states file is damaged"
+                    )
                 self._files[("frozen", r, name)] = _flat(frag)
                 frags.append(frag.numel())
             starts = [sum(frags[:r]) for r in range(len(frags))]
@@ -423,21 +476,35 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         paddings = optims[0].get("param_alignment_paddings")
         for g, shapes in enumerate(param_shapes):
             parts = [groups[r][g] for r in range(self.world_size)]
+            if not all(isinstance(p, torch.Tensor) for p in parts):
+                raise CorruptCheckpointError(f"param group {g}: a rank's fp32 partition is not a tensor; the optim_states file is damaged")
             sizes = [p.numel() for p in parts]
             starts = [sum(sizes[:r]) for r in range(self.world_size)]
             for r, part in enumerate(parts):
                 self._files[("group", r, g)] = _flat(part)
-            pad = paddings[g] if paddings is not None else [0] * len(shapes)
-            if len(pad) != len(shapes):
-                raise CorruptCheckpointError(f"param group {g}: {len(pad)} alignment paddings for {len(shapes)} parameters")
+            pad = list(paddings[g]) if paddings is not None and paddings[g] else [0] * len(shapes)
+            numels = [_numel(shape) for shape in shapes.values()]
+            check_group_tiling(g, numels, pad, sum(sizes), self._kept_group_padding(optims, g))
             offset = 0
-            for (name, shape), extra in zip(shapes.items(), pad):
-                numel = _numel(shape)
+            for (name, shape), numel, extra in zip(shapes.items(), numels, pad):
                 pieces = _cut(name, starts, sizes, offset, numel, lambda r, g=g: ("group", r, g))
                 self._add(name, shape, parts[0].dtype, pieces, "master")
-                offset += numel + int(extra)
-            if offset > sum(sizes):
-                raise CorruptCheckpointError(f"param group {g}: parameters need {offset} elements, the partitions hold {sum(sizes)}")
+                offset += numel + extra
+
+    def _kept_group_padding(self, optims: list[dict[str, Any]], g: int) -> int:
+        """Elements of group ``g``'s padding still in the saved partitions: DeepSpeedZeroOptimizer
+        strips it before saving; BF16_Optimizer keeps it at the end of the last rank's partition
+        (each rank records its own ``group_paddings``)."""
+        if not self.bf16_optimizer:
+            return 0
+        kept = 0
+        for o in optims:
+            gp = o.get("group_paddings")
+            value = gp[g] if isinstance(gp, list) and g < len(gp) else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CorruptCheckpointError(f"param group {g}: group padding is not a non-negative integer; the optim_states file is damaged")
+            kept += value
+        return kept
 
     def _add_stage3(self, ms: dict[str, Any], optims: list[dict[str, Any]]) -> None:
         flats = [o.get("fp32_flat_groups") for o in optims]
@@ -489,6 +556,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         check_out(lay.spec, out)
         flat = out.view(-1) if out.is_contiguous() else torch.empty(lay.spec.shape, dtype=out.dtype).view(-1)
         for p in lay.pieces:
+            record_crc.check_tensor(self._files[p.source])
             src = self._files[p.source][p.src_start : p.src_start + p.numel]
             dst = flat[p.dst_start : p.dst_start + p.numel]
             if not filemap.read_into(src, dst):
@@ -527,6 +595,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                     rows = torch.empty((1,) + shape[1:], dtype=lay.spec.dtype)
                     self._read_range(lay, lo * row, rows.view(-1))
                 else:
+                    record_crc.check_tensor(self._files[p.source])
                     start = p.src_start + lo * row - p.dst_start
                     rows = self._files[p.source][start : start + (hi - lo) * row].view((hi - lo,) + shape[1:])
                 yield from row_runs(rows, lo, dtype, max_bytes)
@@ -539,6 +608,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         for p in lay.pieces:
             a, b = max(p.dst_start, first), min(p.dst_start + p.numel, end)
             if a < b:
+                record_crc.check_tensor(self._files[p.source])
                 out[a - first : b - first].copy_(self._files[p.source][p.src_start + a - p.dst_start : p.src_start + b - p.dst_start])
 
     def close(self) -> None:
@@ -563,7 +633,7 @@ def _step(tag: str) -> int | None:
 def _find_config(loc: DeepSpeedLocation) -> Path | None:
     """config.json beside the DeepSpeed folder (HF Trainer's checkpoint-N/), or in huggingface/."""
     for folder in (loc.save_dir, loc.save_dir / "huggingface"):
-        if (folder / "config.json").is_file():
+        if contained.check(folder / "config.json").is_file():
             return folder
     return None
 

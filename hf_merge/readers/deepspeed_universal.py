@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import contained
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError
 from ..spec import TensorSpec
@@ -47,7 +48,7 @@ def is_universal_tag_dir(folder: Path) -> bool:
 
 
 def _master(path: Path, name: str) -> torch.Tensor:
-    state = torch_load(path, TENSOR_FILE, where=f"{ZERO_DIR}/{name}/{MASTER_FILE}")
+    state = torch_load(contained.check(path), TENSOR_FILE, where=f"{ZERO_DIR}/{name}/{MASTER_FILE}")
     tensor = state.get("param") if isinstance(state, dict) else state
     if not isinstance(tensor, torch.Tensor):
         raise CorruptCheckpointError(f"{ZERO_DIR}/{name}/{MASTER_FILE} holds no tensor (a {type(state).__name__}); re-run ds_to_universal")

@@ -34,6 +34,7 @@ from .fsdp_files import (  # noqa: F401 - the folder helpers, re-exported
     RANK_FILE, STEP_DIR, check_rank_files_present, chunk_range, detect_world_size, has_rank_files, rank_file_name,
     resolve_fsdp_dir,
 )
+from . import contained, record_crc
 from .rank_records import LocalDTensor, load_rank_records
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class FsdpCheckpoint(LazyCheckpoint):
                 self._check_rank(rank)
         fsdp_version = None
         cfg = self.folder / "fsdp_config.json"
-        if cfg.is_file():
+        if contained.check(cfg).is_file():
             fsdp_version = json.loads(cfg.read_text()).get("FSDP_version")
         if hf_dir is None and (self.folder / "huggingface" / "config.json").is_file():
             hf_dir = checkpoint_side_dir(self.folder / "huggingface", self.folder)
@@ -239,6 +240,7 @@ class FsdpCheckpoint(LazyCheckpoint):
         for piece in lay.pieces:
             local = _local(self._state(piece.rank)[name])
             if local.numel():
+                record_crc.check_tensor(local)
                 dst = out[piece.index]
                 if not filemap.read_into(local, dst):
                     dst.copy_(local)
@@ -256,6 +258,7 @@ class FsdpCheckpoint(LazyCheckpoint):
             for piece in pieces:
                 local = _local(self._state(piece.rank)[name])
                 if local.numel():
+                    record_crc.check_tensor(local)
                     yield from row_runs(local, piece.index[0].start, dtype, max_bytes)
 
         return runs()

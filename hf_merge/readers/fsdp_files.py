@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ..errors import CorruptCheckpointError, SourceNotFoundError
+from . import contained
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -73,7 +74,7 @@ def choose_step(root: Path) -> tuple[Path, str] | None:
     if not steps:
         return None
     latest_file = root / "latest_checkpointed_iteration.txt"
-    if latest_file.is_file():
+    if contained.check(latest_file).is_file():
         text = latest_file.read_bytes()[:64].decode("ascii", "replace").strip()
         if re.fullmatch(r"[0-9]{1,18}", text) and int(text) in steps:
             return steps[int(text)], f"using global_step_{int(text)} (from latest_checkpointed_iteration.txt)"
@@ -89,11 +90,11 @@ def detect_world_size(folder: Path) -> tuple[int, list[str]]:
     notes: list[str] = []
     sizes = {int(m.group(1)) for p in folder.iterdir() if (m := RANK_FILE.match(p.name))}
     config_path = folder / "fsdp_config.json"
-    if config_path.is_file():
+    if contained.check(config_path).is_file():
         try:
             declared = json.loads(config_path.read_bytes())["world_size"]
             if not isinstance(declared, int) or isinstance(declared, bool) or declared < 1:
-                raise ValueError(f"world_size is {str(declared)[:40]}, not a positive integer")
+                raise ValueError(f"world_size is a {type(declared).__name__}, not a positive integer")
         except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
             raise CorruptCheckpointError(f"{config_path} is not valid ({str(e)[:120]}); fix or delete it") from None
         if sizes != {declared}:

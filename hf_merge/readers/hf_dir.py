@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from . import contained
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
@@ -46,6 +47,8 @@ class HfDirCheckpoint(LazyCheckpoint):
         self._handles = {}
         self._where: dict[str, object] = {}
         self._specs: dict[str, TensorSpec] = {}
+        for path in [index] * index.is_file() + files:
+            contained.check(path)
         for path in files:
             if not path.is_file():
                 raise CorruptCheckpointError(f"{path.name} is named by the index but missing from {self.folder}")

@@ -44,12 +44,15 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from .. import filemap
+from . import contained, record_crc
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from .. import config_fields
 from ..config_overrides import ConfigOverrides
@@ -118,7 +121,7 @@ class Layout:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(contained.check(path).read_bytes())
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise CorruptCheckpointError(f"{path}: unreadable {what} ({str(e)[:120]})") from None
     if not isinstance(data, dict):
@@ -154,7 +157,7 @@ def _is_torch_dist(path: Path) -> bool:
     if not (md.is_file() and is_dcp_dir(path)):
         return False
     try:
-        return json.loads(md.read_text()).get("sharded_backend") == "torch_dist"
+        return json.loads(contained.check(md).read_text()).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -676,7 +679,7 @@ LEGACY_RANK_FILE = TENSOR_FILE | Allowlist.of(calls=[("_io", "BytesIO")], classe
 def _load_rank_file(path: Path) -> list[dict[str, Any]]:
     """``torch.load`` one legacy rank file under :data:`LEGACY_RANK_FILE` (records checked,
     memory-mapped, weights only) -> list of state dicts (one per virtual pipeline stage)."""
-    obj = torch_load(path, LEGACY_RANK_FILE, str(path))
+    obj = torch_load(contained.check(path), LEGACY_RANK_FILE, str(path))
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         sds = [obj["model"]]
     elif isinstance(obj, dict) and any(re.fullmatch(r"model\d+", k) for k in obj):
@@ -705,6 +708,20 @@ class _AssembledTensors(LazyCheckpoint):
         self.info = info
         self._specs: dict[str, TensorSpec] = {}
         self._pieces: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        self._mapped: list[int] = []
+
+    def track(self, path: Path, tensors: list[torch.Tensor]) -> None:
+        """Make the records of ``path`` (whose mapped ``tensors`` this object keeps) CRC-checkable."""
+        token = filemap.register(path, tensors)
+        if token is not None:
+            self._mapped.append(token)
+            weakref.finalize(self, filemap.unregister, token)
+            record_crc.add_file(path)
+
+    def close(self) -> None:
+        for token in self._mapped:
+            filemap.unregister(token)
+        self._mapped.clear()
 
     def add(self, name: str, shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
         dtypes = {t.dtype for _, t in pieces}
@@ -734,6 +751,7 @@ class _AssembledTensors(LazyCheckpoint):
             hi = [min(s + n, o + z) for s, n, o, z in zip(start, size, offsets, t.shape)]
             if any(a >= b for a, b in zip(lo, hi)):
                 continue
+            record_crc.check_tensor(t)
             src = t[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
             out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))].copy_(src)
 
@@ -829,6 +847,8 @@ def _open_legacy(
     info = CheckpointInfo(format="megatron", path=path, hf_dir=cdir, world_size=tp * pp, step=_step_from(path))
     src = _AssembledTensors(info)
     src.zip_archives = lambda: [(grid[k], 0, None) for k in sorted(grid)]  # for CRC checks
+    for (t, p), rank_file in grid.items():  # each tensor's record is found through its file offset
+        src.track(rank_file, [x for sd in files[p][t] for x in sd.values()])
     notes = list(notes)
     offset = 0
     where = str(lay.legacy_dir)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..spec import DTypeName, c_contiguous
 from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
+from . import contained, record_crc
 from .torch_zip import read_data_pickle
 
 if TYPE_CHECKING:  # torch is imported where tensors are made; index_rank_file needs none
@@ -427,8 +428,9 @@ def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names:
     """A rank file's ``data.pkl`` interpreted under ``allow`` with ``substitutes``:
     ``(state, zip records, record prefix)``; storages become :class:`_Storage` records."""
     where = path.name
-    with open(path, "rb") as f:
+    with open(contained.check(path), "rb") as f:
         records, prefix, data = read_data_pickle(f, where)
+        record_crc.add_archive(path, records, where)  # its records' CRC-32, checked when their bytes are used
         order = records.get(prefix + "byteorder")
         if order is not None:
             f.seek(order.data_start)

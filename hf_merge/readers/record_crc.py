@@ -1,0 +1,328 @@
+"""The CRC-32 of every zip record a merge reads, checked before its bytes are used.
+
+``torch.save`` archives (FSDP rank files, DeepSpeed and legacy Megatron ``.pt`` files, the archives
+inside a DCP ``.distcp``) carry a CRC-32 per record in their central directory. A flipped bit on the
+storage would otherwise go straight into the output.
+
+How a record is checked, once per process (cached per record: file device, inode, mtime and the
+record's offset):
+
+- **as its bytes stream past**: where a writer copies a record whole and in order through its own
+  buffer (the ``O_DIRECT`` path, :class:`Stream` in :mod:`hf_merge.sequential`'s sink, also in
+  the CLI's head-start child), ``zlib.crc32`` runs over the bytes already in the buffer: no extra
+  read. The reader only notes the record (:func:`deferred`); a record the stream did not see whole
+  is checked in full when the file's bytes are all appended, before the file is finished;
+- otherwise **in full, the first time any of its bytes are used** (a ``Shard(1)`` column piece, a
+  DeepSpeed parameter that is a slice of a flat partition, a DCP box, the page-cache copy path,
+  ``from_sharded_pretrained``): over a read-only mapping of the record (no copy), then used as
+  before (from the page cache where it fits).
+
+A record whose CRC differs raises :class:`SourceCrcError` naming the file and the record, before the
+output folder is renamed into place.
+
+Readers call :func:`add_archive` (or :func:`add_file`) when they open a file, and
+:func:`check_tensor` / :func:`check_record` before handing out bytes. A tensor is mapped to its
+record through :mod:`hf_merge.filemap` (where its storage lies in its file); a tensor that is not
+file-backed (copied into memory, not Linux) is not checked here.
+
+:func:`skipping` turns the checks off (``--no-source-crc``, ``source_crc=False``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from .. import filemap
+from ..errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .torch_zip import Record
+
+#: bytes per ``pread`` of a record being checked
+CHUNK = 8 << 20
+
+
+class SourceCrcError(CorruptCheckpointError):
+    """A zip record of a source file does not have the CRC-32 its central directory records."""
+
+
+@dataclass
+class _Archive:
+    where: str  # the file's name, for messages
+    starts: list[int]  # data_start of each record, sorted
+    records: list["Record"]
+
+
+_lock = threading.Lock()
+_archives: dict[tuple[int, int, int], _Archive] = {}  # (st_dev, st_ino, st_mtime_ns) -> its records
+_checked: set[tuple[int, int, int, int]] = set()  # file key + data_start of records found good
+_busy: dict[tuple[int, int, int, int], threading.Lock] = {}
+_skip = 0  # > 0 inside skipping()
+_stats = {"records": 0, "bytes": 0, "streamed": 0}
+_local = threading.local()  # .pending: records noted inside deferred() on this thread
+
+
+def _key(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def enabled() -> bool:
+    return _skip == 0
+
+
+@contextlib.contextmanager
+def skipping(skip: bool = True) -> Iterator[None]:
+    """Within the block (when ``skip``), no record's CRC-32 is checked."""
+    global _skip
+    with _lock:
+        _skip += int(skip)
+    try:
+        yield
+    finally:
+        with _lock:
+            _skip -= int(skip)
+
+
+def add_archive(path: "str | Path | int", records: "dict[str, Record]", where: str | None = None) -> None:
+    """Make ``records`` (data offsets absolute in the file ``path``, or the open descriptor)
+    checkable by :func:`check_tensor` and :class:`Stream`."""
+    try:
+        st = os.fstat(path) if isinstance(path, int) else os.stat(path)
+    except OSError:
+        return
+    ordered = sorted(records.values(), key=lambda r: r.data_start)
+    with _lock:
+        known = _archives.get(_key(st))
+        if known is not None:  # another archive in the same file: merge the lists
+            seen = set(known.starts)
+            ordered = sorted(known.records + [r for r in ordered if r.data_start not in seen], key=lambda r: r.data_start)
+        name = where or (known.where if known else Path(str(path)).name)
+        _archives[_key(st)] = _Archive(name, [r.data_start for r in ordered], ordered)
+
+
+def add_file(path: "str | Path", where: str | None = None) -> None:
+    """:func:`add_archive` for a whole ``torch.save`` file, reading its zip directory."""
+    from .torch_zip import read_records
+
+    where = where or Path(path).name
+    with open(path, "rb") as f:
+        add_archive(path, read_records(f, where), where)
+
+
+def check_tensor(tensor: "torch.Tensor") -> None:
+    """Check the record holding ``tensor``'s storage (once per record); a tensor that is not
+    file-backed, or whose file was not added, is let through."""
+    if _skip:
+        return
+    span = filemap.storage_span(tensor)
+    if span is None:
+        return
+    fd, offset, nbytes = span
+    st = os.fstat(fd)
+    with _lock:
+        archive = _archives.get(_key(st))
+    if archive is None:
+        return
+    i = bisect.bisect_right(archive.starts, offset) - 1
+    if i < 0:
+        return
+    rec = archive.records[i]
+    if offset + nbytes > rec.data_start + rec.size:
+        raise CorruptCheckpointError(
+            f"{archive.where}: a tensor's bytes {offset}..{offset + nbytes} run past zip record "
+            f"{rec.name[:60]!r}; the file is damaged, re-copy it from the training run"
+        )
+    _check_or_note(fd, st, rec, f"{archive.where}: zip record {rec.name[:160]!r}")
+
+
+def _check_or_note(fd: int, st: os.stat_result, rec: "Record", where: str) -> None:
+    pending = getattr(_local, "pending", None)
+    key = _key(st) + (rec.data_start,)
+    if pending is not None:  # a writer's stream may check it as it copies; else at the end of deferred()
+        if key not in _checked:
+            pending.setdefault(key, (fd, st, rec, where))  # fd: the reader's, open while it is
+        return
+    _check(fd, st, rec.data_start, rec.size, rec.crc, where)
+
+
+@contextlib.contextmanager
+def deferred(check_at_end: bool = True) -> Iterator[None]:
+    """Within the block, :func:`check_tensor` on this thread only notes the records it would check.
+
+    At the end of the block (when it ends without an error), every noted record that a
+    :class:`Stream` did not check as its bytes passed is checked in full, unless ``check_at_end``
+    is False (the caller has another party check them: the head-start child, for its file).
+    """
+    outer = getattr(_local, "pending", None)
+    pending: dict = {}
+    _local.pending = pending
+    try:
+        yield
+        if check_at_end:
+            for key, (fd, st, rec, where) in pending.items():
+                if key not in _checked:
+                    _check(fd, st, rec.data_start, rec.size, rec.crc, where)
+    finally:
+        _local.pending = outer
+
+
+def check_ranges(ranges: "list[tuple[int, int, int]]") -> None:
+    """Check every record that ``(fd, offset, n)`` byte ranges touch (once per record): what a
+    writer that copies ranges it planned itself calls after copying them through a :class:`Stream`."""
+    if _skip:
+        return
+    for fd, offset, n in ranges:
+        st = os.fstat(fd)
+        with _lock:
+            archive = _archives.get(_key(st))
+        if archive is None:
+            continue
+        i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
+        while i < len(archive.records) and archive.records[i].data_start < offset + n:
+            rec = archive.records[i]
+            if rec.data_start + rec.size > offset:
+                _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:160]!r}")
+            i += 1
+
+
+class Stream:
+    """Checks the records whose bytes pass through a writer's buffer whole and in order.
+
+    The writer calls :meth:`feed` with each piece of file bytes it has just read into its buffer
+    (the descriptor, the file offset, the bytes). A piece that starts a known record (and
+    the pieces that follow it without a gap) are run through ``zlib.crc32``; at the record's last
+    byte its CRC is compared and the record is marked checked, or :class:`SourceCrcError` raised.
+    Pieces that start elsewhere are ignored (their records are checked in full instead).
+    """
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._next = -1
+        self._end = 0
+        self._crc = 0
+        self._rec: "tuple | None" = None  # (key, record, where)
+
+    def feed(self, fd: int, offset: int, data: memoryview) -> None:
+        if _skip:
+            return
+        if self._rec is None or fd != self._fd or offset != self._next:
+            self._start(fd, offset)
+            if self._rec is None:
+                return
+        self._crc = zlib.crc32(data, self._crc)
+        self._next += len(data)
+        if self._next >= self._end:
+            key, rec, where = self._rec
+            self._rec = None
+            if self._next != self._end:
+                return  # the run went past the record: not one record, checked in full elsewhere
+            if self._crc != rec.crc:
+                raise _mismatch(where, rec.crc, self._crc, rec.size)
+            with _lock:
+                _checked.add(key)
+                _stats["records"] += 1
+                _stats["bytes"] += rec.size
+                _stats["streamed"] += 1
+
+    def _start(self, fd: int, offset: int) -> None:
+        self._rec = None
+        st = os.fstat(fd)
+        with _lock:
+            archive = _archives.get(_key(st))
+        if archive is None:
+            return
+        i = bisect.bisect_left(archive.starts, offset)
+        if i == len(archive.starts) or archive.starts[i] != offset:
+            return
+        rec = archive.records[i]
+        key = _key(st) + (rec.data_start,)
+        if key in _checked or rec.size == 0:
+            return
+        self._rec = (key, rec, f"{archive.where}: zip record {rec.name[:160]!r}")
+        self._fd, self._next, self._end, self._crc = fd, offset, offset + rec.size, 0
+
+
+def check_record(fd: int, data_start: int, size: int, crc: int, where: str) -> None:
+    """Check one record of the file open as ``fd`` (once per record; inside :func:`deferred`, noted)."""
+    if _skip:
+        return
+    from .torch_zip import Record
+
+    _check_or_note(fd, os.fstat(fd), Record(where, data_start, size, crc), where)
+
+
+def _check(fd: int, st: os.stat_result, data_start: int, size: int, crc: int, where: str) -> None:
+    key = _key(st) + (data_start,)
+    if key in _checked:
+        return
+    with _lock:
+        busy = _busy.setdefault(key, threading.Lock())
+    with busy:  # another thread checking the same record: wait for its answer
+        if key in _checked:
+            return
+        got = _crc(fd, data_start, size, where)
+        if got != crc:
+            raise _mismatch(where, crc, got, size)
+        with _lock:
+            _checked.add(key)
+            _busy.pop(key, None)
+            _stats["records"] += 1
+            _stats["bytes"] += size
+
+
+def _mismatch(where: str, expected: int, got: int, size: int) -> SourceCrcError:
+    return SourceCrcError(
+        f"{where} fails its CRC-32 (the zip directory says {expected:08x}, its {size} bytes give {got:08x}); "
+        "the file is damaged: re-copy it from the training run (--no-source-crc merges it anyway)"
+    )
+
+
+def _crc(fd: int, start: int, size: int, where: str) -> int:
+    """The CRC-32 of ``size`` bytes of ``fd`` from ``start``: over a read-only mapping of them (no
+    copy; the kernel maps cached pages 64 KiB at a time), else read in :data:`CHUNK` pieces."""
+    if size == 0:
+        return 0
+    if start + size > os.fstat(fd).st_size:
+        raise CorruptCheckpointError(f"{where}: the file ends inside the record; re-copy it from the training run")
+    lead = start % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapped = mmap.mmap(fd, size + lead, access=mmap.ACCESS_READ, offset=start - lead)
+    except (OSError, ValueError):
+        return _crc_read(fd, start, size, where)
+    try:
+        with memoryview(mapped) as view:
+            crc = 0
+            for i in range(lead, lead + size, CHUNK):
+                crc = zlib.crc32(view[i : min(i + CHUNK, lead + size)], crc)
+            return crc
+    finally:
+        mapped.close()
+
+
+def _crc_read(fd: int, start: int, size: int, where: str) -> int:
+    buf = bytearray(min(CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    crc, done = 0, 0
+    while done < size:
+        n = os.preadv(fd, [view[: min(len(buf), size - done)]], start + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{where}: the file ends inside the record; re-copy it from the training run")
+        crc = zlib.crc32(view[:n], crc)
+        done += n
+    return crc
+
+
+def stats() -> dict[str, int]:
+    """Records and bytes checked in this process so far."""
+    with _lock:
+        return dict(_stats)

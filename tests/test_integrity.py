@@ -1,0 +1,483 @@
+"""Input integrity (issue 26): no file contents or secrets in messages, no symlink out of the
+checkpoint, exact tiling of DeepSpeed partitions and paddings, and the CRC-32 of every zip record
+a merge reads. Every case starts from a real fixture (verl FSDP rank files, DeepSpeed 0.19 files,
+a megatron-core ``torch_dist`` folder) changed in one place, and goes through ``inspect``,
+``merge``, ``verify`` and ``from_sharded_pretrained`` where each applies."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+import struct
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_merge
+from hf_merge.cli.app import main as cli
+from hf_merge.errors import CorruptCheckpointError, UnsafeCheckpointError
+from hf_merge import filemap
+from hf_merge.readers import record_crc
+from hf_merge.readers.torch_zip import read_records
+
+DEEPSPEED = Path(__file__).parent / "data" / "deepspeed"
+SECRET = "HF_TOKEN=hf_SeCrEtToKeN0123456789abcdef"
+
+
+def _run(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_error(code: int, err: str, *needles: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert all(n in lines[0] for n in needles), lines[0]
+    return lines[0]
+
+
+def _merge_refused(capsys, source: Path, tmp_path: Path, *needles: str, flags: tuple[str, ...] = ()) -> str:
+    target = tmp_path / "out"
+    code, out, err = _run(capsys, "merge", source, target, *flags)
+    line = _one_error(code, err, *needles)
+    assert not target.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    return line + out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+def _ds_config(name: str) -> list[str]:
+    return ["--config", str(DEEPSPEED / name / "reference" / "step2" / "config")]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. no file contents in messages; no symlink out of the checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    """A file outside every checkpoint holding a token, as /proc/self/environ would."""
+    path = tmp_path / "elsewhere" / "environ"
+    path.parent.mkdir()
+    path.write_text(SECRET + "\0HOME=/root\0")
+    return path
+
+
+def _no_secret(*texts: str) -> None:
+    for text in texts:
+        assert "SeCrEt" not in text and "HF_TOKEN" not in text, text
+
+
+def test_deepspeed_latest_symlink_to_a_secret_is_refused_and_never_printed(tmp_path, secret, capsys):
+    """Before: ``latest -> /proc/self/environ`` printed its first 256 bytes in a note and in --json."""
+    ckpt = _copy(DEEPSPEED / "z1_fp32_ws1", tmp_path / "run")
+    (ckpt / "latest").unlink()
+    (ckpt / "latest").symlink_to(secret)
+    for args in (("inspect", ckpt), ("inspect", ckpt, "--json")):
+        code, out, err = _run(capsys, *args)
+        _one_error(code, err, "latest", "symlink", "outside the checkpoint")
+        _no_secret(out, err)
+    line = _merge_refused(capsys, ckpt, tmp_path, "latest", "symlink", flags=tuple(_ds_config("z1_fp32_ws1")))
+    _no_secret(line)
+    with pytest.raises(UnsafeCheckpointError, match="latest"):
+        hf_merge.open_checkpoint(ckpt)
+
+
+def test_a_latest_file_that_names_no_tag_is_not_echoed(tmp_path, capsys):
+    """A regular ``latest`` inside the checkpoint with other content: the highest tag is used and
+    the note says so without repeating what the file holds (in text or --json)."""
+    ckpt = _copy(DEEPSPEED / "z1_fp32_ws1", tmp_path / "run")
+    (ckpt / "latest").write_text(SECRET)
+    for args in (("inspect", ckpt), ("inspect", ckpt, "--json")):
+        code, out, err = _run(capsys, *args)
+        assert code == 0, err
+        assert "names no tag folder here" in out + err and "global_step2" in out
+        _no_secret(out, err)
+
+
+def test_paths_are_redacted_in_notes_and_json(tmp_path, capsys):
+    """A token in a path (a folder named after it) is redacted in every line and in --json."""
+    ckpt = _copy(DEEPSPEED / "z1_fp32_ws1", tmp_path / "hf_SeCrEtToKeN0123456789" / "run")
+    code, out, err = _run(capsys, "inspect", ckpt, "--json")
+    assert code == 0, err
+    assert "SeCrEt" not in out + err and "hf_***" in out
+    assert json.loads(out)["path"].endswith("run")
+
+
+@pytest.fixture
+def fsdp_copy(qwen2_fp32_ws2, tmp_path) -> Path:
+    return _copy(qwen2_fp32_ws2.actor, tmp_path / "actor")
+
+
+@pytest.fixture
+def other_checkpoint(qwen2_fp32_ws2, tmp_path) -> Path:
+    """Another local checkpoint (same layout), outside the one being merged."""
+    return _copy(qwen2_fp32_ws2.actor, tmp_path / "private" / "actor")
+
+
+def test_a_rank_file_symlinked_to_another_checkpoint_is_refused_everywhere(fsdp_copy, other_checkpoint, tmp_path, capsys):
+    """Before: symlinked rank files were followed, so another local checkpoint's tensors could be
+    merged and pushed."""
+    name = "model_world_size_2_rank_1.pt"
+    (fsdp_copy / name).unlink()
+    (fsdp_copy / name).symlink_to(other_checkpoint / name)
+    code, _, err = _run(capsys, "inspect", fsdp_copy)
+    _one_error(code, err, name, "outside the checkpoint")
+    _merge_refused(capsys, fsdp_copy, tmp_path, name, "symlink")
+    with pytest.raises(UnsafeCheckpointError, match=name):
+        AutoModelForCausalLM.from_sharded_pretrained(fsdp_copy, dtype="float32")
+    good = tmp_path / "good"
+    assert cli(["merge", str(other_checkpoint), str(good)]) == 0
+    capsys.readouterr()
+    code, _, err = _run(capsys, "verify", good, "--against", fsdp_copy)
+    _one_error(code, err, name, "outside the checkpoint")
+
+
+@pytest.mark.parametrize("what", ["fsdp_config.json", "huggingface/tokenizer_config.json"])
+def test_side_files_symlinked_out_of_the_checkpoint(what, fsdp_copy, tmp_path, secret, capsys):
+    """fsdp_config.json is read: refused. A tokenizer file is not read, only copied: the copy skips
+    the link (and says so), the merge goes on, nothing of the target is copied."""
+    (fsdp_copy / what).unlink()
+    (fsdp_copy / what).symlink_to(secret)
+    target = tmp_path / "out"
+    code, out, err = _run(capsys, "merge", fsdp_copy, target)
+    if what == "fsdp_config.json":
+        _one_error(code, err, "fsdp_config.json", "outside the checkpoint")
+    else:
+        assert code == 0, err
+        assert not (target / "tokenizer_config.json").exists()
+        with pytest.raises(UnsafeCheckpointError, match="tokenizer_config.json"):
+            hf_merge.load_tokenizer(fsdp_copy)  # load_tokenizer reads it: refused
+    _no_secret(out, err)
+
+
+def test_symlinks_inside_the_checkpoint_are_followed(fsdp_copy, qwen2_fp32_ws2, tmp_path, capsys):
+    """A rank file that is a link to a file inside the checkpoint, and a checkpoint folder named
+    through a link, read as before."""
+    name = "model_world_size_2_rank_0.pt"
+    (fsdp_copy / "blobs").mkdir()
+    (fsdp_copy / name).rename(fsdp_copy / "blobs" / name)
+    (fsdp_copy / name).symlink_to(Path("blobs") / name)
+    link = tmp_path / "linked"
+    link.symlink_to(fsdp_copy)
+    assert cli(["merge", str(link), str(tmp_path / "out"), "--dtype", "auto"]) == 0
+    capsys.readouterr()
+    assert cli(["verify", str(tmp_path / "out"), "--against", str(link)]) == 0
+
+
+def test_a_deepspeed_latest_linked_inside_is_followed(tmp_path, capsys):
+    ckpt = _copy(DEEPSPEED / "z1_fp32_ws1", tmp_path / "run")
+    (ckpt / "tags").mkdir()
+    (ckpt / "latest").rename(ckpt / "tags" / "latest")
+    (ckpt / "latest").symlink_to(ckpt / "tags" / "latest")
+    with hf_merge.open_checkpoint(ckpt) as ck:
+        assert any("from run/latest" in n for n in ck.info.notes), ck.info.notes
+
+
+def test_a_distcp_file_symlinked_out_is_refused(megatron_root, tmp_path, capsys):
+    src = _copy(megatron_root / "qwen2_v1" / "actor", tmp_path / "actor")
+    dist = src / "dist_ckpt"
+    data = sorted(dist.glob("*.distcp"))[0]
+    outside = tmp_path / "other.distcp"
+    shutil.move(data, outside)
+    data.symlink_to(outside)
+    code, _, err = _run(capsys, "inspect", src)
+    _one_error(code, err, data.name, "outside the checkpoint")
+    _merge_refused(capsys, src, tmp_path, data.name, "symlink")
+
+
+# --------------------------------------------------------------------------------------------
+# 2. exact tiling: DeepSpeed alignment paddings and partitions
+# --------------------------------------------------------------------------------------------
+
+
+def _fake_deepspeed() -> None:
+    """Importable stand-ins for the DeepSpeed classes an optim_states pickle names, so a test can
+    load a real file with torch.load, change one field and save it under the same class names."""
+    if getattr(sys.modules.get("deepspeed"), "_hf_merge_test_stand_in", False):
+        return
+
+    def module(name: str) -> types.ModuleType:
+        sys.modules.setdefault(name, types.ModuleType(name))
+        return sys.modules[name]
+
+    module("deepspeed")._hf_merge_test_stand_in = True
+    for name in ("deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.fp16", "deepspeed.utils"):
+        module(name)
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled = 0
+        optimizer_states = 1
+        gradients = 2
+        weights = 3
+
+    class LossScaler:
+        pass
+
+    class DynamicLossScaler:
+        pass
+
+    class fragment_address:  # noqa: N801 - DeepSpeed's name
+        pass
+
+    for mod, cls in (("deepspeed.runtime.zero.config", ZeroStageEnum), ("deepspeed.runtime.fp16.loss_scaler", LossScaler),
+                     ("deepspeed.runtime.fp16.loss_scaler", DynamicLossScaler), ("deepspeed.utils.tensor_fragment", fragment_address)):
+        cls.__module__, cls.__qualname__ = mod, cls.__name__
+        setattr(module(mod), cls.__name__, cls)
+
+
+@pytest.fixture
+def deepspeed_stand_ins(monkeypatch):
+    saved = {k: v for k, v in sys.modules.items() if k == "deepspeed" or k.startswith("deepspeed.")}
+    _fake_deepspeed()
+    yield
+    for k in [k for k in sys.modules if k == "deepspeed" or k.startswith("deepspeed.")]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+
+
+def _edit_optim_files(tag: Path, edit) -> None:
+    for path in sorted(tag.glob("*optim_states.pt")):
+        state = torch.load(path, weights_only=False)  # the test's own copy of a committed fixture
+        edit(state["optimizer_state_dict"])
+        torch.save(state, path)
+
+
+PADDINGS = {
+    # group 1 of z2_bf16_align_ws3 pads parameters 1, 2, 6, 7 by 4 to an 8-element boundary
+    "shifted": lambda p: p.__setitem__(slice(0, 2), [4, 0]),  # same total, parameter 1 moves by 4
+    "negative": lambda p: p.__setitem__(slice(1, 3), [-4, 12]),  # same total, parameters overlap
+    "short": lambda p: p.__setitem__(1, 0),  # parameters end before the partitions do
+}
+
+
+@pytest.mark.parametrize("case", sorted(PADDINGS))
+def test_deepspeed_paddings_must_tile_the_partitions(case, tmp_path, capsys, deepspeed_stand_ins):
+    """Before: a shifted or negative padding that still adds up gave exit 0 and shifted tensors;
+    only ``offset > held`` was checked."""
+    name = "z2_bf16_align_ws3"
+    ckpt = _copy(DEEPSPEED / name, tmp_path / "run")
+    _edit_optim_files(ckpt / "global_step2", lambda o: PADDINGS[case](o["param_alignment_paddings"][1]))
+    code, _, err = _run(capsys, "inspect", ckpt)
+    _one_error(code, err, "param group 1")
+    _merge_refused(capsys, ckpt, tmp_path, "param group 1", flags=tuple(_ds_config(name)))
+    with pytest.raises(CorruptCheckpointError, match="param group 1"):
+        AutoModelForCausalLM.from_sharded_pretrained(ckpt, config=_ds_config(name)[1], dtype="float32")
+
+
+def test_deepspeed_stage3_frozen_fragments_must_be_even(tmp_path):
+    """ZeRO 3 gives each rank ceil(numel / world) elements of a frozen parameter; a fragment of
+    another size (which still adds up) is refused."""
+    name = "z3_bf16_lora_ws2"
+    ckpt = _copy(DEEPSPEED / name, tmp_path / "run")
+    files = sorted((ckpt / "global_step2").glob("zero_pp_rank_*_model_states.pt"))
+    states = [torch.load(f, weights_only=False) for f in files]
+    key = next(iter(states[0]["frozen_param_fragments"]))
+    a, b = states[0]["frozen_param_fragments"][key], states[1]["frozen_param_fragments"][key]
+    states[0]["frozen_param_fragments"][key] = a[:-2].clone()
+    states[1]["frozen_param_fragments"][key] = torch.cat([b[:2], b])
+    for f, s in zip(files, states):
+        torch.save(s, f)
+    with pytest.raises(CorruptCheckpointError, match="fragment"):
+        hf_merge.open_checkpoint(ckpt)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. the CRC-32 of every record read
+# --------------------------------------------------------------------------------------------
+
+
+def _local_header(raw: bytes, suffix: bytes, start: int = 0) -> int:
+    pos = start
+    while (pos := raw.find(b"PK\x03\x04", pos)) >= 0:
+        nlen = struct.unpack_from("<H", raw, pos + 26)[0]
+        if raw[pos + 30 : pos + 30 + nlen].endswith(suffix):
+            return pos
+        pos += 4
+    raise AssertionError(f"no local header for {suffix!r}")
+
+
+def _flip(path: Path, suffix: bytes, at: int = 1, start: int = 0) -> None:
+    """Flip one bit of byte ``at`` of the data of the record named ``...suffix`` (nothing else changes)."""
+    raw = bytearray(path.read_bytes())
+    h = _local_header(raw, suffix, start)
+    data = h + 30 + struct.unpack_from("<H", raw, h + 26)[0] + struct.unpack_from("<H", raw, h + 28)[0]
+    raw[data + at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _record_of(path: Path, tensor_name: str) -> str:
+    """The storage record (``<archive>/data/N``, without the archive folder) holding ``tensor_name``."""
+    from hf_merge.readers.rank_records import index_rank_file
+
+    offset, _ = index_rank_file(path)[tensor_name].span
+    with open(path, "rb") as f:
+        records = read_records(f, path.name)
+    return next(r.name.split("/", 1)[1] for r in records.values() if r.data_start == offset)
+
+
+def test_a_flipped_byte_in_a_rank_file_stops_the_merge(fsdp_copy, tmp_path, capsys):
+    """Before: exit 0 and a different embed_tokens. Now: one error line naming the file and the
+    record, no target; ``--no-source-crc`` merges it (and ``verify --against`` reports it)."""
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    record = _record_of(rank1, "model.embed_tokens.weight")
+    _flip(rank1, record.encode())
+    line = _merge_refused(capsys, fsdp_copy, tmp_path, rank1.name, record, "CRC-32", "--no-source-crc")
+    assert "re-copy" in line
+    with pytest.raises(record_crc.SourceCrcError, match=rank1.name):
+        AutoModelForCausalLM.from_sharded_pretrained(fsdp_copy, dtype="float32")
+    model = AutoModelForCausalLM.from_sharded_pretrained(fsdp_copy, dtype="float32", source_crc=False)
+    assert model.model.embed_tokens.weight.shape[0] > 0
+    target = tmp_path / "out"
+    assert cli(["merge", str(fsdp_copy), str(target), "--no-source-crc", "--dtype", "auto"]) == 0
+    capsys.readouterr()
+    code, out, _ = _run(capsys, "verify", target, "--against", fsdp_copy)
+    assert code == 1 and "source CRC-32" in out and "FAIL" in out
+
+
+@pytest.mark.parametrize("flags", [("--max-shard-size", "100KB", "--workers", "2", "--dtype", "auto"),
+                                   ("--max-shard-size", "100KB", "--workers", "1")], ids=["forked writers", "cast"])
+def test_a_flipped_byte_is_found_by_every_writer(flags, fsdp_copy, tmp_path, capsys):
+    """Forked writer processes and a cast (the bytes converted in memory, so checked in full)."""
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    record = _record_of(rank1, "model.layers.1.mlp.down_proj.weight")
+    _flip(rank1, record.encode())
+    _merge_refused(capsys, fsdp_copy, tmp_path, rank1.name, record, "CRC-32", flags=flags)
+
+
+def test_a_flipped_byte_in_a_shard1_column_piece_is_found(qwen2_shard1, tmp_path, capsys):
+    """A Shard(1) piece is read column block by column block; its record is checked once, in full,
+    the first time any of it is read."""
+    src = _copy(qwen2_shard1.actor, tmp_path / "actor")
+    shard1 = [k for k, v in qwen2_shard1.placements.items() if "Shard(dim=1)" in v]
+    assert shard1, qwen2_shard1.placements
+    rank0 = src / "model_world_size_2_rank_0.pt"
+    record = _record_of(rank0, shard1[0])
+    _flip(rank0, record.encode(), at=7)
+    _merge_refused(capsys, src, tmp_path, rank0.name, record, "CRC-32", flags=("--dtype", "auto"))
+
+
+def test_a_flipped_byte_in_a_distcp_chunk_stops_the_merge(megatron_root, tmp_path, capsys):
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    src = _copy(megatron_root / "qwen2_v1" / "actor", tmp_path / "actor")
+    with DcpCheckpoint(src / "dist_ckpt") as ck:
+        chunk = ck._chunks["embedding.word_embeddings.weight"][0]
+    _flip(src / "dist_ckpt" / chunk.file, b"/data/0", at=3, start=chunk.start)
+    _merge_refused(capsys, src, tmp_path, chunk.file, "embedding.word_embeddings.weight", "CRC-32")
+    assert cli(["merge", str(src), str(tmp_path / "out"), "--no-source-crc"]) == 0
+
+
+def test_a_flipped_byte_in_a_deepspeed_partition_stops_the_merge(tmp_path, capsys):
+    name = "z2_bf16_align_ws3"
+    ckpt = _copy(DEEPSPEED / name, tmp_path / "run")
+    optim = ckpt / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with hf_merge.open_checkpoint(ckpt) as ck:  # where rank 1's fp32 partition of group 0 lies
+        _, offset, _ = filemap.storage_span(ck._files[("group", 1, 0)])
+    with open(optim, "rb") as f:
+        records = read_records(f, optim.name)
+    record = next(r for r in records.values() if r.data_start == offset)
+    _flip(optim, record.name.split("/", 1)[1].encode(), at=5)
+    _merge_refused(capsys, ckpt, tmp_path, optim.name, "CRC-32", flags=tuple(_ds_config(name)))
+
+
+def test_each_record_is_checked_once(tmp_path):
+    """A DeepSpeed partition holds many parameters: its record is read for the CRC once, however
+    many tensors come from it."""
+    name = "z2_bf16_align_ws3"
+    ckpt = _copy(DEEPSPEED / name, tmp_path / "run")
+    before = record_crc.stats()
+    with hf_merge.open_checkpoint(ckpt) as ck:
+        for key in ck.keys():
+            ck.read(key)
+        first = record_crc.stats()
+        for key in ck.keys():
+            ck.read(key)
+    again = record_crc.stats()
+    checked = first["records"] - before["records"]
+    assert 0 < checked <= 2 * 3 + 3  # the ranks' fp32 groups (and the module's buffers), not one per tensor
+    assert again == first
+
+
+@pytest.mark.skipif(not (hasattr(os, "fork") and getattr(os, "O_TMPFILE", 0) and getattr(os, "O_DIRECT", 0)), reason="Linux only")
+def test_the_head_start_file_is_not_taken_from_a_damaged_rank_file(fsdp_copy, tmp_path, capsys, monkeypatch):
+    """The CLI's head start child writes the first output file from rank-file bytes; the merge
+    takes it only after the records it copies pass their CRC-32 (checked while the merge works out
+    the child's byte ranges). Before: exit 0, the child's file with the flipped byte taken."""
+    from hf_merge import head_start
+
+    asked: list[str] = []
+    real = head_start.HeadStart.adopt
+
+    def recording(self, name, *args, **kwargs):
+        asked.append(name)
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(head_start.HeadStart, "adopt", recording)
+    monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)  # as a fresh CLI
+    rank0 = fsdp_copy / "model_world_size_2_rank_0.pt"
+    record = _record_of(rank0, "model.embed_tokens.weight")
+    _flip(rank0, record.encode())
+    _merge_refused(capsys, fsdp_copy, tmp_path, rank0.name, record, "CRC-32", flags=("--dtype", "auto"))
+    assert asked == ["model.safetensors"]  # the child had planned the file: the merge refused it
+
+
+def test_rank_file_records_are_checked_as_they_stream_through_the_writer(fsdp_copy, tmp_path):
+    """The O_DIRECT writer checks each whole rank-file record over the bytes it copies: no record
+    is read a second time for its CRC."""
+    from hf_merge import sequential
+
+    if not sequential.enabled():
+        pytest.skip("O_DIRECT writer switched off")
+    before = record_crc.stats()
+    hf_merge.merge(fsdp_copy, tmp_path / "out", dtype="auto", workers=1)
+    after = record_crc.stats()
+    checked, streamed = after["records"] - before["records"], after["streamed"] - before["streamed"]
+    assert checked > 0 and streamed == checked, (checked, streamed)
+
+
+def test_distcp_records_stream_through_the_writer_too(megatron_root, tmp_path):
+    from hf_merge import sequential
+
+    if not sequential.enabled():
+        pytest.skip("O_DIRECT writer switched off")
+    before = record_crc.stats()
+    hf_merge.merge(megatron_root / "qwen2_v1" / "actor", tmp_path / "out", dtype="auto", workers=1)
+    after = record_crc.stats()
+    assert after["streamed"] > before["streamed"] and after["records"] > before["records"]
+
+
+def test_a_hub_cache_snapshot_is_read_through_its_blob_links(qwen2_fp32_ws2, tmp_path, capsys):
+    """A Hugging Face cache snapshot is made of links into its repository's blobs/ folder: read
+    (``verify --against`` it, ``--base-model``-style opening); a link elsewhere is refused."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(p for p in qwen2_fp32_ws2.reference.iterdir() if p.is_file())):
+        shutil.copyfile(f, repo / "blobs" / f"blob{i}")
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    with hf_merge.open_checkpoint(snap) as ck:
+        assert ck.info.format == "hf" and "model.embed_tokens.weight" in ck.specs()
+    merged = tmp_path / "merged"
+    assert cli(["merge", str(qwen2_fp32_ws2.actor), str(merged), "--dtype", "auto"]) == 0
+    capsys.readouterr()
+    assert cli(["verify", str(merged), "--against", str(snap)]) == 0
+    weights = next(p for p in snap.iterdir() if p.name.endswith(".safetensors"))
+    weights.unlink()
+    weights.symlink_to(tmp_path / "elsewhere.safetensors")
+    shutil.copyfile(next(p for p in qwen2_fp32_ws2.reference.iterdir() if p.name.endswith(".safetensors")),
+                    tmp_path / "elsewhere.safetensors")
+    with pytest.raises(UnsafeCheckpointError, match=weights.name):
+        hf_merge.open_checkpoint(snap)
