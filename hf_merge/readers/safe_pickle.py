@@ -54,6 +54,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Mapping
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from . import pickle_schemas
+from .pickle_walk import walk_pickle
 
 Pair = tuple[str, str]
 
@@ -412,9 +414,12 @@ def _stand_in(pair: Pair, allow: Allowlist) -> type:
 
 
 class _CScan(pickle.Unpickler):
-    """C pickle over stand-ins: nothing is imported, constructed or called."""
+    """C pickle over stand-ins: nothing is imported, constructed or called (``persistent_load``:
+    the checker of persistent ids, which are refused without one)."""
 
-    def __init__(self, file: IO[bytes], allow: Allowlist):
+    def __init__(self, file: IO[bytes], allow: Allowlist, persistent_load: Callable[[Any], Any] | None = None):
+        if persistent_load is not None:
+            self.persistent_load = persistent_load  # before __init__: C pickle looks it up there
         super().__init__(file)
         self._allow, self._types = allow, {}
 
@@ -427,6 +432,13 @@ class _CScan(pickle.Unpickler):
         return self._types[pair]
 
     persistent_load = _refused
+
+
+def _fast_scan(data: bytes, allow: Allowlist, persistent_load: Callable[[Any], Any]) -> None:
+    """:func:`scan_pickle`'s work done by C pickle over stand-ins (after the same walk); raises
+    :class:`_Refused` (or anything) where the policy may refuse, and the pure machine decides."""
+    _walk(data, allow, "pickle", persistent=True)
+    _CScan(io.BytesIO(data), allow, persistent_load).load()
 
 
 class _CLoad(pickle.Unpickler):
@@ -506,9 +518,12 @@ def _only_allowed_opcodes(data: bytes) -> bool:
     return False
 
 
-def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | None = None) -> Any:
+def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | None = None, *, walked: bool = False) -> Any:
     """Unpickle ``data`` with C pickle if the policy allows all of it; raise :class:`_Refused` (or
     anything) otherwise, and the caller runs the pure-Python machine, which decides and says why.
+
+    ``data`` first passes :func:`_walk` (limits and argument schemas; ``walked``: the caller did
+    that already), as it does before the pure machine, so both decide the same.
 
     Sound because the three passes read the same bytes: (1) no opcode outside the policy's set
     (``INST``/``OBJ``/``EXT*``, persistent ids); (2) C pickle with every global an inert stand-in
@@ -517,6 +532,8 @@ def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | 
     slot, the real objects of these stand-ins, so (3) calls and fills only what (2) checked
     (or the caller's inert ``substitutes`` for them).
     """
+    if not walked:
+        _walk(data, allow, "pickle", persistent=False)
     if not _only_allowed_opcodes(data):
         raise _Refused()
     _CScan(io.BytesIO(data), allow).load()
@@ -547,16 +564,15 @@ def load_pickle(
         UnsafeCheckpointError: the pickle asks for anything the policy refuses (nothing ran).
         CorruptCheckpointError: the pickle is truncated or malformed.
     """
+    data = bytes(file) if isinstance(file, (bytes, bytearray, memoryview)) else file.read()
+    allow = allow | (_names() if names is None else names)
+    _walk(data, allow, where, persistent=persistent_load is not None)
     if persistent_load is None:  # plain pickles (.metadata): the fast path first
-        data = bytes(file) if isinstance(file, (bytes, bytearray, memoryview)) else file.read()
-        file = data
         try:
-            return _fast_load(data, allow | (_names() if names is None else names), substitutes)
+            return _fast_load(data, allow, substitutes, walked=True)
         except Exception:  # noqa: BLE001 - refused, malformed or failing: the pure machine decides
             pass
-    f = io.BytesIO(file) if isinstance(file, (bytes, bytearray, memoryview)) else file
-    allow = allow | (_names() if names is None else names)
-    u = _PolicyUnpickler(f, allow, where, resolve=True, substitutes=substitutes, persistent_load=persistent_load)
+    u = _PolicyUnpickler(io.BytesIO(data), allow, where, resolve=True, substitutes=substitutes, persistent_load=persistent_load)
     return _run(u, where)
 
 
@@ -565,8 +581,15 @@ def scan_pickle(data: bytes, allow: Allowlist, where: str, *, persistent_load: C
 
     ``persistent_load`` receives persistent ids with looked-up globals as ``_Ref`` stand-ins.
     """
-    u = _PolicyUnpickler(io.BytesIO(data), allow | _names(), where, resolve=False, persistent_load=persistent_load)
+    allow = allow | _names()
+    _walk(data, allow, where, persistent=persistent_load is not None)
+    u = _PolicyUnpickler(io.BytesIO(data), allow, where, resolve=False, persistent_load=persistent_load)
     _run(u, where)
+
+
+def _walk(data: bytes, allow: Allowlist, where: str, *, persistent: bool) -> None:
+    """The abstract walk both machines start with (:mod:`.pickle_walk`): limits and argument schemas."""
+    walk_pickle(data, allow, where, persistent=persistent, schemas=pickle_schemas)
 
 
 # --------------------------------------------------------------------------------------------
