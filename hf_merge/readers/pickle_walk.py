@@ -61,6 +61,8 @@ class V:
 
 
 _MARK = object()
+#: made objects that are containers: what SETITEM(S) / ADDITEMS may fill besides plain dicts and sets
+_FILLED_MADE: dict[str, Pair] = {DICT: ("collections", "OrderedDict"), SET: ("builtins", "set")}
 _NONE, _TRUE, _FALSE, _FLOAT, _BYTES = V(NONE), V(BOOL, True), V(BOOL, False), V(FLOAT), V(BYTES)
 
 
@@ -107,6 +109,7 @@ class _Walk:
         self.callable = allow.calls | allow.classes
         self.stack: list[Any] = []
         self.marks: list[int] = []
+        self.floor = 0  # the stack's length at the last mark: nothing below it may be popped
         self.memo: dict[int, V] = {}
         self.max_memo = len(data)
         self.budget = hash_budget(len(data))
@@ -151,9 +154,7 @@ class _Walk:
         if not isinstance(target, V):
             raise CorruptCheckpointError(f"{self.where}: not a readable pickle (a fill without a container); re-copy the file from the training run")
         pair = target.value if target.kind == MADE else None
-        ok = {LIST: target.kind == LIST, DICT: target.kind == DICT or pair == ("collections", "OrderedDict"),
-              SET: target.kind == SET or pair == ("builtins", "set")}[kind]
-        if not ok:
+        if target.kind != kind and (pair is None or pair != _FILLED_MADE.get(kind)):
             raise refuse(self.where, f"fills a {describe(target)}, which is not a container of that kind")
         if target.placed:
             raise refuse(self.where, f"fills a {describe(target)} after placing it inside another object")
@@ -176,17 +177,18 @@ class _Walk:
         if not self.marks:
             raise IndexError("no mark")
         k = self.marks.pop()
+        self.floor = self.marks[-1] if self.marks else 0
         items = self.stack[k:]
         del self.stack[k:]
         return items
 
     def pop(self) -> Any:
-        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+        if len(self.stack) <= self.floor:
             raise IndexError("stack underflow")
         return self.stack.pop()
 
     def top(self) -> Any:
-        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+        if len(self.stack) <= self.floor:
             raise IndexError("stack underflow")
         return self.stack[-1]
 
@@ -378,6 +380,7 @@ def _op_float_text(w: _Walk, data: bytes, pos: int) -> int:
 
 def _op_mark(w: _Walk, data: bytes, pos: int) -> int:
     w.marks.append(len(w.stack))
+    w.floor = len(w.stack)
     return pos
 
 
@@ -387,7 +390,7 @@ def _op_stop(w: _Walk, data: bytes, pos: int) -> int:
 
 
 def _op_pop(w: _Walk, data: bytes, pos: int) -> int:
-    if len(w.stack) > (w.marks[-1] if w.marks else 0):
+    if len(w.stack) > w.floor:
         w.stack.pop()
     else:
         w.pop_mark()
@@ -488,6 +491,34 @@ def _op_memoize(w: _Walk, data: bytes, pos: int) -> int:
     return pos
 
 
+def _op_binint1(w: _Walk, data: bytes, pos: int) -> int:  # the commonest opcodes, without a reader call
+    if pos >= len(data):
+        raise EOFError("a cut argument")
+    w.stack.append(V(INT, data[pos]))
+    return pos + 1
+
+
+def _op_binget(w: _Walk, data: bytes, pos: int) -> int:
+    if pos >= len(data):
+        raise EOFError("a cut argument")
+    v = w.memo.get(data[pos])
+    if v is None:
+        raise KeyError(f"memo value {data[pos]} not found")
+    w.stack.append(v)
+    return pos + 1
+
+
+def _op_binput(w: _Walk, data: bytes, pos: int) -> int:
+    if pos >= len(data):
+        raise EOFError("a cut argument")
+    if len(w.stack) <= w.floor:
+        raise IndexError("stack underflow")
+    if data[pos] > w.max_memo:
+        w.memo_put(data[pos])  # refuses it
+    w.memo[data[pos]] = w.stack[-1]
+    return pos + 1
+
+
 def _op_global(w: _Walk, data: bytes, pos: int) -> int:
     module, pos = _text_arg(data, pos)
     name, pos = _text_arg(data, pos)
@@ -569,7 +600,7 @@ def _op_frame(w: _Walk, data: bytes, pos: int) -> int:
 _OPS: dict[int, Callable[[_Walk, bytes, int], int]] = {
     ord("("): _op_mark, ord("."): _op_stop, ord("0"): _op_pop, ord("1"): _op_pop_mark, ord("2"): _op_dup,
     ord("F"): _op_float_text, ord("G"): _op_leaf(_FLOAT, _fixed(">d")),
-    ord("I"): _op_int_text, ord("J"): _op_push_int(_I4), ord("K"): _op_push_int(_U1), ord("M"): _op_push_int(_U2),
+    ord("I"): _op_int_text, ord("J"): _op_push_int(_I4), ord("M"): _op_push_int(_U2),
     ord("L"): _op_long_text, 0x8A: _op_long(_C1), 0x8B: _op_long(_C4S),
     ord("N"): _op_leaf(_NONE), 0x88: _op_leaf(_TRUE), 0x89: _op_leaf(_FALSE),
     ord("S"): _op_string_text, ord("T"): _op_str(_C4S, _ascii_string), ord("U"): _op_str(_C1, _ascii_string),
@@ -582,8 +613,9 @@ _OPS: dict[int, Callable[[_Walk, bytes, int], int]] = {
     0x85: _op_tuple_n(1), 0x86: _op_tuple_n(2), 0x87: _op_tuple_n(3),
     ord("a"): _op_append, ord("e"): _op_fill_from_mark(LIST), ord("s"): _op_setitem, ord("u"): _op_fill_from_mark(DICT),
     0x90: _op_fill_from_mark(SET),
-    ord("g"): _op_get(None), ord("h"): _op_get(_U1), ord("j"): _op_get(_U4),
-    ord("p"): _op_put(None), ord("q"): _op_put(_U1), ord("r"): _op_put(_U4), 0x94: _op_memoize,
+    ord("g"): _op_get(None), ord("h"): _op_binget, ord("j"): _op_get(_U4),
+    ord("p"): _op_put(None), ord("q"): _op_binput, ord("r"): _op_put(_U4), 0x94: _op_memoize,
+    ord("K"): _op_binint1,
     ord("c"): _op_global, 0x93: _op_stack_global,
     ord("R"): _op_reduce, 0x81: _op_newobj, 0x92: _op_newobj_ex, ord("b"): _op_build,
     ord("P"): _op_persid(False), ord("Q"): _op_persid(True),

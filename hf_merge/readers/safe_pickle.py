@@ -15,7 +15,8 @@ global (``GLOBAL``/``STACK_GLOBAL``) and the ones that call or fill what was loo
 
 Speed: the policy's machine is pure Python (``pickle._Unpickler``), ~50x slower than C pickle. A
 plain pickle (a DCP ``.metadata``) first takes a fast path that checks the *same* policy with C
-pickle (:func:`_fast_load`): an opcode walk refuses ``INST``/``OBJ``/``EXT*`` and persistent ids,
+pickle (:func:`_fast_load`): the walk both paths start with (:mod:`.pickle_walk`: limits,
+argument schemas of :mod:`.pickle_schemas`) refuses ``INST``/``OBJ``/``EXT*`` and persistent ids,
 a C scan runs the pickle over inert stand-ins that check every call, creation and fill, and only
 then C pickle loads it with the exact pairs. Anything the fast path does not accept goes to the
 pure machine, which decides and gives the error.
@@ -525,8 +526,9 @@ def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | 
     ``data`` first passes :func:`_walk` (limits and argument schemas; ``walked``: the caller did
     that already), as it does before the pure machine, so both decide the same.
 
-    Sound because the three passes read the same bytes: (1) no opcode outside the policy's set
-    (``INST``/``OBJ``/``EXT*``, persistent ids); (2) C pickle with every global an inert stand-in
+    Sound because the three passes read the same bytes: (1) the walk refuses every opcode outside
+    the policy's set (``INST``/``OBJ``/``EXT*``, persistent ids) and bounds the memo C pickle
+    allocates; (2) C pickle with every global an inert stand-in
     that checks each ``REDUCE`` against ``calls``, ``NEWOBJ`` against ``classes`` and ``BUILD``
     against instances of ``classes``, and refuses filling a class: the stack of (3) holds, slot for
     slot, the real objects of these stand-ins, so (3) calls and fills only what (2) checked
@@ -534,8 +536,6 @@ def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | 
     """
     if not walked:
         _walk(data, allow, "pickle", persistent=False)
-    if not _only_allowed_opcodes(data):
-        raise _Refused()
     _CScan(io.BytesIO(data), allow).load()
     return _CLoad(io.BytesIO(data), allow, substitutes).load()
 
