@@ -159,12 +159,11 @@ class _Walk:
         if target.placed:
             raise refuse(self.where, f"fills a {describe(target)} after placing it inside another object")
         depth, cost, calls = self._place(items)
-        if kind == DICT:
-            for key in items[::2]:
-                self.hashed(key)
-        elif kind == SET:
-            for item in items:
-                self.hashed(item)
+        hashed = items[::2] if kind == DICT else items if kind == SET else ()
+        for key in hashed:
+            self.budget -= key.cost
+        if self.budget < 0:
+            self.hashed(_NONE)  # refuses it
         target.depth = max(target.depth, depth + 1)
         target.calls = target.calls or calls
         if target.kind != MADE:
@@ -319,7 +318,7 @@ def _op_leaf(v: V, reader: Callable | None = None) -> Callable:
     def op(w: _Walk, data: bytes, pos: int) -> int:
         if reader is not None:
             _, pos = reader(data, pos)
-        _push(w, v)
+        w.stack.append(v)
         return pos
 
     return op
@@ -498,6 +497,27 @@ def _op_binint1(w: _Walk, data: bytes, pos: int) -> int:  # the commonest opcode
     return pos + 1
 
 
+def _op_short_binunicode(w: _Walk, data: bytes, pos: int) -> int:
+    if pos >= len(data):
+        raise EOFError("a cut argument")
+    end = pos + 1 + data[pos]
+    if end > len(data):
+        raise EOFError("a cut argument")
+    w.stack.append(V(STR, str(data[pos + 1 : end], "utf-8", "surrogatepass")))
+    return end
+
+
+def _op_long_binget(w: _Walk, data: bytes, pos: int) -> int:
+    if pos + 4 > len(data):
+        raise EOFError("a cut argument")
+    index = int.from_bytes(data[pos : pos + 4], "little")
+    v = w.memo.get(index)
+    if v is None:
+        raise KeyError(f"memo value {index} not found")
+    w.stack.append(v)
+    return pos + 4
+
+
 def _op_binget(w: _Walk, data: bytes, pos: int) -> int:
     if pos >= len(data):
         raise EOFError("a cut argument")
@@ -604,7 +624,7 @@ _OPS: dict[int, Callable[[_Walk, bytes, int], int]] = {
     ord("L"): _op_long_text, 0x8A: _op_long(_C1), 0x8B: _op_long(_C4S),
     ord("N"): _op_leaf(_NONE), 0x88: _op_leaf(_TRUE), 0x89: _op_leaf(_FALSE),
     ord("S"): _op_string_text, ord("T"): _op_str(_C4S, _ascii_string), ord("U"): _op_str(_C1, _ascii_string),
-    ord("V"): _op_unicode_text, ord("X"): _op_str(_C4, _utf8), 0x8C: _op_str(_C1, _utf8), 0x8D: _op_str(_C8, _utf8),
+    ord("V"): _op_unicode_text, ord("X"): _op_str(_C4, _utf8), 0x8C: _op_short_binunicode, 0x8D: _op_str(_C8, _utf8),
     ord("B"): _op_leaf(_BYTES, _C4S), ord("C"): _op_leaf(_BYTES, _C1), 0x8E: _op_leaf(_BYTES, _C8), 0x96: _op_leaf(_BYTES, _C8),
     ord("]"): _op_empty(LIST), ord("}"): _op_empty(DICT), 0x8F: _op_empty(SET),
     ord(")"): lambda w, data, pos: (_push(w, V(TUPLE, None, [], 1, 1)), pos)[1],
@@ -613,7 +633,7 @@ _OPS: dict[int, Callable[[_Walk, bytes, int], int]] = {
     0x85: _op_tuple_n(1), 0x86: _op_tuple_n(2), 0x87: _op_tuple_n(3),
     ord("a"): _op_append, ord("e"): _op_fill_from_mark(LIST), ord("s"): _op_setitem, ord("u"): _op_fill_from_mark(DICT),
     0x90: _op_fill_from_mark(SET),
-    ord("g"): _op_get(None), ord("h"): _op_binget, ord("j"): _op_get(_U4),
+    ord("g"): _op_get(None), ord("h"): _op_binget, ord("j"): _op_long_binget,
     ord("p"): _op_put(None), ord("q"): _op_binput, ord("r"): _op_put(_U4), 0x94: _op_memoize,
     ord("K"): _op_binint1,
     ord("c"): _op_global, 0x93: _op_stack_global,
