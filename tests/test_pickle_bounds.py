@@ -126,6 +126,7 @@ def _entry(entry: str, src: Path, reference: Path, tmp_path: Path, capsys, extra
     args = {
         "inspect": ["inspect", str(src), *extra],
         "merge": ["merge", str(src), str(target), *extra],
+        "merge-head-start": ["merge", str(src), str(target), "--dtype", "auto", *extra],  # the child reads rank files too
         "verify": ["verify", str(reference), "--against", str(src), *extra],
     }[entry]
     assert cli(args) != 0
@@ -165,7 +166,7 @@ def test_rank_file_payloads_are_refused_by_both_readers(kind, qwen2_fp32_ws2, tm
             read(src / RANK1)
 
 
-@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("entry", [*ENTRIES, "merge-head-start"])
 @pytest.mark.parametrize("kind", ["hash_bomb", "deep_tuple"])
 def test_limits_through_every_entry_point(kind, entry, qwen2_fp32_ws2, megatron_v1, merged, tmp_path, capsys):
     for fmt, make in (("fsdp", lambda p: _fsdp_with(p, qwen2_fp32_ws2, tmp_path / "f")),
