@@ -411,7 +411,7 @@ def _stand_in(pair: Pair, allow: Allowlist) -> type:
             raise _Refused()
         return _Filled(pair, True)
 
-    return _StandInType("_StandIn", (), {"__new__": __new__, "_pair": pair, "_allow": allow})
+    return _StandInType("_StandIn", (), {"__new__": __new__, "_pair": pair, "pair": pair, "_allow": allow})
 
 
 class _CScan(pickle.Unpickler):
@@ -579,10 +579,16 @@ def load_pickle(
 def scan_pickle(data: bytes, allow: Allowlist, where: str, *, persistent_load: Callable[[Any], Any] | None = None) -> None:
     """Check that ``data`` uses only what ``allow`` permits, constructing and calling nothing.
 
-    ``persistent_load`` receives persistent ids with looked-up globals as ``_Ref`` stand-ins.
+    ``persistent_load`` receives persistent ids with looked-up globals as stand-ins (``_Ref`` in
+    the pure machine, a :class:`_StandInType` class in the C scan; both have ``pair``).
     """
     allow = allow | _names()
     _walk(data, allow, where, persistent=persistent_load is not None)
+    try:  # C pickle over the same stand-ins first (after the same walk); the pure machine decides otherwise
+        _CScan(io.BytesIO(data), allow, persistent_load).load()
+        return
+    except Exception:  # noqa: BLE001 - refused, malformed or failing: the pure machine decides and says why
+        pass
     u = _PolicyUnpickler(io.BytesIO(data), allow, where, resolve=False, persistent_load=persistent_load)
     _run(u, where)
 
@@ -635,7 +641,7 @@ def _quiet_device_mesh() -> None:
     logging.getLogger("torch.distributed.device_mesh").addFilter(_DropMeshPickleWarning())
 
 
-def storage_reference(pid: Any, records: Mapping[str, Any], prefix: str, where: str, storage_type: type) -> tuple[Any, str, int, Any]:
+def storage_reference(pid: Any, records: Mapping[str, Any], prefix: str, where: str, storage_type: "type | tuple[type, ...]") -> tuple[Any, str, int, Any]:
     """A ``torch.save`` persistent id, ``('storage', <XStorage>, key, location, numel)``, checked:
     the storage type (an instance of ``storage_type``), the key, ``numel`` and that the zip holds
     the ``data/<key>`` record. Returns ``(storage type, key, numel, record)``."""
@@ -654,8 +660,8 @@ def _storage_pid(records: Mapping[str, Any], prefix: str, where: str) -> Callabl
     """Persistent ids of torch.save, for the scan: each must name a record of the zip."""
 
     def check(pid: Any) -> Any:
-        stype, _key, _numel, _record = storage_reference(pid, records, prefix, where, _Ref)
-        return _Made(stype.pair, False)
+        stype, _key, _numel, _record = storage_reference(pid, records, prefix, where, (_Ref, _StandInType))
+        return _Filled(stype.pair, False)
 
     return check
 
