@@ -60,7 +60,6 @@ class V:
         self.state: V | None = None
 
 
-_MARK = object()
 #: made objects that are containers: what SETITEM(S) / ADDITEMS may fill besides plain dicts and sets
 _FILLED_MADE: dict[str, Pair] = {DICT: ("collections", "OrderedDict"), SET: ("builtins", "set")}
 _NONE, _TRUE, _FALSE, _FLOAT, _BYTES = V(NONE), V(BOOL, True), V(BOOL, False), V(FLOAT), V(BYTES)
@@ -123,8 +122,6 @@ class _Walk:
     def _place(self, items: Any) -> tuple[int, int, bool]:
         depth, cost, calls = 0, 1, False
         for v in items:
-            if v is _MARK:
-                raise CorruptCheckpointError(f"{self.where}: not a readable pickle (a mark inside a container); re-copy the file from the training run")
             v.placed = True
             depth = max(depth, v.depth)
             cost += v.cost
