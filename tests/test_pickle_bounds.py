@@ -117,11 +117,13 @@ def _dcp_with(payload: bytes, megatron_v1: Path, tmp_path: Path) -> Path:
 
 
 def _entry(entry: str, src: Path, reference: Path, tmp_path: Path, capsys, extra: list[str] = ()) -> str:
-    """The error of one entry point on ``src``: one ``error:`` line (or the exception's text)."""
+    """The error of one entry point on ``src``: one ``error:`` line (or the exception's text);
+    ``extra``: CLI options (``--config DIR`` is given to ``from_sharded_pretrained`` too)."""
     target = tmp_path / "out"
     if entry == "from_sharded_pretrained":
+        config = {"config": extra[1]} if extra[:1] == ["--config"] else {}
         with pytest.raises(HfMergeError) as e:
-            hf_merge.from_sharded_pretrained(src)
+            hf_merge.from_sharded_pretrained(src, **config)
         return str(e.value)
     args = {
         "inspect": ["inspect", str(src), *extra],
@@ -167,7 +169,7 @@ def test_rank_file_payloads_are_refused_by_both_readers(kind, qwen2_fp32_ws2, tm
 
 
 @pytest.mark.parametrize("entry", [*ENTRIES, "merge-head-start"])
-@pytest.mark.parametrize("kind", ["hash_bomb", "deep_tuple"])
+@pytest.mark.parametrize("kind", list(LIMITS))
 def test_limits_through_every_entry_point(kind, entry, qwen2_fp32_ws2, megatron_v1, merged, tmp_path, capsys):
     for fmt, make in (("fsdp", lambda p: _fsdp_with(p, qwen2_fp32_ws2, tmp_path / "f")),
                       ("dcp", lambda p: _dcp_with(p, megatron_v1, tmp_path / "d"))):
@@ -291,7 +293,7 @@ def test_deepspeed_partition_outside_its_schema_is_refused(case, deepspeed_class
         load_deepspeed_file(src / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
-@pytest.mark.parametrize("entry", ["inspect", "merge", "verify"])
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("case", list(DEEPSPEED_CASES))
 def test_deepspeed_partition_refused_through_every_entry_point(case, entry, deepspeed_classes, tmp_path, capsys):
     make, needle = DEEPSPEED_CASES[case]
