@@ -12,7 +12,11 @@ and ``hf-merge merge`` on it (``hf_merge.cli.app.main``, stderr captured). Mutat
 - ``json-value``: a random JSON value replaced by another type, a huge or non-finite number, a
   deep nesting, or removed (config.json, fsdp_config.json, ckpt_contents.json, index files,
   safetensors headers);
-- ``text``: a text side file replaced by non-UTF-8 bytes, letters, or a huge number.
+- ``text``: a text side file replaced by non-UTF-8 bytes, letters, or a huge number;
+- ``pickle-reduce-arg``, ``pickle-nesting``, ``pickle-memo``, ``pickle-view`` (``.metadata`` and
+  rank files' ``data.pkl``, opcode level): an argument replaced by a callable or an extreme value,
+  deep nesting or a hash-bomb key, memo indices, tensor offsets/sizes/strides
+  (:mod:`pickle_mutations`).
 
 Outcome classes (a case's class is the worst of its runs):
 
@@ -69,6 +73,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pickle_mutations  # noqa: E402
+
 BAD = ("unexpected", "traceback", "crash", "hang", "silent-change", "leftover")
 GOOD = ("typed-error", "accepted")
 CLASSES = GOOD + BAD
@@ -119,6 +126,9 @@ class Result:
 # --------------------------------------------------------------------------------------------
 # mutations
 # --------------------------------------------------------------------------------------------
+
+
+_PICKLE_KINDS = ("rank file (.pt)", "dcp .metadata")
 
 
 def _kind(rel: str) -> str:
@@ -235,7 +245,7 @@ def _safetensors_header_mutate(rng: random.Random, raw: bytes) -> tuple[bytes, d
     return struct.pack("<Q", len(new + pad)) + new + pad + raw[8 + n :], {**record, "in": "safetensors header"}
 
 
-def mutate(rng: random.Random, path: Path, tensor_spans: list[tuple[int, int]]) -> tuple[dict, bool]:
+def mutate(rng: random.Random, path: Path, tensor_spans: list[tuple[int, int]], *, pickle_only: bool = False) -> tuple[dict, bool]:
     """Mutate ``path`` in place; return ``(what was changed, touched tensor bytes)``: the record
     names the operation and, per operation, the offsets with old and new bytes, the cut length,
     the zip field, or the JSON path with its old and new value."""
@@ -246,12 +256,19 @@ def mutate(rng: random.Random, path: Path, tensor_spans: list[tuple[int, int]]) 
         ops += ["zip-field", "zip-field", "pickle-arg"]
     if kind == "dcp .metadata":
         ops += ["pickle-arg", "pickle-arg"]
+    if kind in ("rank file (.pt)", "dcp .metadata"):
+        ops += list(pickle_mutations.OPS)
     if kind in ("json side file", "safetensors"):
         ops += ["json-value", "json-value"]
     if kind == "text side file":
         ops += ["text"]
+    if pickle_only:
+        ops = list(pickle_mutations.OPS)
     op = rng.choice(ops)
     rec: dict = {"op": op, "size": len(raw)}
+    if op in pickle_mutations.OPS:  # opcode level; the pickle's length may change
+        rec.update(pickle_mutations.mutate_file(rng, path, op))
+        return rec, False
     touched: list[int] = []
     if op == "flip" and raw:
         changes = []
@@ -325,6 +342,8 @@ def describe(file: str, rec: dict) -> str:
         what = f"{rec.get('in', '')} {rec['path']}: {rec['old']} -> {rec['new']}".strip()
     elif op == "text":
         what = f"{rec['old']} -> {rec['new']}"
+    elif op in pickle_mutations.OPS and "new" in rec:
+        what = f"{rec.get('opcode', '')} @{rec['offset']}: {rec.get('old', '')} -> {rec['new']}"
     else:
         what = rec.get("note", "nothing changed")
     return f"{op} {file}: {what}"
@@ -424,18 +443,20 @@ class Case:
         return f"[{self.target.name}] {describe(self.file, self.mutation)}"
 
 
-def prepare_case(target: Target, rng: random.Random, work: Path) -> Case:
-    """Copy ``target`` to ``work/src`` and mutate one of its files (every file kind equally often)."""
+def prepare_case(target: Target, rng: random.Random, work: Path, *, pickle_only: bool = False) -> Case:
+    """Copy ``target`` to ``work/src`` and mutate one of its files (every file kind equally often;
+    ``pickle_only``: only the pickles, with the opcode-level classes of :mod:`pickle_mutations`)."""
     src = work / "src"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     shutil.copytree(target.source, src, symlinks=True)
     by_kind: dict[str, list[str]] = defaultdict(list)
     for f in target.files:
-        by_kind[_kind(f)].append(f)
+        if not pickle_only or _kind(f) in _PICKLE_KINDS:
+            by_kind[_kind(f)].append(f)
     rel = rng.choice(by_kind[rng.choice(sorted(by_kind))])
     spans = tensor_spans(target.source / rel) if _kind(rel) in ("rank file (.pt)", "dcp .distcp", "safetensors") else []
-    mutation, hit = mutate(rng, src / rel, spans)
+    mutation, hit = mutate(rng, src / rel, spans, pickle_only=pickle_only)
     return Case(target, rel, mutation, hit)
 
 
@@ -511,15 +532,16 @@ def save_case(case: Case, work: Path, folder: Path, outcome: str, notes: list[st
 
 
 def run_case(target: Target, rng: random.Random, work: Path, pristine: dict[str, str], result: Result,
-             keep: Path | None = None) -> str:
+             keep: Path | None = None, pickle_only: bool = False) -> str:
     """One case; a bad one is saved under ``keep`` (see :func:`replay`)."""
-    case = prepare_case(target, rng, work)
+    case = prepare_case(target, rng, work, pickle_only=pickle_only)
     worst, notes = judge(case, work, pristine)
     what = " -> ".join([case.line(), *notes])
     if worst in BAD and keep is not None:
         saved = save_case(case, work, keep / f"{result.cases:05d}-{worst}", worst, notes)
         what += f" (replay: --replay {saved})"
-    result.add(_kind(case.file), worst, what)
+    op = case.mutation.get("op")
+    result.add(_kind(case.file) + (f" / {op}" if op in pickle_mutations.OPS else ""), worst, what)
     return worst
 
 
@@ -535,7 +557,8 @@ def _pristine(target: Target, tmp: Path) -> dict[str, str]:
     return digest
 
 
-def run_campaign(targets: list[Target], *, seconds: float, seed: int, work: Path | None = None, max_cases: int | None = None) -> Result:
+def run_campaign(targets: list[Target], *, seconds: float, seed: int, work: Path | None = None, max_cases: int | None = None,
+                 pickle_only: bool = False) -> Result:
     """Fuzz ``targets`` round robin for ``seconds`` (or ``max_cases``); return the outcome table.
     Bad cases are kept under ``WORK/bad/`` (replayable with ``--replay``)."""
     import logging
@@ -547,9 +570,11 @@ def run_campaign(targets: list[Target], *, seconds: float, seed: int, work: Path
     pristine = {t.name: _pristine(t, tmp) for t in targets}
     deadline = time.monotonic() + seconds
     i = 0
+    if pickle_only:
+        targets = [t for t in targets if any(_kind(f) in _PICKLE_KINDS for f in t.files)]
     while time.monotonic() < deadline and (max_cases is None or i < max_cases):
         t = targets[i % len(targets)]
-        run_case(t, random.Random(rng.getrandbits(64)), tmp / "case", pristine[t.name], result, keep=tmp / "bad")
+        run_case(t, random.Random(rng.getrandbits(64)), tmp / "case", pristine[t.name], result, keep=tmp / "bad", pickle_only=pickle_only)
         i += 1
     shutil.rmtree(tmp / "case", ignore_errors=True)
     result.kept = tmp / "bad" if (tmp / "bad").is_dir() else None
@@ -655,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
                     help="any other checkpoint folder to fuzz (config.json inside it or beside it)")
     ap.add_argument("--no-deepspeed", action="store_true", help="leave out the committed DeepSpeed fixtures")
+    ap.add_argument("--pickle-only", action="store_true", help="mutate only pickles (.metadata, rank files), opcode level")
     ap.add_argument("--work", type=Path, help="work folder; bad cases are kept in WORK/bad/ (default: a temporary one)")
     ap.add_argument("--replay", type=Path, metavar="CASE_DIR", help="re-run one saved case (WORK/bad/NNNNN-CLASS) and exit")
     ap.add_argument("--replay-source", type=Path, help="with --replay: the pristine source, if it moved")
@@ -704,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     targets.append(Target("hf", hf, [f for f in default_files(hf) if f.endswith((".json", ".safetensors"))]))
     t0 = time.monotonic()
     work = args.work or Path(tempfile.mkdtemp(prefix="hf-merge-fuzz-"))
-    result = run_campaign(targets, seconds=args.seconds, seed=args.seed, work=work)
+    result = run_campaign(targets, seconds=args.seconds, seed=args.seed, work=work, pickle_only=args.pickle_only)
     print(f"{result.cases} cases in {time.monotonic() - t0:.0f} s (seed {args.seed}; targets: {', '.join(t.name for t in targets)})")
     print(result.table())
     if result.kept is not None:

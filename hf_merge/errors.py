@@ -79,3 +79,8 @@ class HubError(HfMergeError):
 
 class DistributedError(HfMergeError):
     """A rank of a distributed (torchrun) merge failed, died or timed out; no target was written."""
+
+
+class PickleLimitError(UnsafeCheckpointError):
+    """A pickle would cost work out of proportion to its size (nesting depth, memo size, hash cost);
+    refused before anything was built."""

@@ -318,7 +318,12 @@ class DcpCheckpoint(LazyCheckpoint):
                         f"{self.path}: {key} is stored with transforms {list(sinfo.transform_descriptors)} "
                         "(e.g. compression); hf_merge reads untransformed DCP chunks only"
                     )
-                rel = str(sinfo.relative_path)
+                rel = sinfo.relative_path
+                if not isinstance(rel, str):
+                    raise CorruptCheckpointError(
+                        f"{self.path}: {key} chunk at {list(offsets)} has a relative_path that is a "
+                        f"{type(rel).__name__}, not a file name, in {METADATA_FILE}; re-copy the checkpoint"
+                    )
                 if os.path.isabs(rel) or ".." in Path(rel).parts:
                     raise UnsafeCheckpointError(f"{self.path}: storage path {rel!r} escapes the checkpoint folder")
                 files.add(rel)

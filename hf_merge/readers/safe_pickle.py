@@ -15,7 +15,8 @@ global (``GLOBAL``/``STACK_GLOBAL``) and the ones that call or fill what was loo
 
 Speed: the policy's machine is pure Python (``pickle._Unpickler``), ~50x slower than C pickle. A
 plain pickle (a DCP ``.metadata``) first takes a fast path that checks the *same* policy with C
-pickle (:func:`_fast_load`): an opcode walk refuses ``INST``/``OBJ``/``EXT*`` and persistent ids,
+pickle (:func:`_fast_load`): the walk both paths start with (:mod:`.pickle_walk`: limits,
+argument schemas of :mod:`.pickle_schemas`) refuses ``INST``/``OBJ``/``EXT*`` and persistent ids,
 a C scan runs the pickle over inert stand-ins that check every call, creation and fill, and only
 then C pickle loads it with the exact pairs. Anything the fast path does not accept goes to the
 pure machine, which decides and gives the error.
@@ -54,6 +55,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Mapping
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from . import pickle_schemas
+from .pickle_walk import walk_pickle
 
 Pair = tuple[str, str]
 
@@ -413,13 +416,16 @@ def _stand_in(pair: Pair, allow: Allowlist) -> type:
             raise _Refused()
         return _Filled(pair, True)
 
-    return _StandInType("_StandIn", (), {"__new__": __new__, "_pair": pair, "_allow": allow})
+    return _StandInType("_StandIn", (), {"__new__": __new__, "_pair": pair, "pair": pair, "_allow": allow})
 
 
 class _CScan(pickle.Unpickler):
-    """C pickle over stand-ins: nothing is imported, constructed or called."""
+    """C pickle over stand-ins: nothing is imported, constructed or called (``persistent_load``:
+    the checker of persistent ids, which are refused without one)."""
 
-    def __init__(self, file: IO[bytes], allow: Allowlist):
+    def __init__(self, file: IO[bytes], allow: Allowlist, persistent_load: Callable[[Any], Any] | None = None):
+        if persistent_load is not None:
+            self.persistent_load = persistent_load  # before __init__: C pickle looks it up there
         super().__init__(file)
         self._allow, self._types = allow, {}
 
@@ -432,6 +438,13 @@ class _CScan(pickle.Unpickler):
         return self._types[pair]
 
     persistent_load = _refused
+
+
+def _fast_scan(data: bytes, allow: Allowlist, persistent_load: Callable[[Any], Any]) -> None:
+    """:func:`scan_pickle`'s work done by C pickle over stand-ins (after the same walk); raises
+    :class:`_Refused` (or anything) where the policy may refuse, and the pure machine decides."""
+    _walk(data, allow, "pickle", persistent=True)
+    _CScan(io.BytesIO(data), allow, persistent_load).load()
 
 
 class _CLoad(pickle.Unpickler):
@@ -511,19 +524,23 @@ def _only_allowed_opcodes(data: bytes) -> bool:
     return False
 
 
-def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | None = None) -> Any:
+def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | None = None, *, walked: bool = False) -> Any:
     """Unpickle ``data`` with C pickle if the policy allows all of it; raise :class:`_Refused` (or
     anything) otherwise, and the caller runs the pure-Python machine, which decides and says why.
 
-    Sound because the three passes read the same bytes: (1) no opcode outside the policy's set
-    (``INST``/``OBJ``/``EXT*``, persistent ids); (2) C pickle with every global an inert stand-in
+    ``data`` first passes :func:`_walk` (limits and argument schemas; ``walked``: the caller did
+    that already), as it does before the pure machine, so both decide the same.
+
+    Sound because the three passes read the same bytes: (1) the walk refuses every opcode outside
+    the policy's set (``INST``/``OBJ``/``EXT*``, persistent ids) and bounds the memo C pickle
+    allocates; (2) C pickle with every global an inert stand-in
     that checks each ``REDUCE`` against ``calls``, ``NEWOBJ`` against ``classes`` and ``BUILD``
     against instances of ``classes``, and refuses filling a class: the stack of (3) holds, slot for
     slot, the real objects of these stand-ins, so (3) calls and fills only what (2) checked
     (or the caller's inert ``substitutes`` for them).
     """
-    if not _only_allowed_opcodes(data):
-        raise _Refused()
+    if not walked:
+        _walk(data, allow, "pickle", persistent=False)
     _CScan(io.BytesIO(data), allow).load()
     return _CLoad(io.BytesIO(data), allow, substitutes).load()
 
@@ -552,26 +569,38 @@ def load_pickle(
         UnsafeCheckpointError: the pickle asks for anything the policy refuses (nothing ran).
         CorruptCheckpointError: the pickle is truncated or malformed.
     """
+    data = bytes(file) if isinstance(file, (bytes, bytearray, memoryview)) else file.read()
+    allow = allow | (_names() if names is None else names)
+    _walk(data, allow, where, persistent=persistent_load is not None)
     if persistent_load is None:  # plain pickles (.metadata): the fast path first
-        data = bytes(file) if isinstance(file, (bytes, bytearray, memoryview)) else file.read()
-        file = data
         try:
-            return _fast_load(data, allow | (_names() if names is None else names), substitutes)
+            return _fast_load(data, allow, substitutes, walked=True)
         except Exception:  # noqa: BLE001 - refused, malformed or failing: the pure machine decides
             pass
-    f = io.BytesIO(file) if isinstance(file, (bytes, bytearray, memoryview)) else file
-    allow = allow | (_names() if names is None else names)
-    u = _PolicyUnpickler(f, allow, where, resolve=True, substitutes=substitutes, persistent_load=persistent_load)
+    u = _PolicyUnpickler(io.BytesIO(data), allow, where, resolve=True, substitutes=substitutes, persistent_load=persistent_load)
     return _run(u, where)
 
 
 def scan_pickle(data: bytes, allow: Allowlist, where: str, *, persistent_load: Callable[[Any], Any] | None = None) -> None:
     """Check that ``data`` uses only what ``allow`` permits, constructing and calling nothing.
 
-    ``persistent_load`` receives persistent ids with looked-up globals as ``_Ref`` stand-ins.
+    ``persistent_load`` receives persistent ids with looked-up globals as stand-ins (``_Ref`` in
+    the pure machine, a :class:`_StandInType` class in the C scan; both have ``pair``).
     """
-    u = _PolicyUnpickler(io.BytesIO(data), allow | _names(), where, resolve=False, persistent_load=persistent_load)
+    allow = allow | _names()
+    _walk(data, allow, where, persistent=persistent_load is not None)
+    try:  # C pickle over the same stand-ins first (after the same walk); the pure machine decides otherwise
+        _CScan(io.BytesIO(data), allow, persistent_load).load()
+        return
+    except Exception:  # noqa: BLE001 - refused, malformed or failing: the pure machine decides and says why
+        pass
+    u = _PolicyUnpickler(io.BytesIO(data), allow, where, resolve=False, persistent_load=persistent_load)
     _run(u, where)
+
+
+def _walk(data: bytes, allow: Allowlist, where: str, *, persistent: bool) -> None:
+    """The abstract walk both machines start with (:mod:`.pickle_walk`): limits and argument schemas."""
+    walk_pickle(data, allow, where, persistent=persistent, schemas=pickle_schemas)
 
 
 # --------------------------------------------------------------------------------------------
@@ -617,7 +646,7 @@ def _quiet_device_mesh() -> None:
     logging.getLogger("torch.distributed.device_mesh").addFilter(_DropMeshPickleWarning())
 
 
-def storage_reference(pid: Any, records: Mapping[str, Any], prefix: str, where: str, storage_type: type) -> tuple[Any, str, int, Any]:
+def storage_reference(pid: Any, records: Mapping[str, Any], prefix: str, where: str, storage_type: "type | tuple[type, ...]") -> tuple[Any, str, int, Any]:
     """A ``torch.save`` persistent id, ``('storage', <XStorage>, key, location, numel)``, checked:
     the storage type (an instance of ``storage_type``), the key, ``numel`` and that the zip holds
     the ``data/<key>`` record. Returns ``(storage type, key, numel, record)``."""
@@ -636,8 +665,8 @@ def _storage_pid(records: Mapping[str, Any], prefix: str, where: str) -> Callabl
     """Persistent ids of torch.save, for the scan: each must name a record of the zip."""
 
     def check(pid: Any) -> Any:
-        stype, _key, _numel, _record = storage_reference(pid, records, prefix, where, _Ref)
-        return _Made(stype.pair, False)
+        stype, _key, _numel, _record = storage_reference(pid, records, prefix, where, (_Ref, _StandInType))
+        return _Filled(stype.pair, False)
 
     return check
 
