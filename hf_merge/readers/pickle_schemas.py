@@ -25,6 +25,7 @@ _REBUILD_WRAPPER = (_U, "_rebuild_wrapper_subclass")
 _FROM_TYPE = ("torch._tensor", "_rebuild_from_type_v2")
 _SIZE = ("torch", "Size")
 _DTENSOR = ("torch.distributed.tensor", "DTensor")
+_DTENSOR_2_4 = ("torch.distributed._tensor.api", "DTensor")  # torch 2.4 pickles DTensor under its old module
 _TENSOR_TYPES = {("torch", "Tensor"), ("torch.nn.parameter", "Parameter")}
 _TENSORS = {_REBUILD_TENSOR, _FROM_TYPE, (_U, "_rebuild_parameter"), (_U, "_rebuild_parameter_with_state")}
 _MAX_DIMS = 64
@@ -120,7 +121,7 @@ def rebuild_tensor(w: Any, args: V) -> None:
 
 def rebuild_wrapper(w: Any, args: V) -> None:
     a = arity(args, 8, 8, "_rebuild_wrapper_subclass")
-    ref(a[0], {_DTENSOR}, "the wrapper class")
+    ref(a[0], {_DTENSOR, _DTENSOR_2_4} & w.allow.pairs(), "the wrapper class")
     if a[1].kind != REF or a[1].calls:
         raise Refusal(f"gives a DTensor dtype as {_what(a[1])}")
     ints(a[2], "a DTensor size")
@@ -136,7 +137,7 @@ def rebuild_wrapper(w: Any, args: V) -> None:
 #: what ``_rebuild_from_type_v2(func, new_type, args, state)`` may call, and the types it may give
 _FROM_TYPE_FUNCS: dict[Pair, tuple[set[Pair], Callable[[Any, V], None]]] = {
     _REBUILD_TENSOR: (_TENSOR_TYPES, rebuild_tensor),
-    _REBUILD_WRAPPER: ({_DTENSOR}, rebuild_wrapper),
+    _REBUILD_WRAPPER: ({_DTENSOR, _DTENSOR_2_4}, rebuild_wrapper),
 }
 
 
@@ -255,9 +256,11 @@ def _bytes_io_state(v: V) -> None:
         attributes(v.items[2], "a BytesIO's attributes")
 
 
-def _fields_tuple(n: int) -> Callable[[V], None]:
+def _fields_tuple(lo: int, hi: int) -> Callable[[V], None]:
+    """A tuple of ``lo..hi`` plain-data fields (the reader decides which lengths it knows)."""
+
     def check(v: V) -> None:
-        if v.kind == TUPLE and len(v.items) == n:
+        if v.kind == TUPLE and lo <= len(v.items) <= hi:
             for x in v.items:
                 data(x, "a field")
         else:
@@ -270,7 +273,9 @@ def _fields_tuple(n: int) -> Callable[[V], None]:
 STATE: dict[Pair, Callable[[V], None]] = {
     ("collections", "OrderedDict"): lambda v: attributes(v, "a state dict's attributes", {"_metadata"}),
     ("_io", "BytesIO"): _bytes_io_state,
-    (_DCP_MD, "TensorProperties"): _fields_tuple(5),  # its __getstate__ is a tuple of its fields
+    # its __getstate__ is a tuple of its fields: 5 up to torch 2.14, 6 (``strides``) from 2.15; a length
+    # the DCP reader does not know is its honest error, not the policy's
+    (_DCP_MD, "TensorProperties"): _fields_tuple(1, 16),
 }
 
 
