@@ -100,6 +100,19 @@ def test_no_head_start_where_the_merge_is_not_a_plain_copy(case, checkpoint, tmp
     assert (out / "model.safetensors").is_file()
 
 
+def test_no_child_is_forked_for_other_formats(tmp_path, monkeypatch):
+    """A DeepSpeed folder (or any source that is not verl FSDP rank files) forks nothing."""
+    forks: list[object] = []
+    real = head_start.begin
+    monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request) or real(request))
+    data = ROOT / "tests" / "data" / "deepspeed" / "z2_bf16_trainer_ws2"
+    proc = run_cli("merge", data, tmp_path / "out", "--dtype", "auto", in_process=True)
+    assert proc.returncode == 0, proc.stderr
+    assert forks == []
+    with_rank_files = run_cli("merge", tmp_path / "missing", tmp_path / "out2", in_process=True)
+    assert with_rank_files.returncode != 0 and forks == []
+
+
 def test_a_child_that_plans_other_bytes_is_not_used(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
     real = head_start._plan
 

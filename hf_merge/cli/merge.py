@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from ..errors import redact_credentials
 from ..progress import human_bytes
@@ -205,6 +206,18 @@ def _merge(args: argparse.Namespace, source: str, target: str, head):
     )
 
 
+def _is_verl_fsdp(source: str) -> bool:
+    """Whether ``source`` leads to verl FSDP rank files (file names only; no fork for other formats)."""
+    from ..errors import HfMergeError
+    from ..readers.fsdp_files import resolve_fsdp_dir
+
+    try:
+        resolve_fsdp_dir(Path(source))
+    except (HfMergeError, OSError):
+        return False
+    return True
+
+
 def _head_start(args: argparse.Namespace, source: str, target: str):
     """The merge's head start (:mod:`hf_merge.head_start`) where it may apply, else a no-op context."""
     import contextlib
@@ -213,7 +226,7 @@ def _head_start(args: argparse.Namespace, source: str, target: str):
 
     plain = (
         args.gguf is None and args.quantize is None and args.backend in ("auto", "fsdp") and args.base_model is None
-        and not any(source_options(args).values()) and not launched_by_torchrun()
+        and not any(source_options(args).values()) and not launched_by_torchrun() and _is_verl_fsdp(source)
     )
     if plain:
         from ..head_start import Request, begin
