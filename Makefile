@@ -10,11 +10,27 @@ TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyr
 COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
-COMPAT_STACK := torch==2.13.0 transformers==4.57.6 peft==0.17.1 accelerate==1.10.1 "huggingface_hub>=0.34,<0.35" \
-	safetensors==0.4.3
+STACK_4X := transformers==4.57.6 peft==0.17.1 accelerate==1.10.1 "huggingface_hub>=0.34,<0.35" safetensors==0.4.3
+COMPAT_STACK := torch==2.13.0 $(STACK_4X)
 COMPAT_TEST := pytest pytest-timeout megatron-core==0.16.1 gguf==0.19.0 sentencepiece==0.2.3 protobuf==7.36.2
 
-.PHONY: venv demo test test-compat bench fuzz clean
+# The torch-runtime pass (docs/compatibility.md), not in CI (several GB of CUDA wheels, run on CPU):
+# the oldest declared torch with the transformers 4.57 stack, the newest torch with the `test` extra.
+# torch is installed first and pinned again beside the stack, and checked after: pip may not change it.
+TORCH_OLDEST := 2.6.0
+TORCH_NEWEST := 2.15.0
+OLDEST_VENV ?= .venv-torch-oldest
+NEWEST_VENV ?= .venv-torch-newest
+# this machine's pip config caps torch at 2.14.1 (/etc/xdg/pip); the newest venv installs without it
+NEWEST_PIP := PIP_CONFIG_FILE=/dev/null $(NEWEST_VENV)/bin/python -m pip
+# $(call torch_is,PYTHON,VERSION): fail unless PYTHON imports torch VERSION (a local +cu124 part aside)
+torch_is = $(1) -c "import sys, torch; print('torch', torch.__version__); \
+	sys.exit(torch.__version__.split('+')[0] != '$(2)' and 'torch is not $(2) any more')"
+# $(call torch_tests,PYTHON): the compat subset, then the checkpoints written by each torch release
+# (both run; either failing fails the target)
+torch_tests = $(1) -m pytest -q -m compat tests; a=$$?; $(1) -m pytest -q tests/test_torch_versions.py && exit $$a
+
+.PHONY: venv demo test test-compat compat compat-oldest compat-newest bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +62,30 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_PY) -m pytest -q -m compat tests
 
+$(OLDEST_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q torch==$(TORCH_OLDEST)
+	$(OLDEST_VENV)/bin/python -m pip install -q torch==$(TORCH_OLDEST) $(STACK_4X) $(COMPAT_TEST) -e .
+	$(call torch_is,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
+	touch $@
+
+$(NEWEST_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PIP) install -q --upgrade pip
+	$(NEWEST_PIP) install -q torch==$(TORCH_NEWEST)
+	$(NEWEST_PIP) install -q torch==$(TORCH_NEWEST) -e ".[test]"
+	$(call torch_is,$(NEWEST_VENV)/bin/python,$(TORCH_NEWEST))
+	touch $@
+
+compat-oldest: $(OLDEST_VENV)/.installed
+	$(call torch_tests,$(OLDEST_VENV)/bin/python)
+
+compat-newest: $(NEWEST_VENV)/.installed
+	$(call torch_tests,$(NEWEST_VENV)/bin/python)
+
+compat: compat-oldest compat-newest
+
 # FUZZ_SECONDS=600 make fuzz: mutate every input format, run inspect + merge, print the outcome table
 # (FUZZ_ARGS: more options, e.g. --seed 2032 --work DIR; --replay DIR/bad/NNNNN-CLASS re-runs one case)
 fuzz: $(STAMP)
@@ -55,4 +95,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_merge.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache

@@ -16,6 +16,7 @@ import torch
 from helpers import folder_tensors, read_json
 
 import hf_merge
+import make_fsdp_checkpoint as mk
 import make_hub_checkpoints as mh
 from hf_merge.checkpoint import open_checkpoint
 from hf_merge.errors import MappingError
@@ -255,7 +256,9 @@ def test_unknown_operation_is_an_error_naming_it(hub_root, monkeypatch):
 def test_fixture_record(hub_root):
     info = json.loads((hub_root / "fixture.json").read_text())
     assert set(MODELS) <= set(info["models"])
-    assert all(m["fsdp_forward_max_abs_diff"] == 0.0 for m in info["models"].values())
+    # null where the torch here cannot run an FSDP2 forward on CPU (torch 2.6: no check was made)
+    expected = 0.0 if mk.FSDP2_CPU_FORWARD else None
+    assert all(m["fsdp_forward_max_abs_diff"] == expected for m in info["models"].values())
 
 
 @needs_conversions

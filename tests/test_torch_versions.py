@@ -125,5 +125,8 @@ def test_unknown_dcp_tensor_properties_are_an_honest_error(tmp_path, monkeypatch
     r = run_cli("merge", str(folder), str(tmp_path / "out"))
     assert r.returncode != 0
     line = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-    assert len(line) == 1 and "7 fields" in line[0] and "DCP format version 1.0.0" in line[0], r.stderr
+    # the version the fixture records (torch 2.6's DCP records none; newer ones 1.0.0)
+    version = getattr(md, "version", None)
+    fmt = f"records DCP format version {version}" if version else "records no DCP format version"
+    assert len(line) == 1 and "7 fields" in line[0] and fmt in line[0], r.stderr
     assert "damaged" not in r.stderr and "re-copy" not in r.stderr
