@@ -29,6 +29,8 @@ _DTENSOR_2_4 = ("torch.distributed._tensor.api", "DTensor")  # torch 2.4 pickles
 _TENSOR_TYPES = {("torch", "Tensor"), ("torch.nn.parameter", "Parameter")}
 _TENSORS = {_REBUILD_TENSOR, _FROM_TYPE, (_U, "_rebuild_parameter"), (_U, "_rebuild_parameter_with_state")}
 _MAX_DIMS = 64
+#: pathlib's classes a DCP ``StorageMeta.checkpoint_id`` may be pickled as
+PATH_CLASSES = ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 _MAX_INT = 1 << 62
 
 
@@ -244,7 +246,7 @@ CALLS: dict[Pair, Callable[[Any, V], None]] = {
     (_DCP_PLANNER, "LoadItemType"): small_int,
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): small_int,
     ("_io", "BytesIO"): one_of(BYTES),
-    **{("pathlib", name): one_of(STR, lo=0, hi=64) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")},
+    **{(module, name): one_of(STR, lo=0, hi=64) for module in ("pathlib", "pathlib._local") for name in PATH_CLASSES},
 }
 
 

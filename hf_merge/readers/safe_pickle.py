@@ -166,9 +166,8 @@ DCP_METADATA = Allowlist.of(
         (_DCP_PLANNER, "WriteItemType"),
         (_DCP_PLANNER, "LoadItemType"),
         *_STD_CALLS,
-        # StorageMeta.checkpoint_id is a path when the writer was given one
-        ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+        # StorageMeta.checkpoint_id: a path (Python 3.13 names pathlib's classes pathlib._local.*)
+        *((module, name) for module in ("pathlib", "pathlib._local") for name in pickle_schemas.PATH_CLASSES),
     ],
     classes=[
         *_STD_CLASSES,
@@ -181,6 +180,16 @@ DCP_METADATA = Allowlist.of(
         (_DCP_PLANNER, "ReadItem"), (_DCP_PLANNER, "LoadPlan"), (_DCP_PLANNER, "BytesIOWriteData"),
     ],
 )
+
+
+#: a private module a pickle may name for a public module's class: Python 3.13 defines pathlib's
+#: classes in ``pathlib._local`` and pickles them so; 3.10-3.12 and 3.14 have them in ``pathlib``
+_SAME_AS = {"pathlib._local": "pathlib"}
+
+
+def _global(module: str, name: str) -> Any:
+    """The object an allowlisted pair names, from its module's own namespace (never getattr walking)."""
+    return vars(importlib.import_module(_SAME_AS.get(module, module)))[name]
 
 
 def torch_names() -> Allowlist:
@@ -276,7 +285,7 @@ class _PolicyUnpickler(pickle._Unpickler):
             obj = self._subs[pair]
         else:
             try:
-                obj = vars(importlib.import_module(module))[name]
+                obj = _global(module, name)
             except (ImportError, KeyError):
                 raise _refuse(self._where, f"asks for {_short(module + '.' + name)} (absent from this torch)") from None
         if pair in self._allow.calls:
@@ -458,7 +467,7 @@ class _CLoad(pickle.Unpickler):
         pair = (module, name)
         if not isinstance(module, str) or not isinstance(name, str) or "." in name or pair not in self._allow.pairs():
             raise _Refused()
-        obj = self._substitutes[pair] if pair in self._substitutes else vars(importlib.import_module(module))[name]
+        obj = self._substitutes[pair] if pair in self._substitutes else _global(module, name)
         if pair in self._allow.classes and not isinstance(obj, type):
             raise _Refused()
         return obj
@@ -624,7 +633,7 @@ def _register(allow: Allowlist) -> None:
     for module, name in todo:
         _REGISTERED.add((module, name))
         try:
-            found.append(vars(importlib.import_module(module))[name])
+            found.append(_global(module, name))
         except (ImportError, KeyError):
             continue
     torch.serialization.add_safe_globals(found)
