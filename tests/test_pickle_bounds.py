@@ -54,13 +54,16 @@ PAYLOADS = {
     "huge_memo": _payload(b"Nr" + struct.pack("<I", 1 << 26)),
     # BUILD plants __setstate__ in an allowed container's __dict__; the next BUILD would call it
     "planted_setstate": _payload(
-        _call(_glob("collections", "OrderedDict")) + b"}" + _str("__setstate__") + _glob("pathlib", "Path") + b"sb"
+        _call(_glob("collections", "OrderedDict")) + b"}" + _str("__setstate__") + _str("y") + b"sb"
         + _str("x") + b"b"
     ),
     # BUILD puts `append` in a stand-in's state; APPEND would then call it
     "planted_append": _payload(
         _glob(DCP_MD, "Metadata") + b")\x81}" + _str("append") + _glob("pathlib", "Path") + b"sb" + _str("x") + b"a"
     ),
+    # an allowed function as a plain value where a reader expects data (fuzz: a DeepSpeed
+    # partition_count became torch._utils._rebuild_tensor_v2 and the reader crashed comparing it)
+    "callable_as_data": _payload(b"}" + _str("x") + _glob("pathlib", "Path") + b"s"),
     # APPEND on a stand-in (no callable anywhere): only lists, dicts and sets are filled
     "append_on_stand_in": _payload(_glob(DCP_MD, "Metadata") + b")\x81}b" + _str("x") + b"a"),
 }
@@ -155,7 +158,8 @@ def test_metadata_payloads_are_refused_by_the_policy(kind, megatron_v1, tmp_path
         load_dcp_metadata(src / "dist_ckpt")
     message = str(e.value)
     assert ".metadata" in message and "\n" not in message and len(message) < 400 + len(str(src))
-    needles = {"planted_setstate": "attribute '__setstate__'", "planted_append": "callable", "append_on_stand_in": "not a container"}
+    needles = {"planted_setstate": "attribute '__setstate__'", "planted_append": "into a container as data",
+               "callable_as_data": "into a container as data", "append_on_stand_in": "not a container"}
     assert (LIMITS.get(kind) or needles[kind]) in message, message
 
 

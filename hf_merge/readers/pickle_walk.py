@@ -128,8 +128,17 @@ class _Walk:
             calls = calls or v.calls
         return depth, cost, calls
 
+    def _no_callable_data(self, items: list, calls: bool) -> None:
+        """A dict, list or set holds data: an allowed function or class is an argument of a call (inside
+        the tuple a ``REDUCE`` takes), never a value a reader would find where it expects data."""
+        if calls:
+            what = next((describe(v) for v in items if isinstance(v, V) and v.calls), "a callable")
+            raise refuse(self.where, f"puts {what} into a container as data")
+
     def container(self, kind: str, items: list) -> V:
         depth, cost, calls = self._place(items)
+        if kind != TUPLE:
+            self._no_callable_data(items, calls)
         self._deep(depth + 1)
         if kind == DICT:
             pairs = list(zip(items[::2], items[1::2]))
@@ -156,6 +165,7 @@ class _Walk:
         if target.placed:
             raise refuse(self.where, f"fills a {describe(target)} after placing it inside another object")
         depth, cost, calls = self._place(items)
+        self._no_callable_data(items, calls)
         hashed = items[::2] if kind == DICT else items if kind == SET else ()
         for key in hashed:
             self.budget -= key.cost
