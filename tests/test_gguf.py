@@ -25,11 +25,14 @@ import torch
 from helpers import model_logits, reference_logits
 
 from hf_merge.cli.app import main
+from hf_merge.transformers_compat import major_version
 from hf_merge.errors import MappingError, QuantizationError
 
 gguf = pytest.importorskip("gguf", reason="GGUF output needs pip install 'hf-merge[gguf]'")
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"),
+              pytest.mark.compat]  # GGUF output also on the transformers 4.57 stack (make test-compat)
+TRANSFORMERS_4 = (major_version() or 5) < 5
 
 DATA = Path(__file__).parent / "data"
 TEXTS = ["the quick brown fox", "hello world <|im_end|> again", " spaces  and\nnewlines, 123!"]
@@ -307,10 +310,15 @@ def test_moe_experts_stacked(arch, qwen2_fp32_ws2, tmp_path):
     assert a.read_bytes() == b.read_bytes()
     tensors = {t.name: t for t in gguf.GGUFReader(a).tensors}
     assert tuple(tensors["blk.0.ffn_gate_exps.weight"].data.shape) == (4, cfg.moe_intermediate_size, 64)
+    if TRANSFORMERS_4:
+        # the same bytes as under transformers 5 (asserted above); 4.57's own GGUF loader, the oracle
+        # below, cannot read MoE GGUF files back (IndexError for qwen2_moe, other logits for qwen3_moe)
+        return
     ids, _ = reference_logits(qwen2_fp32_ws2)
     assert torch.equal(gguf_logits(a, ids), model_logits(per_expert, ids, dtype=torch.float32))
 
 
+@pytest.mark.skipif(TRANSFORMERS_4, reason="the oracle is transformers 5's rope_parameters API")
 def test_llama3_rope_freqs_match_transformers():
     """``rope_freqs`` = transformers' default inv_freq / its llama3-scaled inv_freq, per frequency."""
     from transformers import LlamaConfig
@@ -515,6 +523,7 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
 from test_hub import hub, inproc  # noqa: E402,F401 - the loopback Hub stand-in fixtures
 
 
+@pytest.mark.skipif(TRANSFORMERS_4, reason="the loopback Hub stand-in needs huggingface_hub >= 1 (httpx); 4.57 pins < 1")
 def test_push_gguf_folder(inproc, qwen2_q8, tmp_path):
     """A GGUF folder (no config.json) pushes; its card is a GGUF card: library_name gguf, tags gguf
     and the type, a llama.cpp / llama-cpp-python snippet naming the file."""
