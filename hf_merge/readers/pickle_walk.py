@@ -198,6 +198,13 @@ class _Walk:
             raise IndexError("stack underflow")
         return self.stack[-1]
 
+    def memo_get(self, index: int) -> None:
+        """Push memo entry ``index`` (GET, BINGET, LONG_BINGET)."""
+        v = self.memo.get(index)
+        if v is None:
+            raise KeyError(f"memo value {index} not found")
+        self.stack.append(v)
+
     def memo_put(self, index: int) -> None:
         if index < 0:
             raise ValueError("negative memo index")
@@ -475,9 +482,7 @@ def _memo_index(reader: Callable | None, data: bytes, pos: int) -> tuple[int, in
 def _op_get(reader: Callable | None) -> Callable:
     def op(w: _Walk, data: bytes, pos: int) -> int:
         index, pos = _memo_index(reader, data, pos)
-        if index not in w.memo:
-            raise KeyError(f"memo value {index} not found")
-        w.stack.append(w.memo[index])
+        w.memo_get(index)
         return pos
 
     return op
@@ -517,21 +522,14 @@ def _op_short_binunicode(w: _Walk, data: bytes, pos: int) -> int:
 def _op_long_binget(w: _Walk, data: bytes, pos: int) -> int:
     if pos + 4 > len(data):
         raise EOFError("a cut argument")
-    index = int.from_bytes(data[pos : pos + 4], "little")
-    v = w.memo.get(index)
-    if v is None:
-        raise KeyError(f"memo value {index} not found")
-    w.stack.append(v)
+    w.memo_get(int.from_bytes(data[pos : pos + 4], "little"))
     return pos + 4
 
 
 def _op_binget(w: _Walk, data: bytes, pos: int) -> int:
     if pos >= len(data):
         raise EOFError("a cut argument")
-    v = w.memo.get(data[pos])
-    if v is None:
-        raise KeyError(f"memo value {data[pos]} not found")
-    w.stack.append(v)
+    w.memo_get(data[pos])
     return pos + 1
 
 
