@@ -272,7 +272,6 @@ class Job:
         *,
         overwrite: bool,
         workers: int | None,
-        copy_threads: int | None = None,
         checksums: bool,
         finish: Callable[[Any, Path, dict], None],
         result: Callable[[Any, bool], Any],
@@ -317,7 +316,7 @@ class Job:
                     if share:
                         digests = write_shards(
                             prepared.views.model, plan, tmp, workers=workers, sha256=checksums, files=share,
-                            copy_threads=copy_threads, processes_here=here,
+                            processes_here=here,
                             progress=progress.update,
                         )
                     progress.flush()

@@ -70,9 +70,7 @@ class _Skip(Exception):
 
 def begin(request: Request) -> "HeadStart | None":
     """Fork the child for ``request``; None when this platform or environment gives no head start."""
-    from . import sequential
-
-    if sequential._switch(ENV) is False or not sequential.enabled():
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return None
     if not hasattr(os, "fork") or not getattr(os, "O_TMPFILE", 0) or not getattr(os, "O_DIRECT", 0):
         return None
@@ -231,7 +229,7 @@ class HeadStart:
 
 
 def _load_child_modules() -> None:
-    from . import conversion_keys, copypool, output, plan, sequential  # noqa: F401
+    from . import conversion_keys, output, plan, sequential  # noqa: F401
     from .readers import fsdp_files, rank_records  # noqa: F401
 
 
@@ -378,15 +376,15 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
 
 def _write(planned: _Planned, sources: dict[tuple[int, int], int], fd: int, sha256: bool,
            progress: Callable[[int], None]) -> str | None:
-    from . import copypool, sequential
+    from . import sequential
 
     file = planned.file
-    writers = max(1, min(planned.files, copypool.usable_cpus(), 8))  # as writer.default_workers counts them
-    apart = sha256 and sequential.hash_apart(copypool.default_threads(writers))
-    sink = sequential._Sink(fd, Path(f"/proc/self/fd/{fd}"), sha256, progress, unreported=file.data_start,
+    writers = max(1, min(planned.files, sequential.usable_cpus(), 8))  # as writer.default_workers counts them
+    apart = sha256 and sequential.hash_apart(sequential.usable_cpus() // writers)
+    sink = sequential.Sink(fd, Path(f"/proc/self/fd/{fd}"), sha256, progress, unreported=file.data_start,
                             hash_thread=apart)
     if apart:  # the sha256 thread is the one that must not wait: it, and torch's import, go first
-        copypool.lower_this_thread(copypool.HASHING_NICE)
+        sequential.lower_this_thread(sequential.HASHING_NICE)
 
     def fill() -> None:
         from .readers import record_crc

@@ -173,7 +173,6 @@ def merge(
     dtype: "str | torch.dtype | None" = None,
     max_shard_size: "int | str" = "5GB",
     workers: int | None = None,
-    copy_threads: int | None = None,
     config: "str | Path | None" = None,
     overwrite: bool = False,
     lora: str = "both",
@@ -203,10 +202,6 @@ def merge(
         dtype: ``None`` (the config's dtype), ``"auto"`` (keep the shards' dtype) or a dtype.
         max_shard_size: largest output file, e.g. ``"5GB"``.
         workers: processes writing output files in parallel (default: one per file, up to the CPUs).
-        copy_threads: threads in each writing process copying rank-file bytes into the output file
-            on the page-cache path (``HF_MERGE_DIRECT_IO=0``, or files :mod:`hf_merge.sequential`
-            does not serve; default: that process's share of the usable CPUs, at most 8; 1: copy on
-            the writing thread).
         config: folder with config.json / tokenizer, when the checkpoint has no ``huggingface/``.
         overwrite: replace a non-empty ``target``.
         lora: for PEFT checkpoints, ``fuse`` (the model with LoRA folded in), ``adapter`` (a PEFT
@@ -296,7 +291,7 @@ def merge(
     if job is not None:
         with job:
             return job.merge(
-                prepare, target, overwrite=replace, workers=workers, copy_threads=copy_threads, checksums=checksums,
+                prepare, target, overwrite=replace, workers=workers, checksums=checksums,
                 finish=finish, writers=dist_writers,
                 result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
             )
@@ -308,7 +303,7 @@ def merge(
         try:
             digests = None
             if prepared.model_plan is not None:
-                digests = _write_model(prepared, tmp, head_start, workers=workers, sha256=checksums, copy_threads=copy_threads)
+                digests = _write_model(prepared, tmp, head_start, workers=workers, sha256=checksums)
             card_imports.join()
             finish(prepared, tmp, digests)
         finally:
@@ -316,13 +311,12 @@ def merge(
     return _result(prepared, target, push_to_hub, private)
 
 
-def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, copy_threads) -> dict[str, str | None]:
+def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool) -> dict[str, str | None]:
     """The model's weight files (and index) in ``tmp``; the first one from the CLI's head start
     when that child wrote exactly this file (:mod:`hf_merge.head_start`)."""
     plan, view = p.model_plan, p.views.model
     if head is not None:
         from .sequential import byte_recipe
-        from .writer import WHOLE_TENSOR_LIMIT
 
         first = plan.files[0]
 
@@ -330,7 +324,7 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
             # the child checks the CRC-32 of every record it copies (a child that fails is not
             # trusted: the file is then written here, and checked here)
             with record_crc.deferred(check_at_end=False):
-                return byte_recipe(view, first, WHOLE_TENSOR_LIMIT)
+                return byte_recipe(view, first)
 
         if head.adopt(first.name, first.header, recipe, tmp):
             from .progress import progress_bar
@@ -346,12 +340,11 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
                 rest = plan.files[1:]
                 digests = {}
                 if rest:  # the child is one of the writers: the others share the rest of the CPUs
-                    from .copypool import default_threads
                     from .writer import default_workers
 
                     n = workers or max(1, default_workers(len(plan.files)) - 1)
                     digests = write_shards(view, plan, tmp, workers=n, sha256=sha256, files=rest, progress=update,
-                                           copy_threads=copy_threads or default_threads(n + 1))
+                                           processes_here=2)  # the child writes too
                 taken, digest = head.finish()
                 if not taken:  # the child failed: its file is gone, written here instead
                     shown = head.reported  # already on the bar: counted once
@@ -363,13 +356,12 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool, 
                         if n > skip:
                             update(n - skip)
 
-                    digests.update(write_shards(view, plan, tmp, workers=1, sha256=sha256, files=[first], progress=catch_up,
-                                                copy_threads=copy_threads))
+                    digests.update(write_shards(view, plan, tmp, workers=1, sha256=sha256, files=[first], progress=catch_up))
                 else:
                     digests[first.name] = digest
             write_index(plan, tmp)
             return {f.name: digests[f.name] for f in plan.files}
-    return write_shards(view, plan, tmp, workers=workers, desc="Merging", sha256=sha256, copy_threads=copy_threads)
+    return write_shards(view, plan, tmp, workers=workers, desc="Merging", sha256=sha256)
 
 
 @dataclass

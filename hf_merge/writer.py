@@ -1,24 +1,15 @@
-"""Streaming safetensors writer: fills planned files tensor by tensor, in place.
+"""Streaming safetensors writer: fills planned files tensor by tensor, front to back.
 
-Where it applies, :func:`write_file` hands the file to :mod:`hf_merge.sequential`, which writes it
-front to back with ``O_DIRECT`` and hashes it on the way. What follows is the page-cache path, used
-for the other files, file systems that refuse ``O_DIRECT`` and ``HF_MERGE_DIRECT_IO=0``.
-
-Each output file is created at its final size with its header already written, and every tensor
-is written at its planned offset: runs of rows straight from the rank files (``copy_file_range``
-from the rank file when no cast is needed, see :mod:`hf_merge.filemap`, else ``pwrite`` of the
-memory-mapped view; converted chunks of ~32 MB when a cast is needed),
-small tensors whole, and large tensors with no row runs through a memory-mapped view of the output
-(``read_into``). Memory in use is the tensors in flight, never a shard or the model.
+Each file goes through the engine's sink (:mod:`hf_merge.sequential`): runs of rows from
+:meth:`LazyCheckpoint.read_rows` (rank-file bytes by ``preadv`` from their files, converted runs
+from memory), small tensors read whole, and larger tensors without row runs read into a mapping of
+their place in the output file (``read_into``). Memory in use is the sink's buffers and the tensor
+in flight, never a shard or the model.
 
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
-(the plan is deterministic and partitions by file). Each file's sha256 is computed on a second
-thread that follows the writer through the file (tensors are written in offset order), so hashing
-overlaps with writing instead of re-reading the output afterwards, and the next file is written
-while a file's hash catches up (:class:`TrailingDigests`); another thread starts the disk write of
-the finished part as it grows (see :mod:`hf_merge.following`). Across machines the same
-partition is used by :mod:`hf_merge.distributed`: each rank calls :func:`write_shards` with its
-share of the files (``files=``) and no index, reporting bytes through ``progress=``.
+(the plan is deterministic and partitions by file). Across machines the same partition is used by
+:mod:`hf_merge.distributed`: each rank calls :func:`write_shards` with its share of the files
+(``files=``) and no index, reporting bytes through ``progress=``.
 """
 
 from __future__ import annotations
@@ -35,215 +26,88 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import filemap, sequential
-from .following import FollowingSha256, FollowingWriteback
-from .copypool import HASHING_NICE, PIECE_BYTES, CompletedRanges, PiecePool, default_threads, usable_cpus
+from . import sequential
 from .checkpoint import LazyCheckpoint
 from .plan import INDEX_NAME, FilePlan, ShardPlan
+from .readers import record_crc
 
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int], None]
 
 
-# A tensor without a row fast path is read whole into memory up to this size; larger ones are read
-# into a memory-mapped view of the output file instead, so memory stays bounded either way.
+# A tensor without row runs is read whole into memory up to this size; larger ones are read into a
+# mapped view of the output file instead (Sink.add_region), so memory stays bounded either way.
 WHOLE_TENSOR_LIMIT = 256 << 20
 
 
-def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    if filemap.copy_to_file(tensor, fd, offset):  # bytes of a rank file: copied file to file
-        return
-    filemap.pwrite_exact(fd, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), offset)
-
-
-def _write_piece(piece: torch.Tensor, fd: int, offset: int, done: CompletedRanges) -> None:
-    _pwrite_all(fd, piece, offset)
-    done.add(offset, offset + piece.numel())
-
-
-def _submit_copy(
-    pool: PiecePool, rows: torch.Tensor, fd: int, offset: int, done: CompletedRanges, poll: Callable[[], None]
-) -> bool:
-    """Hand the file-to-file copy of ``rows`` to ``pool`` in pieces; False when ``rows`` are not
-    bytes of a registered rank file (then only the caller knows how long they stay valid)."""
-    if filemap.locate(rows) is None:
-        return False
-    flat = rows.reshape(-1).view(torch.uint8)
-    for a in range(0, flat.numel(), PIECE_BYTES):
-        pool.submit(_write_piece, flat[a : a + PIECE_BYTES], fd, offset + a, done, poll=poll)
-    return True
-
-
 def write_file(
-    ckpt: LazyCheckpoint,
-    plan: FilePlan,
-    folder: Path,
-    progress: ProgressFn | None = None,
-    *,
-    sha256: bool = False,
-    copy_threads: int | None = None,
-    defer_digest: bool = False,
-):
-    """Write one planned safetensors file into ``folder``; return its sha256 when asked.
-
-    ``defer_digest``: return as soon as every byte is written, with a :class:`FollowingSha256`
-    (or None without ``sha256``) whose :meth:`~FollowingSha256.finish` gives the digest once its
-    thread has read the rest of the file; the caller must finish or cancel it. The next file can
-    then be written while this one's hash catches up.
-
-    Tensors stream into place: runs of rows from :meth:`LazyCheckpoint.read_rows` that are bytes
-    of a rank file are copied file to file by ``copy_threads`` threads (default: the usable CPUs,
-    at most 8; see :mod:`hf_merge.copypool`), in pieces of at most 64 MB; converted runs, small
-    tensors (read whole) and large tensors without runs (read into a view of the memory-mapped
-    output file) are written by this thread meanwhile. The sha256 thread follows the contiguous
-    prefix of finished bytes.
-    """
+    ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: ProgressFn | None = None, *, sha256: bool = False,
+    cores: int = 1,
+) -> str | None:
+    """Write one planned safetensors file into ``folder``; return its sha256 when asked. ``cores``:
+    the CPUs this writer may use (a second one hashes: :func:`hf_merge.sequential.hash_apart`)."""
     path = Path(folder) / plan.name
-    threads = default_threads() if copy_threads is None else copy_threads
-    if sequential.enabled():
-        runs = sequential.plan_runs(ckpt, plan, WHOLE_TENSOR_LIMIT)
-        direct = sequential.open_direct(path) if runs is not None else None
-        if direct is not None:
-            digest = sequential.write_file(ckpt, plan, path, direct, runs, sha256=sha256, progress=progress, cores=threads)
-            return _Finished(digest) if defer_digest and sha256 else digest
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    mapped = None
-    hasher = None
-    writeback = None
-    nice = HASHING_NICE if sha256 else 0  # copies and writeback below a sha256 that must not wait
-    pool = PiecePool(threads, name=f"copy {plan.name}", nice=nice)
+    fd = sequential.open_output(path)
     try:
-        os.pwrite(fd, plan.header, 0)
-        os.ftruncate(fd, plan.file_size)  # final size first: pieces land at their offsets
-        hasher = FollowingSha256(path) if sha256 else None
-        writeback = FollowingWriteback(path, nice=nice) if FollowingWriteback.available() else None
-        followers = [f.advance for f in (hasher, writeback) if f is not None]
-
-        def finished_up_to(offset: int) -> None:
-            for advance in followers:
-                advance(offset)
-
-        done = CompletedRanges(plan.data_start, finished_up_to)
-        reported = 0
-
-        def report() -> None:  # the bytes finished since the last call, on this thread
-            nonlocal reported
-            if progress:
-                now = done.total
-                if now > reported:
-                    progress(now - reported)
-                    reported = now
-
-        for spec, start in plan.placed():
-            final = start + spec.nbytes
-            if spec.nbytes == 0:
-                continue
-            runs = ckpt.read_rows(spec.name, spec.dtype) if spec.shape else None
-            if runs is not None:
-                row_bytes = spec.nbytes // spec.shape[0]
-                for first, rows in runs:
-                    at = start + first * row_bytes
-                    if not _submit_copy(pool, rows, fd, at, done, report):
-                        _pwrite_all(fd, rows, at)  # a converted run lives in a reused buffer: now
-                        done.add(at, at + rows.numel() * rows.element_size())
-            elif spec.nbytes <= WHOLE_TENSOR_LIMIT or start % spec.dtype.itemsize:
-                _pwrite_all(fd, ckpt.read(spec.name, dtype=spec.dtype), start)
-                done.add(start, final)
-            else:
-                if mapped is None:
-                    mapped = torch.from_file(str(path), shared=True, size=plan.file_size, dtype=torch.uint8)
-                ckpt.read_into(spec.name, mapped[start : start + spec.nbytes].view(spec.dtype).view(spec.shape))
-                done.add(start, final)
-            report()
-        pool.wait(poll=report)
-        report()
-        if writeback is not None:
-            writeback.advance(plan.file_size)
-            finishing, writeback = writeback, None
-            finishing.finish()
-        if hasher is None:
-            return None
-        hasher.advance(plan.file_size)
-        if defer_digest:
-            owned, hasher = hasher, None  # the caller finishes or cancels it now
-            return owned
-        digest, hasher = hasher.finish(), None
-        return digest
-    finally:
-        pool.close()  # the pieces in flight end before the file is closed
-        for follower in (hasher, writeback):
-            if follower is not None:
-                follower.cancel()
-        del mapped
+        sink = sequential.Sink(fd, path, sha256, progress, unreported=plan.data_start,
+                               hash_thread=sequential.hash_apart(cores))
+    except BaseException:
         os.close(fd)
+        raise
+
+    def fill() -> None:
+        with record_crc.deferred():  # records the sink saw whole are checked as they passed, the rest here
+            _fill(sink, ckpt, plan)
+
+    try:
+        return sequential.fill_and_finish(sink, fill)
+    finally:
+        os.close(fd)  # after the writer threads stopped (finish or cancel)
 
 
-class _Finished:
-    """A digest already computed, handed out where a trailing one (:class:`FollowingSha256`) may be."""
+def _fill(sink: sequential.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
+    sink.add_memory(memoryview(plan.header))
+    for spec, start in plan.placed():
+        if spec.nbytes == 0:
+            continue
+        rows = ckpt.read_rows(spec.name, spec.dtype) if spec.shape else None
+        if rows is not None:
+            row_bytes = spec.nbytes // spec.shape[0]
+            at = start
+            for first, run in rows:
+                if start + first * row_bytes != at:
+                    raise RuntimeError(f"{plan.name}: {spec.name}: row runs out of order at row {first}")
+                at += _add_tensor(sink, run)
+            if at != start + spec.nbytes:
+                raise RuntimeError(f"{plan.name}: {spec.name}: row runs cover {at - start} of {spec.nbytes} bytes")
+        elif spec.nbytes <= WHOLE_TENSOR_LIMIT or start % spec.dtype.itemsize:
+            _add_tensor(sink, ckpt.read(spec.name, dtype=spec.dtype))
+        else:
+            def read_into(view: memoryview, spec=spec) -> None:
+                ckpt.read_into(spec.name, torch.frombuffer(view, dtype=torch.uint8).view(spec.dtype).view(spec.shape))
 
-    def __init__(self, digest: str | None):
-        self._digest = digest
-
-    def finish(self) -> str | None:
-        return self._digest
-
-    def cancel(self) -> None:
-        pass
+            sink.add_region(spec.nbytes, read_into)
+        sink.report()
 
 
-class TrailingDigests:
-    """The sha256 threads of files already written, finished lazily so that the next file is
-    written while they catch up (one file's hash runs at ~1.6 GB/s, slower than the copy: on a
-    6.4 GB merge into 4.9 + 1.5 GB files, the first file's hash still had 2 GB to read when its
-    copies ended). At most ``keep`` of them run behind the file being written; leaving the
-    ``with`` block cancels any not finished (on an error)."""
-
-    def __init__(self, keep: int = 1):
-        self._keep = keep
-        self._pending: list[tuple[str, FollowingSha256 | None]] = []
-
-    def add(self, name: str, pending: "FollowingSha256 | None") -> None:
-        self._pending.append((name, pending))
-
-    def finished(self) -> list[tuple[str, str | None]]:
-        """Digests of all but the newest ``keep`` files (waiting for their threads)."""
-        done = []
-        while len(self._pending) > self._keep:
-            done.append(self._finish_first())
-        return done
-
-    def finish_all(self) -> list[tuple[str, str | None]]:
-        return [self._finish_first() for _ in range(len(self._pending))]
-
-    def _finish_first(self) -> tuple[str, str | None]:
-        name, pending = self._pending[0]
-        digest = pending.finish() if pending is not None else None
-        self._pending.pop(0)
-        return name, digest
-
-    def __enter__(self) -> "TrailingDigests":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for _, pending in self._pending:
-            if pending is not None:
-                pending.cancel()
-        self._pending.clear()
+def _add_tensor(sink: sequential.Sink, tensor: torch.Tensor) -> int:
+    """Append ``tensor``'s bytes: from its file when it is rank-file bytes, else from memory."""
+    n = tensor.numel() * tensor.element_size()
+    located = sequential.file_bytes(tensor)
+    if located is not None:
+        sink.add_file(located[0], located[1], n)
+    else:
+        sink.add_memory(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return n
 
 
 def _write_files(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, progress: ProgressFn | None, sha256: bool, copy_threads: int
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, progress: ProgressFn | None, sha256: bool, cores: int
 ) -> Iterator[tuple[str, str | None]]:
-    """Write ``files`` one after the other; yield ``(name, sha256)`` as each digest is finished
-    (a file's hash may still run while the next file is written; see :class:`TrailingDigests`)."""
-    with TrailingDigests() as trailing:
-        for plan in files:
-            trailing.add(plan.name, write_file(
-                ckpt, plan, folder, progress=progress, sha256=sha256, copy_threads=copy_threads, defer_digest=True,
-            ))
-            yield from trailing.finished()
-        yield from trailing.finish_all()
+    """Write ``files`` one after the other; yield ``(name, sha256)`` as each is done."""
+    for plan in files:
+        yield plan.name, write_file(ckpt, plan, folder, progress=progress, sha256=sha256, cores=cores)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -273,7 +137,7 @@ def _signals_deferred() -> Iterator[None]:
 
 
 def _worker(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, copy_threads: int, parent: int
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, cores: int, parent: int
 ) -> None:
     from .head_start import die_with_parent
 
@@ -282,7 +146,7 @@ def _worker(
     die_with_parent(parent)  # a SIGKILLed merge leaves no writer behind
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
     try:
-        for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, copy_threads):
+        for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, cores):
             queue.put(("sha256", (name, digest)))
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
         try:
@@ -307,15 +171,12 @@ def _raise_reported_error(queue) -> None:
 
 
 def default_workers(n_files: int, processes_here: int = 1) -> int:
-    """One writer per file, at most 8: one core each where files are written front to back with
-    ``O_DIRECT`` (:mod:`hf_merge.sequential`: a writer left a second core hashes on it), else
-    two cores each (the writer and its sha256 thread; copies on the page-cache path cost a core).
+    """One writer per file and per CPU, at most 8 (a writer left a second core hashes on it).
 
     ``processes_here``: the writing processes on this machine (distributed ranks) share its CPUs.
     Each forked writer also carries an interpreter's worth of memory (~200 MB).
     """
-    per_writer = 1 if sequential.enabled() else 2
-    return max(1, min(n_files, usable_cpus() // (per_writer * max(1, processes_here)), 8))
+    return max(1, min(n_files, sequential.usable_cpus() // max(1, processes_here), 8))
 
 
 def write_shards(
@@ -328,15 +189,13 @@ def write_shards(
     sha256: bool = False,
     files: list[FilePlan] | None = None,
     progress: ProgressFn | None = None,
-    copy_threads: int | None = None,
     processes_here: int = 1,
 ) -> dict[str, str | None]:
     """Write the files of ``plan`` (and the index when sharded) into ``folder``.
 
     ``files`` (a distributed rank's share) writes only those files and no index; ``progress``
-    receives the bytes written instead of a progress bar being shown. ``copy_threads``: threads
-    copying rank-file bytes in each writer process (default: the usable CPUs shared by the
-    ``workers`` processes and the ``processes_here`` other writers on this machine, 1..8). Returns
+    receives the bytes written instead of a progress bar being shown. ``processes_here``: the
+    writing processes on this machine, which share its CPUs with the ``workers``. Returns
     ``{file name: sha256 hex digest}`` for the files written (``None`` values unless ``sha256``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -345,7 +204,7 @@ def write_shards(
     if share:
         n = workers or default_workers(len(share), processes_here)
         n = max(1, min(n, len(share)))
-        threads = copy_threads or default_threads(n * max(1, processes_here))
+        cores = sequential.usable_cpus() // (n * max(1, processes_here))  # each writer's share
         with contextlib.ExitStack() as stack:
             if progress is None:
                 from .progress import progress_bar
@@ -353,9 +212,9 @@ def write_shards(
                 bar = stack.enter_context(progress_bar(total=sum(f.data_size for f in share), unit="B", desc=desc))
                 progress = bar.update
             if n == 1:
-                digests.update(_write_files(ckpt, share, folder, progress, sha256, threads))
+                digests.update(_write_files(ckpt, share, folder, progress, sha256, cores))
             else:
-                digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256, threads))
+                digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256, cores))
     if files is None:
         write_index(plan, folder)
     return {fp.name: digests[fp.name] for fp in share}
@@ -368,14 +227,14 @@ def write_index(plan: ShardPlan, folder: Path) -> None:
 
 
 def _write_parallel(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, sha256: bool, threads: int
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, sha256: bool, cores: int
 ) -> dict[str, str | None]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     # Largest files first, round robin: shares of similar size.
     order = sorted(files, key=lambda f: -f.file_size)
     shares = [order[i::n] for i in range(n)]
-    procs = [ctx.Process(target=_worker, args=(ckpt, share, folder, queue, sha256, threads, os.getpid()),
+    procs = [ctx.Process(target=_worker, args=(ckpt, share, folder, queue, sha256, cores, os.getpid()),
                          daemon=True) for share in shares]
     done = 0
     digests: dict[str, str | None] = {}

@@ -84,38 +84,6 @@ def test_a_dropped_checkpoint_forgets_its_files(llama_tied_bf16_ws4):
     assert len(filemap._storages) == before
 
 
-def _merge_bytes(source, target) -> dict[str, bytes]:
-    hf_merge.merge(source, target, workers=1, checksums=False)
-    return {p.name: p.read_bytes() for p in sorted(target.iterdir()) if p.suffix == ".safetensors"}
-
-
-def test_merge_copies_file_to_file_and_matches_the_page_path(llama_tied_bf16_ws4, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_MERGE_DIRECT_IO", "0")  # the page-cache path (O_DIRECT: tests/test_sequential.py)
-    calls = []
-    real = os.copy_file_range
-
-    def counting(*args):
-        calls.append(args[2])
-        return real(*args)
-
-    monkeypatch.setattr(os, "copy_file_range", counting)
-    fast = _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "fast")  # bf16 rank files, bf16 output
-    assert calls and sum(calls) > 0.9 * sum(len(b) for b in fast.values())
-
-    monkeypatch.setattr(filemap, "copy_to_file", lambda *a: False)
-    assert _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "pages") == fast
-
-
-def test_kernel_refusal_falls_back_to_the_pages(llama_tied_bf16_ws4, tmp_path, monkeypatch):
-    reference = _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "ref")
-
-    def refuse(*args):
-        raise OSError(errno.EXDEV, "cross-device")
-
-    monkeypatch.setattr(os, "copy_file_range", refuse)
-    assert _merge_bytes(llama_tied_bf16_ws4.actor, tmp_path / "fallback") == reference
-
-
 def test_a_registration_whose_tensors_are_gone_is_never_trusted(saved):
     """A reader dropped without close() leaves its registration behind; once the registered tensor
     is gone its address may be another file's mapping (seen: a DeepSpeed universal merge copied a

@@ -436,10 +436,6 @@ def test_the_head_start_file_is_not_taken_from_a_damaged_rank_file(fsdp_copy, tm
 def test_rank_file_records_are_checked_as_they_stream_through_the_writer(fsdp_copy, tmp_path):
     """The O_DIRECT writer checks each whole rank-file record over the bytes it copies: no record
     is read a second time for its CRC."""
-    from hf_merge import sequential
-
-    if not sequential.enabled():
-        pytest.skip("O_DIRECT writer switched off")
     before = record_crc.stats()
     hf_merge.merge(fsdp_copy, tmp_path / "out", dtype="auto", workers=1)
     after = record_crc.stats()
@@ -448,10 +444,6 @@ def test_rank_file_records_are_checked_as_they_stream_through_the_writer(fsdp_co
 
 
 def test_distcp_records_stream_through_the_writer_too(megatron_root, tmp_path):
-    from hf_merge import sequential
-
-    if not sequential.enabled():
-        pytest.skip("O_DIRECT writer switched off")
     # a fresh copy: records of the shared fixture may have been checked by an earlier test in this process
     source = shutil.copytree(megatron_root / "qwen2_v1", tmp_path / "qwen2_v1")
     before = record_crc.stats()

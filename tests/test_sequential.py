@@ -1,8 +1,9 @@
-"""Files written front to back through aligned buffers with O_DIRECT (``hf_merge.sequential``).
+"""The file-writing engine (``hf_merge.sequential``, driven by ``hf_merge.writer``).
 
-The output must be byte for byte what the page-cache path writes (``HF_MERGE_DIRECT_IO=0``), the
-recorded sha256 the digest of the written file, a full disk on a writer thread one line and no
-target, and a file system or a file the path cannot serve must take the page-cache path.
+Whatever way the bytes reach the output file (``preadv`` from the rank files or copied from memory;
+``O_DIRECT`` or the page cache; buffers or a mapped region for a large tensor without row runs;
+hashed on the filling thread or on a thread of its own) the file must be the same bytes, the
+recorded sha256 its digest; a full disk on a writer thread is one line and no target.
 """
 
 from __future__ import annotations
@@ -30,21 +31,41 @@ def _merge(source, target, **kw) -> tuple[dict[str, bytes], dict[str, str]]:
     return files, recorded
 
 
+def _digests(files: dict[str, bytes]) -> dict[str, str]:
+    return {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+
+
 @pytest.fixture
-def direct_calls(monkeypatch):
-    """Counts the files written by the direct path; small buffers and pieces, so that tensors
-    cross many buffer boundaries."""
-    calls = []
-    real = sequential.write_file
-
-    def counting(ckpt, plan, *a, **k):
-        calls.append(plan.name)
-        return real(ckpt, plan, *a, **k)
-
-    monkeypatch.setattr(sequential, "write_file", counting)
-    monkeypatch.setattr(sequential, "CHUNK", 64 << 10)
+def small_buffers(monkeypatch):
+    """Small buffers and pieces, so that tensors cross many buffer boundaries; returns the sizes of
+    the regions the engine mapped (large tensors without row runs)."""
+    monkeypatch.setattr(sequential, "CHUNK", 16 << 10)
     monkeypatch.setattr(sequential, "PIECE", 4 << 10)
-    return calls
+    regions: list[int] = []
+    real = sequential.Sink.add_region
+
+    def counting(self, n, fill):
+        regions.append(n)
+        return real(self, n, fill)
+
+    monkeypatch.setattr(sequential.Sink, "add_region", counting)
+    return regions
+
+
+def _hash_on(monkeypatch, apart: bool) -> list[int]:
+    """Hash apart (or inline) whatever the CPUs; returns a list that grows with each sha256 thread."""
+    monkeypatch.setattr(sequential, "hash_apart", lambda cores: apart)
+    monkeypatch.setattr(sequential, "HASH_BACKLOG", 16 << 10)  # computed bytes wait for the hasher
+    threads: list[int] = []
+    real = threading.Thread.start
+
+    def start(self):
+        if self.name == "sha256":
+            threads.append(1)
+        return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return threads
 
 
 @pytest.mark.parametrize(
@@ -56,23 +77,21 @@ def direct_calls(monkeypatch):
         ("uneven_ckpt", {}),  # uneven and empty rank pieces
     ],
 )
-@pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "hash-inline"])
-def test_direct_and_page_cache_paths_write_the_same_bytes(fixture, kw, hash_thread, request, tmp_path, monkeypatch, direct_calls):
+@pytest.mark.parametrize("apart", [True, False], ids=["hash-thread", "hash-inline"])
+def test_bytes_from_the_files_and_from_memory_are_the_same_file(fixture, kw, apart, request, tmp_path, monkeypatch,
+                                                                 small_buffers):
     ck = request.getfixturevalue(fixture)
-    monkeypatch.setenv(sequential.HASH_THREAD_ENV, "1" if hash_thread else "0")
-    monkeypatch.setattr(sequential, "HASH_BACKLOG", 16 << 10)  # computed bytes wait for the hasher
-    hashers = []
-    real_hasher = sequential._Hasher
-    monkeypatch.setattr(sequential, "_Hasher", lambda digest: hashers.append(1) or real_hasher(digest))
-    direct, recorded = _merge(ck.actor, tmp_path / "direct", max_shard_size="40KB", **kw)
-    assert set(direct) <= set(direct_calls)  # (a LoRA merge also writes its adapter this way)
-    assert len(hashers) == (len(direct) if hash_thread else 0)  # one per hashed model file
-    calls = len(direct_calls)
-    monkeypatch.setenv(sequential.ENV, "0")
-    cached, recorded_cached = _merge(ck.actor, tmp_path / "cached", max_shard_size="40KB", **kw)
-    assert len(direct_calls) == calls  # the second merge did not use the direct path
-    assert direct == cached
-    assert recorded == recorded_cached == {n: hashlib.sha256(b).hexdigest() for n, b in direct.items()}
+    threads = _hash_on(monkeypatch, apart)
+    preads = []
+    real = sequential.file_bytes
+    monkeypatch.setattr(sequential, "file_bytes", lambda t: preads.append(1) or real(t))
+    files, recorded = _merge(ck.actor, tmp_path / "files", max_shard_size="40KB", **kw)
+    assert files and recorded == _digests(files)
+    assert len(threads) >= (len(files) if apart else 0) and (apart or not threads)
+    assert preads
+    monkeypatch.setattr(sequential, "file_bytes", lambda t: None)  # every byte copied from memory
+    memory, recorded_memory = _merge(ck.actor, tmp_path / "memory", max_shard_size="40KB", **kw)
+    assert files == memory and recorded == recorded_memory
 
 
 def _fails_after(monkeypatch, module, name: str, calls: int, error: OSError) -> None:
@@ -100,19 +119,20 @@ def _one_error_line_and_no_target(source, tmp_path, capsys) -> str:
     return err[0]
 
 
-def test_a_full_disk_on_a_writer_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, direct_calls):
+def test_a_full_disk_on_a_writer_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, small_buffers):
     _fails_after(monkeypatch, filemap, "pwrite_exact", 1, OSError(errno.ENOSPC, "No space left on device"))
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
-    assert "no space left on the device" in line and direct_calls, line
+    assert "no space left on the device" in line, line
 
 
-def test_a_read_error_while_gathering_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, direct_calls):
+def test_a_read_error_while_gathering_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, small_buffers):
     _fails_after(monkeypatch, filemap, "pread_exact", 5, OSError(errno.EIO, "Input/output error"))
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
-    assert "unexpected" not in line and direct_calls, line
+    assert "unexpected" not in line, line
 
 
-def test_a_read_error_on_the_hashing_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, direct_calls):
+def test_a_read_error_on_the_hashing_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, small_buffers):
+    _hash_on(monkeypatch, True)
     real = filemap.pread_exact
 
     def failing_on_the_hasher(*args):
@@ -122,10 +142,25 @@ def test_a_read_error_on_the_hashing_thread_is_one_line_and_no_target(llama_tied
 
     monkeypatch.setattr(filemap, "pread_exact", failing_on_the_hasher)
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
-    assert "unexpected" not in line and "input/output error" in line.lower() and direct_calls, line
+    assert "unexpected" not in line and "input/output error" in line.lower(), line
 
 
-def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(llama_tied_bf16_ws4, tmp_path, monkeypatch, direct_calls):
+def _direct_writes(monkeypatch) -> list[int]:
+    """Offsets written through an ``O_DIRECT`` descriptor."""
+    real = filemap.pwrite_exact
+    seen = []
+
+    def spying(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            seen.append(offset)
+        real(fd, data, offset)
+
+    monkeypatch.setattr(filemap, "pwrite_exact", spying)
+    return seen
+
+
+def test_a_file_system_that_refuses_o_direct_at_open_is_written_through_the_page_cache(llama_tied_bf16_ws4, tmp_path, monkeypatch, small_buffers):
+    reference, _ = _merge(llama_tied_bf16_ws4.actor, tmp_path / "direct")
     real_open = os.open
 
     def no_direct(path, flags, *a, **k):
@@ -134,15 +169,12 @@ def test_a_file_system_that_refuses_o_direct_gets_the_page_cache_path(llama_tied
         return real_open(path, flags, *a, **k)
 
     monkeypatch.setattr(os, "open", no_direct)
-    assert sequential.open_direct(tmp_path / "f.bin") is None
+    direct = _direct_writes(monkeypatch)
     files, recorded = _merge(llama_tied_bf16_ws4.actor, tmp_path / "out")
-    assert direct_calls == [] and recorded == {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
-    monkeypatch.setattr(os, "open", real_open)
-    reference, _ = _merge(llama_tied_bf16_ws4.actor, tmp_path / "direct")
-    assert direct_calls and files == reference
+    assert direct == [] and files == reference and recorded == _digests(files)
 
 
-def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied_bf16_ws4, tmp_path, monkeypatch, direct_calls):
+def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied_bf16_ws4, tmp_path, monkeypatch, small_buffers):
     real = filemap.pwrite_exact
     refused = []
 
@@ -154,39 +186,78 @@ def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied
 
     monkeypatch.setattr(filemap, "pwrite_exact", einval_on_direct)
     files, recorded = _merge(llama_tied_bf16_ws4.actor, tmp_path / "out")
-    assert direct_calls and refused  # the direct path ran, and its O_DIRECT writes were refused
-    assert recorded == {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+    assert refused == [0]  # the first O_DIRECT write was refused, and no other was tried
+    assert recorded == _digests(files)
     monkeypatch.undo()
     assert _merge(llama_tied_bf16_ws4.actor, tmp_path / "reference")[0] == files
 
 
-def test_a_large_tensor_without_row_runs_sends_its_file_to_the_page_cache_path(shard1_dtensor_ckpt, tmp_path, monkeypatch, direct_calls):
-    """``Shard(1)`` pieces are not runs of whole rows: with a small whole-read limit, no file of
-    this checkpoint can be gathered front to back without holding a large tensor."""
+def test_full_buffers_are_written_with_o_direct(llama_tied_bf16_ws4, tmp_path, monkeypatch, small_buffers):
+    direct = _direct_writes(monkeypatch)
+    files, _ = _merge(llama_tied_bf16_ws4.actor, tmp_path / "out")
+    size = sum(len(b) for b in files.values())
+    assert len(direct) >= size // sequential.CHUNK - len(files) and all(o % sequential.BLOCK == 0 for o in direct)
+
+
+@pytest.mark.parametrize("apart", [True, False], ids=["hash-thread", "hash-inline"])
+def test_large_tensors_without_row_runs_are_read_into_the_mapped_output(shard1_dtensor_ckpt, apart, tmp_path, monkeypatch, small_buffers):
+    """``Shard(1)`` pieces are not runs of whole rows: with a small whole-read limit their tensors
+    are read into mapped regions of the output file, between buffers written with O_DIRECT (which
+    then resume at the block boundary below each region's end)."""
+    reference, _ = _merge(shard1_dtensor_ckpt.actor, tmp_path / "default")
+    assert small_buffers == []
+    _hash_on(monkeypatch, apart)
     monkeypatch.setattr(writer, "WHOLE_TENSOR_LIMIT", 1024)
+    direct = _direct_writes(monkeypatch)
     files, recorded = _merge(shard1_dtensor_ckpt.actor, tmp_path / "out")
-    assert direct_calls == []
-    assert recorded == {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
-    monkeypatch.undo()
-    assert _merge(shard1_dtensor_ckpt.actor, tmp_path / "default")[0] == files
+    assert len(small_buffers) > 1 and direct and all(o % sequential.BLOCK == 0 for o in direct)
+    assert files == reference and recorded == _digests(files)
 
 
-def test_hash_apart_where_the_writer_has_a_second_core(monkeypatch):
-    monkeypatch.delenv(sequential.HASH_THREAD_ENV, raising=False)
+def test_colossalai_tp2_weights_go_through_mapped_regions(tmp_path, monkeypatch, small_buffers):
+    """ColossalAI's reader has no row runs (the TP=2 pieces are split on either dim): its larger
+    tensors are read into mapped regions, and the file is the bytes the real library's weights
+    make (checked against tests/test_colossalai.py's reference by that test's merge)."""
+    from pathlib import Path
+
+    source = Path(__file__).parent / "data" / "colossalai" / "hybrid_tp2_pp2_ws4"
+    reference, _ = _merge(source, tmp_path / "default", dtype="float32")
+    assert small_buffers == []
+    monkeypatch.setattr(writer, "WHOLE_TENSOR_LIMIT", 1024)
+    files, recorded = _merge(source, tmp_path / "out", dtype="float32")
+    assert len(small_buffers) > 1 and files == reference and recorded == _digests(files)
+
+
+def test_a_region_on_a_file_system_without_o_direct(shard1_dtensor_ckpt, tmp_path, monkeypatch, small_buffers):
+    monkeypatch.setattr(writer, "WHOLE_TENSOR_LIMIT", 1024)
+    reference, _ = _merge(shard1_dtensor_ckpt.actor, tmp_path / "direct")
+    monkeypatch.setattr(sequential, "open_output", lambda path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+    direct = _direct_writes(monkeypatch)
+    files, recorded = _merge(shard1_dtensor_ckpt.actor, tmp_path / "out")
+    assert direct == [] and small_buffers and files == reference and recorded == _digests(files)
+
+
+def test_hash_apart_where_the_writer_has_a_second_core():
     assert not sequential.hash_apart(1) and sequential.hash_apart(2) and sequential.hash_apart(8)
-    monkeypatch.setenv(sequential.HASH_THREAD_ENV, "0")
-    assert not sequential.hash_apart(8)
-    monkeypatch.setenv(sequential.HASH_THREAD_ENV, "1")
-    assert sequential.hash_apart(1)
 
 
 def test_buffers_are_page_aligned_and_chunks_block_aligned():
     import mmap
 
-    assert sequential.CHUNK % 4096 == 0 and sequential.PIECE <= sequential.CHUNK
+    assert sequential.CHUNK % sequential.BLOCK == 0 and sequential.PIECE <= sequential.CHUNK
     buf = mmap.mmap(-1, sequential.CHUNK)
     try:
         addr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
         assert addr % 4096 == 0
     finally:
         buf.close()
+
+
+def test_the_sink_imports_without_torch(tmp_path):
+    """The head start's child writes with the sink before torch is imported."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_merge.sequential; assert 'torch' not in sys.modules"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)

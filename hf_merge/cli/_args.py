@@ -30,7 +30,7 @@ def size_arg(value: str) -> int:
 
 
 def positive_int(value: str) -> int:
-    """``--workers`` / ``--copy-threads`` type: a whole number of at least 1."""
+    """``--workers`` type: a whole number of at least 1."""
     try:
         n = int(value)
     except ValueError:

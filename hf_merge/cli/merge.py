@@ -56,10 +56,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", default="5GB", type=size_arg, metavar="SIZE",
                    help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
     p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per CPU, at most 8)")
-    p.add_argument("--copy-threads", type=positive_int, default=None, metavar="N",
-                   help="threads per writing process copying rank-file bytes into the output on the page-cache path "
-                   "(HF_MERGE_DIRECT_IO=0, or where O_DIRECT does not apply; default: its share of the CPUs, at most 8; "
-                   "1: on the writing thread)")
     p.add_argument("--dist-writers", choices=("node", "rank"), default="node",
                    help="under torchrun: which ranks write the files: node (default: one process per node, with "
                    "forked writers on its CPUs) or rank (every rank writes a share)")
@@ -183,7 +179,6 @@ def _merge(args: argparse.Namespace, source: str, target: str, head):
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         workers=args.workers,
-        copy_threads=args.copy_threads,
         dist_writers=args.dist_writers,
         config=args.config,
         overwrite=args.overwrite,
