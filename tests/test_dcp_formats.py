@@ -22,7 +22,8 @@ from hf_merge import formats
 from hf_merge.cli.app import main as cli_main
 from hf_merge.errors import MappingError, MissingConfigError
 from hf_merge.provenance import Provenance
-from hf_merge.transforms.name_table import NameRule, NameTable, NameTableView, rope_source_rows
+from hf_merge.transforms.name_table import NameRule, NameTable
+from hf_merge.transforms.name_table_view import NameTableView, rope_source_rows
 
 from helpers import assert_tensors_equal, folder_tensors, fresh_merge_imports, model_logits, read_json
 

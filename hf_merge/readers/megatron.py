@@ -25,7 +25,7 @@ renaming: the ``torch_dist`` entries as the folder's ``.metadata`` lists them, t
 the model's ``state_dict()`` (``decoder.layers.<i>.…`` with global layer numbers: the only layout
 work the reader does is joining TP shards and placing PP / virtual stages). Everything else is the
 family's name table (:mod:`hf_merge.name_tables.megatron_gpt`, :mod:`hf_merge.name_tables.megatron_moe`)
-applied by the one interpreter, :class:`~hf_merge.transforms.name_table.NameTableView`: stacked layer
+applied by the one interpreter, :class:`~hf_merge.transforms.name_table_view.NameTableView`: stacked layer
 and expert axes unstacked, fused QKV and gate/up tensors split by role (lazily, as row regions),
 1:1 renames, and a tensor the table does not know is a :class:`~hf_merge.errors.MappingError`
 naming it. The reader adds what only the checkpoint's structure says: critic or actor, a tied
@@ -63,7 +63,8 @@ from ..errors import (
 from ..formats import SourceFormat
 from ..spec import TensorSpec
 from ..name_tables.megatron_gpt import HF_LAYER, LAYER_INDEX, NOT_MODEL, OUTPUT_BIAS, OUTPUT_LAYER
-from ..transforms.name_table import NameTable, NameTableView, attention_heads, find_table
+from ..transforms.name_table import NameTable, find_table
+from ..transforms.name_table_view import NameTableView, attention_heads
 from .dcp import DcpCheckpoint, is_dcp_dir
 from .fsdp_files import choose_step
 from ..hf_files import checkpoint_side_dir, load_config

@@ -17,7 +17,8 @@ from pathlib import Path
 from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from ..formats import SourceFormat
 from ..hf_files import load_config
-from ..transforms.name_table import NameTableView, find_table
+from ..transforms.name_table import find_table
+from ..transforms.name_table_view import NameTableView
 from .dcp import is_dcp_dir
 from .dcp_sources import config_beside, newest_step, open_dcp_model
 
