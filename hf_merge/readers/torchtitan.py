@@ -44,7 +44,7 @@ def open_torchtitan(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
     hf_dir = config_beside(folder, config_dir)
     config = load_config(hf_dir)
     table = find_table("torchtitan", config)
-    info = CheckpointInfo(format="torchtitan-dcp", path=folder, hf_dir=hf_dir, step=step, notes=notes)
+    info = CheckpointInfo(format="torchtitan", path=folder, hf_dir=hf_dir, step=step, notes=notes)
     info.details["name_table"] = table.name
     source = open_dcp_model(folder, info, strip=None, skip=())
     view = NameTableView(source, table, config)
@@ -61,6 +61,8 @@ def probe(path: Path) -> bool:
 
 FORMAT = SourceFormat(
     name="torchtitan",
+    aliases=("torchtitan-dcp",),
+    weights_label="torchtitan-dcp",
     description="torchtitan checkpoint/step-N DCP folders (Llama 3, Qwen3; names mapped by a table)",
     probe=probe,
     open=open_torchtitan,
