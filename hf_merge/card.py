@@ -11,9 +11,10 @@ Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys m
       "hf_merge_version": "0.1.0",                 # hf_merge.__version__ that wrote the folder
       "created": "2026-01-01T00:00:00+00:00",      # optional: UTC time of the merge
       "source": {
-        "format": "verl-fsdp",                     # reader that opened it: "verl-fsdp",
-                                                   #   "verl-megatron", "megatron", "dcp",
-                                                   #   "deepspeed", "hf"  (open set)
+        "format": "fsdp",                          # the format's name (docs/formats.md): "fsdp",
+                                                   #   "megatron", "deepspeed", "dcp", "hf", ...
+                                                   #   (open set; older names such as "verl-fsdp"
+                                                   #   are read as their format's name)
         "framework": "verl",                       # training framework, or null
         "path": "/ckpt/global_step_100/actor",     # as given on the command line
         "world_size": 8,                           # ranks that wrote it, or null
@@ -205,10 +206,28 @@ def _arch_task(architecture: str | None) -> tuple[str, str | None]:
     return "AutoModel", None
 
 
-def _backend_tag(source: dict[str, Any]) -> str | None:
-    """``verl-fsdp`` -> ``fsdp``; ``megatron`` -> ``megatron``; ``hf`` -> None."""
+def _format(source: dict[str, Any]) -> str | None:
+    """The source's format name; an older spelling (``verl-fsdp``) read as the format's name."""
+    from .formats import find_declared
+
     fmt = source.get("format")
-    if not isinstance(fmt, str) or not fmt or fmt == "hf":
+    if not isinstance(fmt, str) or not fmt:
+        return None
+    found = find_declared(fmt)
+    return found.name if found is not None else fmt
+
+
+def _from_hf_folder(source: dict[str, Any]) -> bool:
+    from .formats import is_hf_folder
+
+    return is_hf_folder(_format(source))
+
+
+def _backend_tag(source: dict[str, Any]) -> str | None:
+    """``fsdp`` -> ``fsdp``; ``megatron`` -> ``megatron``; ``hf`` -> None; an unknown
+    ``<framework>-<name>`` -> ``<name>``."""
+    fmt = _format(source)
+    if fmt is None or _from_hf_folder(source):
         return None
     framework = source.get("framework")
     if isinstance(framework, str) and fmt.startswith(framework + "-"):
@@ -223,7 +242,7 @@ def _slug(value: str) -> str:
 def _relation(info: dict[str, Any], adapter: bool) -> str:
     if adapter:
         return "adapter"
-    if info.get("quantization") and (info.get("source") or {}).get("format") == "hf":
+    if info.get("quantization") and _from_hf_folder(info.get("source") or {}):
         return "quantized"
     return "finetune"
 
@@ -293,7 +312,7 @@ def _mesh_text(mesh: Any, names: Any = None) -> str | None:
 def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
     source = info.get("source") or {}
     rows: list[tuple[str, Any]] = []
-    fmt = source.get("format")
+    fmt = _format(source)
     framework = source.get("framework")
     rows.append(("Source format", f"`{fmt}`" + (f" ({framework})" if framework else "") if fmt else "unknown"))
     where = _short_path(source.get("path"))
@@ -444,7 +463,7 @@ def _summary(info: dict[str, Any], adapter: bool) -> str:
     origin = framework if same else " ".join(x for x in (framework, backend) if x)
     if _gguf(info) and not adapter:
         what = f"This GGUF file (`{_gguf(info)['file']}`, for llama.cpp) was"
-    if source.get("format") == "hf":
+    if _from_hf_folder(source):
         return f"{what} written from a Hugging Face model folder by hf-merge."
     origin_text = f"a {origin} training checkpoint" if origin else "a distributed training checkpoint"
     into = "GGUF" if _gguf(info) and not adapter else "the Hugging Face format"

@@ -2,8 +2,14 @@
 
 A format is a module under :mod:`hf_merge.readers` that defines a module-level ``FORMAT``
 (:class:`SourceFormat`). Adding a format means adding that one file: ``open_checkpoint``,
-auto-detection, ``inspect``, the CLI's ``--backend`` choices and help, and the provenance label all
-read this registry.
+auto-detection, ``inspect``, the CLI's ``--backend`` choices and help, the CLI's reader options,
+and the provenance label all read this registry.
+
+A format has one name (``SourceFormat.name``): what users type after ``--backend``, and what
+``CheckpointInfo.format``, ``hf_merge.json``'s ``source.format``, the model card, ``inspect`` and
+error messages say. Older spellings are ``aliases``, accepted on input (``--backend``,
+``open_checkpoint(backend=...)``, an old ``hf_merge.json`` read by the card) and turned into the name
+by :func:`canonical`. docs/formats.md lists them.
 
 Contract of a format:
 
@@ -15,9 +21,13 @@ Contract of a format:
   names listed in ``SourceFormat.options`` (others are not passed).
 - ``priority`` breaks ties when several probes match (lower wins); the others are reported in a
   note so the user can pick one with ``--backend``.
-- ``name``, ``description`` and ``priority`` are written as literals in the ``FORMAT = SourceFormat(...)``
-  statement: :func:`declared` reads them from the module's source without importing it (readers
-  import torch, ~1.5 s), so ``--help``, the ``--backend`` choices and argument checks cost nothing.
+- ``cli`` declares the command-line options of the format's reader options (:class:`CliOption`);
+  merge and inspect add them (:mod:`hf_merge.cli._formats`), so a format's options are written
+  in its own module only.
+- ``name``, ``description``, ``priority``, ``aliases``, ``cli``, ``hf_folder`` and
+  ``weights_label`` are written as literals in the ``FORMAT = SourceFormat(...)`` statement:
+  :func:`declared` reads them from the module's source without importing it (readers import
+  torch, ~1.5 s), so ``--help``, the ``--backend`` choices and argument checks cost nothing.
   A test keeps :func:`declared` and :func:`registry` equal.
 """
 
@@ -36,17 +46,38 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class CliOption:
+    """A command-line option for one of a format's reader options: ``flag`` sets ``open(dest=...)``."""
+
+    flag: str  # "--tag"
+    dest: str  # the open() keyword, one of SourceFormat.options
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class SourceFormat:
     """A checkpoint format hf_merge reads (see the module docstring for the contract)."""
 
-    name: str  # the --backend value and the provenance's source.format label
+    name: str  # the one name: --backend value, CheckpointInfo.format, provenance source.format
     description: str  # one line, for --help and inspect
     probe: Callable[[Path], bool]
     open: Callable[..., "LazyCheckpoint"]
     options: frozenset[str] = field(default_factory=frozenset)  # keyword options open() accepts
     priority: int = 100
     framework: str | None = None  # "verl", "deepspeed", ... for the model card's tags
-    merge_target: bool = True  # False: readable (e.g. --base-model, verify --against) but not a training checkpoint
+    aliases: tuple[str, ...] = ()  # older spellings, accepted on input
+    cli: tuple[CliOption, ...] = ()  # the CLI options of some of ``options``
+    hf_folder: bool = False  # the source is a Hugging Face model folder already: nothing is un-sharded
+    # The label written in the safetensors header's "source_format" (default: name). Earlier
+    # releases wrote another spelling there for some formats; kept so the weight files stay
+    # byte-identical across the renaming.
+    weights_label: str | None = None
+
+    def __post_init__(self) -> None:
+        stray = [o.dest for o in self.cli if o.dest not in self.options]
+        if stray:
+            raise ValueError(f"format {self.name!r}: CLI options {stray} set no option open() accepts")
 
 
 @functools.cache
@@ -75,6 +106,22 @@ class Declared:
     description: str
     priority: int
     module: str
+    aliases: tuple[str, ...] = ()
+    cli: tuple[CliOption, ...] = ()
+    hf_folder: bool = False
+    weights_label: str | None = None
+
+
+_LITERAL_DEFAULTS = {"priority": 100, "aliases": (), "cli": (), "hf_folder": False, "weights_label": None}
+
+
+def _literal(node: ast.AST) -> Any:
+    """A literal, or a tuple of ``CliOption(...)`` calls with literal arguments."""
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "CliOption":
+        return CliOption(*map(_literal, node.args), **{kw.arg: _literal(kw.value) for kw in node.keywords})
+    if isinstance(node, ast.Tuple):
+        return tuple(_literal(e) for e in node.elts)
+    return ast.literal_eval(node)
 
 
 @functools.cache
@@ -91,11 +138,12 @@ def declared() -> tuple[Declared, ...]:
             if not (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["FORMAT"]):
                 continue
             fields = {kw.arg: kw.value for kw in getattr(node.value, "keywords", [])}
+            literals = {k: _literal(fields[k]) if k in fields else default for k, default in _LITERAL_DEFAULTS.items()}
             found.append(Declared(
                 name=ast.literal_eval(fields["name"]),
                 description=ast.literal_eval(fields["description"]),
-                priority=ast.literal_eval(fields["priority"]) if "priority" in fields else 100,
                 module=f"{readers.__name__}.{mod.name}",
+                **literals,
             ))
     return tuple(sorted(found, key=lambda d: (d.priority, d.name)))
 
@@ -105,17 +153,46 @@ def format_names() -> list[str]:
     return [d.name for d in declared()]
 
 
-def check_name(name: str) -> None:
-    """Refuse an unknown format name (``auto`` is fine) with the list of known ones; imports no reader."""
+def find_declared(name: str) -> Declared | None:
+    """The format called ``name`` or one of its aliases, None if none is; imports no reader."""
+    for d in declared():
+        if name == d.name or name in d.aliases:
+            return d
+    return None
+
+
+def canonical(name: str) -> str:
+    """The format's name for ``name`` (itself, or the name it is an alias of; ``auto`` stays).
+    Refuses an unknown name with the list of known ones; imports no reader."""
     from .errors import UnsupportedCheckpointError
 
-    if name != "auto" and name not in format_names():
+    if name == "auto":
+        return name
+    found = find_declared(name)
+    if found is None:
         raise UnsupportedCheckpointError(f"unknown format {name!r}; use one of: auto, {', '.join(format_names())}")
+    return found.name
+
+
+def check_name(name: str) -> None:
+    """Refuse an unknown format name (``auto`` and aliases are fine); imports no reader."""
+    canonical(name)
 
 
 def get_format(name: str) -> SourceFormat:
-    check_name(name)
-    return registry()[name]
+    return registry()[canonical(name)]
+
+
+def is_hf_folder(name: str | None) -> bool:
+    """Whether format ``name`` (a name or alias; None or unknown: no) reads Hugging Face folders as they are."""
+    found = find_declared(name) if name else None
+    return found is not None and found.hf_folder
+
+
+def weights_label(name: str) -> str:
+    """The ``source_format`` written in the safetensors header for format ``name``."""
+    found = find_declared(name)
+    return (found.weights_label or found.name) if found is not None else name
 
 
 @dataclass(frozen=True)

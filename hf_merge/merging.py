@@ -14,6 +14,7 @@ import torch
 
 from . import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
+from .formats import registry, weights_label
 from .hf_files import (
     checkpoint_config, copy_side_files, holds_side_files_only, missing_side_files, resolve_dtype, tied_pairs,
     write_config, written_dtype,
@@ -404,7 +405,7 @@ def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lo
         warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
-        if is_value_model and ckpt.info.format != "megatron":
+        if is_value_model and "is_value_model" not in getattr(registry().get(ckpt.info.format), "options", ()):
             views.notes.append("--is-value-model changes nothing here: FSDP critics are saved under their HF names already")
         written = None
         if views.model is not None:
@@ -423,7 +424,7 @@ def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lo
         if qview is not None:  # quantize
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
-        metadata = {"hf_merge_version": __version__, "source_format": ckpt.info.format}
+        metadata = {"hf_merge_version": __version__, "source_format": weights_label(ckpt.info.format)}
         model_plan = adapter_plan = None
         if views.model is not None:
             model_plan = plan_shards(
@@ -517,8 +518,6 @@ def _write_provenance(folder: Path, provenance: dict[str, Any]) -> None:
 
 def _framework(info: Any) -> str | None:
     """The training framework of the format that read the source (the registry says)."""
-    from .formats import registry
-
     fmt = registry().get(info.reader or "")
     return fmt.framework if fmt is not None else None
 

@@ -12,7 +12,9 @@ class from the config (the Auto classes' mapping, remote code), mapping checkpoi
 names (``base_model_prefix`` and the conversion mapping, ``rename_source_key``), the meta-device init
 context, ``device_map="auto"`` (accelerate), and the finishing steps of ``from_pretrained``
 (``_finalize_model_loading``: non-persistent buffers such as rotary ``inv_freq`` recomputed by the
-model's ``_init_weights``, weights tied, the loading report). Loads that need transformers' weight
+model's ``_init_weights``, weights tied, the loading report). Those of its helpers that are not public API
+(``_``-prefixed, ``modeling_utils`` / ``core_model_loading`` / ``integrations.accelerate``
+internals) are called only through :mod:`hf_merge.transformers_compat`. Loads that need transformers' weight
 loop itself — on-the-fly quantization (``quantization_config``), many-to-one weight converters,
 disk offload — are handed to ``from_pretrained(None, state_dict=...)`` with lazy values, so they
 still read one tensor at a time.
@@ -47,7 +49,7 @@ from .mapped import Mapper
 from .device_fill import StagerPool, stages
 from .readers import contained, record_crc
 from .merging import build_views, model_view
-from .transformers_compat import has_weight_conversions
+from . import transformers_compat as compat
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -211,7 +213,7 @@ def from_sharded_pretrained(
         _set_config_dtype(config_obj, load_dtype)
         config_obj.name_or_path = str(source)
         if attn_implementation is not None:
-            config_obj._attn_implementation = attn_implementation
+            compat.set_attn_implementation(config_obj, attn_implementation)
 
         model = _load_model(
             model_class,
@@ -367,46 +369,9 @@ def _resolve_model_class(auto_class, config, hf_dir: Path | None, trust_remote_c
         auto_class = _class_from_architectures(config)
     if isinstance(auto_class, type) and issubclass(auto_class, PreTrainedModel):
         return auto_class, config
-    if not hasattr(auto_class, "_model_mapping"):
+    if not compat.is_auto_class(auto_class):
         raise ValueError(f"auto_class must be a transformers Auto class or model class, not {auto_class!r}")
-
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
-    from transformers.models.auto.auto_factory import _get_model_class, add_generation_mixin_to_remote_model
-
-    name = auto_class.__name__
-    auto_map = getattr(config, "auto_map", None) or {}
-    has_remote_code = name in auto_map
-    has_local_code = type(config) in auto_class._model_mapping
-    explicit_local_code = has_local_code and not _get_model_class(
-        config, auto_class._model_mapping
-    ).__module__.startswith("transformers.")
-    try:
-        trust = resolve_trust_remote_code(trust_remote_code, str(hf_dir), has_local_code, has_remote_code)
-    except ValueError as e:
-        raise UnsupportedCheckpointError(
-            f"{hf_dir} has custom modeling code for {name}; pass trust_remote_code=True to run it ({e})"
-        ) from None
-    if has_remote_code and trust and not explicit_local_code:
-        if hf_dir is None:
-            raise MissingConfigError("the config asks for custom modeling code but there is no folder to load it from")
-        model_class = get_class_from_dynamic_module(auto_map[name], str(hf_dir))
-        if not has_local_code:
-            auto_class.register(config.__class__, model_class, exist_ok=True)
-        model_class.register_for_auto_class(auto_class=auto_class)
-        return add_generation_mixin_to_remote_model(model_class), config
-    if has_local_code:
-        model_class = _get_model_class(config, auto_class._model_mapping)
-        text_config_class = config.sub_configs.get("text_config", None)
-        if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
-            parent = config
-            config = config.get_text_config()
-            if getattr(parent, "quantization_config", None) is not None:
-                config.quantization_config = parent.quantization_config
-        return model_class, config
-    raise UnsupportedCheckpointError(
-        f"{name} has no model for a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r}); "
-        f"use another Auto class, or leave auto_class unset to build {(getattr(config, 'architectures', None) or ['?'])[0]}"
-    )
+    return compat.auto_model_class(auto_class, config, hf_dir, trust_remote_code)
 
 
 def _class_from_architectures(config):
@@ -480,7 +445,7 @@ def _set_generation_config(model, hf_dir: Path | None, generation_config) -> Non
 
 def _meta_model(model_class, config, load_dtype: torch.dtype, model_kwargs: dict[str, Any]):
     """The model on the meta device, in the load dtype, weights not tied (``from_pretrained``'s init)."""
-    contexts = model_class.get_init_context(load_dtype, False, False, None)
+    contexts = compat.init_contexts(model_class, load_dtype)
     with contextlib.ExitStack() as stack:
         for ctx in contexts:
             stack.enter_context(ctx)
@@ -493,21 +458,16 @@ def plan_load(model, view: LazyCheckpoint) -> tuple[LoadPlan, list]:
 
     Returns the plan and the weight conversion mapping used (kept on the model for saving).
     """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
-    weight_mapping = get_model_conversion_mapping(model, None, None)
-    renamings = [m for m in weight_mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in weight_mapping if isinstance(m, WeightConverter)]
+    weight_mapping = compat.weight_mapping(model)
     prefix = model.base_model_prefix
     meta = model.state_dict()
     specs = view.specs()
     plan = LoadPlan()
     stripped_prefix = False
-    for name in sorted(specs, key=dot_natural_key):
-        key, pattern = rename_source_key(name, renamings, converters, prefix, meta)
+    for name in compat.checkpoint_order(specs):
+        key, pattern = compat.rename_checkpoint_key(name, weight_mapping, prefix, meta)
         if key not in meta and name in meta:
-            key, pattern = rename_source_key(name, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+            key, pattern = compat.rename_checkpoint_key(name, [], prefix, meta)
         if pattern is not None:
             plan.needs_converters = True
             continue
@@ -534,8 +494,6 @@ def plan_load(model, view: LazyCheckpoint) -> tuple[LoadPlan, list]:
 
 def _check_plan(model, plan: LoadPlan, *, strict: bool) -> None:
     """Raise MappingError naming what does not fit (before any tensor is read)."""
-    from transformers.utils.loading_report import LoadStateDictInfo
-
     if plan.skipped_heads:
         logger.info(
             "%s has no place for %s; skipped (as from_pretrained does for a base model)",
@@ -550,24 +508,16 @@ def _check_plan(model, plan: LoadPlan, *, strict: bool) -> None:
             "training model's config"
         )
     # Tied aliases are filled by tying, from whichever side the checkpoint has.
-    tied = getattr(model, "all_tied_weights_keys", {}) or {}
+    tied = compat.tied_weights(model)
     missing = set(plan.missing)
     for target, source in tied.items():
         if target in missing and source in plan.assign:
             missing.discard(target)
         elif source in missing and target in plan.assign:
             missing.discard(source)
-    info = LoadStateDictInfo(
-        missing_keys=missing,
-        unexpected_keys=set(plan.unexpected),
-        mismatched_keys=set(),
-        error_msgs=[],
-        conversion_errors={},
-        skipped_pp_keys=set(),
-    )
-    model._adjust_missing_and_unexpected_keys(info)  # the model's own ignore patterns (old inv_freq buffers...)
-    unexpected = sorted(plan.unexpected[k] for k in info.unexpected_keys)
-    missing = sorted(info.missing_keys)
+    missing, unexpected_keys = compat.model_ignores(model, missing, set(plan.unexpected))
+    unexpected = sorted(plan.unexpected[k] for k in unexpected_keys)
+    missing = sorted(missing)
     if not (missing or unexpected):
         return
     if strict:
@@ -603,25 +553,23 @@ def _load_model(
     name: str,
     map_weights: bool = True,
 ):
-    if not has_weight_conversions():
+    if not compat.has_weight_conversions():
         return _load_legacy(
             model_class, config, view, model_kwargs=model_kwargs, load_dtype=load_dtype, device_map=device_map,
             max_memory=max_memory, quantization_config=quantization_config, strict=strict,
             offload_folder=offload_folder, offload_buffers=offload_buffers, name=name,
         )
-    from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
-
     model = _meta_model(model_class, config, load_dtype, model_kwargs)
     plan, weight_mapping = plan_load(model, view)
     if not plan.needs_converters:
         _check_plan(model, plan, strict=strict)
 
     requested_map = device_map
-    device_map = check_and_set_device_map(device_map)
+    device_map = compat.check_device_map(device_map)
     quantized = quantization_config is not None or getattr(config, "quantization_config", None) is not None
     resolved_map = None
     if not quantized:
-        resolved_map = _get_device_map(model, device_map, max_memory, None) if device_map is not None else None
+        resolved_map = compat.infer_device_map(model, device_map, max_memory) if device_map is not None else None
     offloads_to_disk = resolved_map is not None and "disk" in {str(d) for d in resolved_map.values()}
     if quantized or plan.needs_converters or offloads_to_disk:
         return _load_with_transformers(
@@ -642,9 +590,7 @@ def _load_model(
     _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype, map_weights=map_weights)
     _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
-        from transformers.integrations.accelerate import accelerate_dispatch
-
-        accelerate_dispatch(model, None, resolved_map, offload_folder, None, offload_buffers)
+        compat.dispatch(model, resolved_map, offload_folder, offload_buffers)
     return model
 
 
@@ -653,16 +599,12 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     """Allocate every planned tensor on its device, in its dtype, and read it into place; a CPU
     tensor the checkpoint holds as memory-mapped pieces in that dtype is mapped instead
     (:mod:`hf_merge.mapped`: the rank files' pages, no copy)."""
-    from transformers.core_model_loading import build_glob_alternation
-    from transformers.integrations.accelerate import expand_device_map
-    from transformers.utils.logging import tqdm
-
     meta = model.state_dict()
     specs = view.specs()
     keys = list(plan.assign)
-    devices = expand_device_map(device_map, keys) if device_map is not None else dict.fromkeys(keys, "cpu")
-    dtype_plan = model._get_dtype_plan(load_dtype)
-    dtype_pattern, group_to_glob, _ = build_glob_alternation(list(dtype_plan)) if dtype_plan else (None, {}, {})
+    devices = compat.expand_device_map(device_map, keys) if device_map is not None else dict.fromkeys(keys, "cpu")
+    dtype_plan = compat.dtype_plan(model, load_dtype)
+    dtype_pattern, group_to_glob, _ = compat.glob_alternation(list(dtype_plan)) if dtype_plan else (None, {}, {})
 
     def target_dtype(key: str) -> torch.dtype:
         if dtype_pattern is not None and (m := dtype_pattern.search(key)) is not None:
@@ -695,7 +637,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
         return key, out
 
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        for key, tensor in tqdm(pool.map(read, keys), total=len(keys), desc="Loading weights"):
+        for key, tensor in compat.progress(pool.map(read, keys), total=len(keys), desc="Loading weights"):
             _assign(model, key, tensor)
 
 
@@ -707,32 +649,16 @@ def _assign(model, key: str, tensor: torch.Tensor) -> None:
         old = module._parameters[attr]
         requires_grad = tensor.is_floating_point() and (old is None or old.requires_grad)
         tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    tensor._is_hf_initialized = True  # from_pretrained's flag: _init_weights leaves it alone
+    compat.mark_loaded(tensor)  # from_pretrained's flag: _init_weights leaves it alone
     setattr(module, attr, tensor)
 
 
 def _finalize(model, plan: LoadPlan, weight_mapping: list, device_map, load_dtype, *, name: str) -> None:
     """from_pretrained's last steps: non-persistent buffers, missing-key init, tying, report."""
-    from transformers.modeling_utils import LoadStateDictConfig
-    from transformers.utils.loading_report import LoadStateDictInfo
-
-    info = LoadStateDictInfo(
-        missing_keys=set(plan.missing),
-        unexpected_keys=set(plan.unexpected),
-        mismatched_keys=set(),
-        error_msgs=[],
-        conversion_errors={},
-        skipped_pp_keys=set(),
+    compat.finish_loading(
+        model, name=name, device_map=device_map, dtype=load_dtype, mapping=weight_mapping,
+        missing=set(plan.missing), unexpected=set(plan.unexpected),
     )
-    config = LoadStateDictConfig(
-        pretrained_model_name_or_path=name,
-        device_map=device_map,
-        dtype=load_dtype,
-        dtype_plan=model._get_dtype_plan(load_dtype),
-        weight_mapping=weight_mapping,
-    )
-    model._weight_conversions = [m for m in weight_mapping if m.was_used()]
-    type(model)._finalize_model_loading(model, config, info)
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if leftover:
         raise MappingError(f"{_names(leftover)} were not filled by the checkpoint nor by the model's initialisation")
@@ -843,9 +769,7 @@ def _load_legacy(model_class, config, view: LazyCheckpoint, *, offload_folder, *
 def _holds_base_model(model_class, config, prefix: str) -> bool:
     """Whether ``model_class`` wraps its base model under ``prefix`` (a task model), as
     transformers 4.x decides it: the attribute on the model, built here on the meta device."""
-    from transformers.modeling_utils import no_init_weights
-
-    with torch.device("meta"), no_init_weights():
+    with torch.device("meta"), compat.no_init_weights():
         return hasattr(model_class(copy.deepcopy(config)), prefix)
 
 

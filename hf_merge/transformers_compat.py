@@ -10,6 +10,12 @@ saved as ``model.*``, ``model.visual.*`` as ``visual.*``). Ties are a dict ``{al
 a list of alias names in 4.x (tied to the input embeddings by ``tie_weights``).
 
 Everything else in hf-merge asks this module, never the version number itself.
+
+It is also the one place that reaches into transformers' internals (``_``-prefixed functions and
+attributes, ``modeling_utils`` / ``core_model_loading`` / ``conversion_mapping`` /
+``integrations.accelerate`` helpers): :mod:`hf_merge.model` replays ``from_pretrained`` through the
+functions below and uses only transformers' public API otherwise, so a release that moves one of
+these is fixed here. Nothing here imports transformers until it is called.
 """
 
 from __future__ import annotations
@@ -17,9 +23,35 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import re
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
-__all__ = ["has_weight_conversions", "legacy_saved_names", "major_version", "tied_weights"]
+from .errors import MissingConfigError, UnsupportedCheckpointError
+
+__all__ = [
+    "auto_model_class",
+    "check_device_map",
+    "checkpoint_order",
+    "dispatch",
+    "dtype_plan",
+    "expand_device_map",
+    "finish_loading",
+    "glob_alternation",
+    "has_weight_conversions",
+    "infer_device_map",
+    "init_contexts",
+    "is_auto_class",
+    "legacy_saved_names",
+    "major_version",
+    "mark_loaded",
+    "model_ignores",
+    "no_init_weights",
+    "progress",
+    "rename_checkpoint_key",
+    "set_attn_implementation",
+    "tied_weights",
+    "weight_mapping",
+]
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,3 +123,191 @@ def legacy_saved_names(model_class: Any, names: list[str]) -> dict[str, str]:
     if len(out) != len(names):
         raise ValueError("two tensors would be saved under one name")
     return out if any(k != v for k, v in out.items()) else {}
+
+
+# --------------------------------------------------------------------------------------------
+# from_pretrained's steps, for hf_merge.model (transformers >= 5 unless said otherwise)
+# --------------------------------------------------------------------------------------------
+
+
+def set_attn_implementation(config: Any, implementation: str) -> None:
+    """What ``from_pretrained(attn_implementation=...)`` sets on the config before building."""
+    config._attn_implementation = implementation
+
+
+def is_auto_class(cls: Any) -> bool:
+    """An Auto class (``AutoModelForCausalLM``...): it has a config -> model mapping."""
+    return hasattr(cls, "_model_mapping")
+
+
+def auto_model_class(auto_class: Any, config: Any, hf_dir: Path | None, trust_remote_code: bool | None):
+    """The concrete class ``auto_class.from_pretrained`` would build for ``config``: the checkpoint's
+    own modeling code when the config maps one and it is trusted, else the library's. Returns
+    ``(model class, config)``; the config may be the text sub-config (composite models whose text
+    part is what the class builds)."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
+    from transformers.models.auto.auto_factory import _get_model_class, add_generation_mixin_to_remote_model
+
+    name = auto_class.__name__
+    auto_map = getattr(config, "auto_map", None) or {}
+    has_remote_code = name in auto_map
+    has_local_code = type(config) in auto_class._model_mapping
+    explicit_local_code = has_local_code and not _get_model_class(
+        config, auto_class._model_mapping
+    ).__module__.startswith("transformers.")
+    try:
+        trust = resolve_trust_remote_code(trust_remote_code, str(hf_dir), has_local_code, has_remote_code)
+    except ValueError as e:
+        raise UnsupportedCheckpointError(
+            f"{hf_dir} has custom modeling code for {name}; pass trust_remote_code=True to run it ({e})"
+        ) from None
+    if has_remote_code and trust and not explicit_local_code:
+        if hf_dir is None:
+            raise MissingConfigError("the config asks for custom modeling code but there is no folder to load it from")
+        model_class = get_class_from_dynamic_module(auto_map[name], str(hf_dir))
+        if not has_local_code:
+            auto_class.register(config.__class__, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_class=auto_class)
+        return add_generation_mixin_to_remote_model(model_class), config
+    if has_local_code:
+        model_class = _get_model_class(config, auto_class._model_mapping)
+        text_config_class = config.sub_configs.get("text_config", None)
+        if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
+            parent = config
+            config = config.get_text_config()
+            if getattr(parent, "quantization_config", None) is not None:
+                config.quantization_config = parent.quantization_config
+        return model_class, config
+    raise UnsupportedCheckpointError(
+        f"{name} has no model for a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r}); "
+        f"use another Auto class, or leave auto_class unset to build {(getattr(config, 'architectures', None) or ['?'])[0]}"
+    )
+
+
+def init_contexts(model_class: Any, dtype: Any) -> list:
+    """``from_pretrained``'s init contexts: the meta device, ``dtype``, weights not initialised."""
+    return model_class.get_init_context(dtype, False, False, None)
+
+
+def no_init_weights():
+    """A context in which building a model skips weight initialisation (transformers 4.x and 5)."""
+    from transformers.modeling_utils import no_init_weights as context
+
+    return context()
+
+
+def weight_mapping(model: Any) -> list:
+    """The model's weight conversions (renamings and converters), as ``from_pretrained`` applies them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return get_model_conversion_mapping(model, None, None)
+
+
+def checkpoint_order(names: Iterable[str]) -> list[str]:
+    """``names`` in the order transformers' loader visits checkpoint keys (``layers.2`` before ``layers.10``)."""
+    from transformers.core_model_loading import dot_natural_key
+
+    return sorted(names, key=dot_natural_key)
+
+
+def rename_checkpoint_key(name: str, mapping: list, prefix: str, meta: dict) -> tuple[str, str | None]:
+    """The model key a checkpoint ``name`` loads into under ``mapping`` (:func:`weight_mapping`; an
+    empty list for the plain prefix rule), and the converter pattern when a many-to-one converter
+    takes it (None otherwise)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    return rename_source_key(name, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta)
+
+
+def _load_info(missing: set[str], unexpected: set[str]):
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    return LoadStateDictInfo(
+        missing_keys=set(missing),
+        unexpected_keys=set(unexpected),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+
+
+def model_ignores(model: Any, missing: set[str], unexpected: set[str]) -> tuple[set[str], set[str]]:
+    """``(missing, unexpected)`` less what the model's own ignore patterns allow (old ``inv_freq``
+    buffers...), as ``from_pretrained``'s loading report drops them."""
+    info = _load_info(missing, unexpected)
+    model._adjust_missing_and_unexpected_keys(info)
+    return set(info.missing_keys), set(info.unexpected_keys)
+
+
+def check_device_map(device_map: Any) -> Any:
+    """``device_map`` in the form ``from_pretrained`` accepts (a str, dict or device), checked."""
+    from transformers.integrations.accelerate import check_and_set_device_map
+
+    return check_and_set_device_map(device_map)
+
+
+def infer_device_map(model: Any, device_map: Any, max_memory: Any) -> dict | None:
+    """``{module: device}`` for a checked ``device_map`` (``"auto"`` planned by accelerate)."""
+    from transformers.integrations.accelerate import _get_device_map
+
+    return _get_device_map(model, device_map, max_memory, None)
+
+
+def expand_device_map(device_map: dict, keys: list[str]) -> dict:
+    """``{key: device}`` for every parameter / buffer key under a module-level device map."""
+    from transformers.integrations.accelerate import expand_device_map as expand
+
+    return expand(device_map, keys)
+
+
+def dispatch(model: Any, device_map: dict, offload_folder: Any, offload_buffers: bool) -> None:
+    """accelerate's hooks for a model spread over several devices, as ``from_pretrained`` adds them."""
+    from transformers.integrations.accelerate import accelerate_dispatch
+
+    accelerate_dispatch(model, None, device_map, offload_folder, None, offload_buffers)
+
+
+def dtype_plan(model: Any, dtype: Any) -> dict:
+    """``{glob: dtype}``: the weights the model keeps in another dtype than the load dtype."""
+    return model._get_dtype_plan(dtype)
+
+
+def glob_alternation(globs: list[str]):
+    """One regex over ``globs`` and ``{group name: glob}`` (transformers' own matcher)."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    return build_glob_alternation(globs)
+
+
+def progress(iterable: Iterable, *, total: int, desc: str):
+    """transformers' progress bar (silenced with its logging)."""
+    from transformers.utils.logging import tqdm
+
+    return tqdm(iterable, total=total, desc=desc)
+
+
+def mark_loaded(tensor: Any) -> None:
+    """``from_pretrained``'s flag on a loaded tensor: the model's ``_init_weights`` leaves it alone."""
+    tensor._is_hf_initialized = True
+
+
+def finish_loading(
+    model: Any, *, name: str, device_map: Any, dtype: Any, mapping: list, missing: set[str], unexpected: set[str]
+) -> None:
+    """``from_pretrained``'s last steps (``_finalize_model_loading``): non-persistent buffers, missing
+    keys initialised, weights tied, the loading report; ``mapping``'s used conversions are kept on
+    the model for ``save_pretrained``."""
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    config = LoadStateDictConfig(
+        pretrained_model_name_or_path=name,
+        device_map=device_map,
+        dtype=dtype,
+        dtype_plan=model._get_dtype_plan(dtype),
+        weight_mapping=mapping,
+    )
+    model._weight_conversions = [m for m in mapping if m.was_used()]
+    type(model)._finalize_model_loading(model, config, _load_info(missing, unexpected))

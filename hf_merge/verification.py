@@ -21,6 +21,7 @@ import torch
 
 from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
 from .errors import HfMergeError, VerificationError
+from .formats import is_hf_folder
 from .output import PROVENANCE_FILE
 
 CHUNK = 16 << 20
@@ -227,11 +228,11 @@ def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *
     _check_checksums(report, target, provenance, sharer)
     _verify_folder(report, target, against_path, kind, atol, rtol, provenance, sharer, adapter=adapter_only, **options)
     sub = target / "lora_adapter"
-    if not adapter_only and (sub / ADAPTER_CONFIG).is_file() and kind != "hf":
+    if not adapter_only and (sub / ADAPTER_CONFIG).is_file() and not is_hf_folder(kind):
         _verify_folder(report, sub, against_path, kind, atol, rtol, provenance, sharer, adapter=True, prefix="adapter: ",
                        **options)
     if logits and not adapter_only:
-        for check in _on_one_rank(sharer, lambda: _check_logits(target, against_path if kind == "hf" else None, logits_atol)):
+        for check in _on_one_rank(sharer, lambda: _check_logits(target, against_path if is_hf_folder(kind) else None, logits_atol)):
             report.add(*check)
     return report
 
@@ -246,7 +247,7 @@ def _verify_folder(
     sub = VerifyReport(folder, report.against)
     got = open_hf_dir(folder)
     try:
-        if kind == "hf":
+        if is_hf_folder(kind):
             want = open_hf_dir(against)
             _note_dtypes(sub, got, want)
             names = _compare_specs(sub, got, want, check_dtype=False)

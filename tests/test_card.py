@@ -15,7 +15,7 @@ INFO = {
     "hf_merge_version": "0.1.0",
     "created": "2026-01-01T00:00:00+00:00",
     "source": {
-        "format": "verl-fsdp",
+        "format": "fsdp",
         "framework": "verl",
         "path": "/home/alice/secret-project/ckpts/global_step_100/actor",
         "world_size": 8,
@@ -63,7 +63,7 @@ def test_model_card_body_table_and_snippet():
     body = ModelCard(text).text
     assert body.count(SECTION_BEGIN) == 1 and body.count(SECTION_END) == 1
     assert "# qwen-grpo" in body
-    assert "| Source format | `verl-fsdp` (verl) |" in body
+    assert "| Source format | `fsdp` (verl) |" in body
     assert "| Source checkpoint | `global_step_100/actor` (step 100) |" in body
     assert "| World size / mesh | 8 / `ddp=2 × fsdp=4` |" in body
     assert "| Verification | passed: 290 tensors bit-exact \\| logits match |" in body  # pipe escaped
@@ -170,6 +170,17 @@ def test_tokenizer_line_follows_the_folder_files():
 def test_format_named_after_its_framework_is_said_once():
     for fmt, framework, said in (("colossalai", "colossalai", "a colossalai training"),
                                  ("deepspeed", "DeepSpeed", "a DeepSpeed training"),
-                                 ("verl-fsdp", "verl", "a verl fsdp training")):
+                                 ("fsdp", "verl", "a verl fsdp training"),
+                                 ("accelerate", "accelerate", "a accelerate training")):
         text = render_model_card(info(source={"format": fmt, "framework": framework}))
         assert said + " checkpoint" in text, text
+
+
+def test_an_older_format_name_renders_as_the_format_name():
+    """hf_merge.json written before the renaming says "verl-fsdp" / "accelerate-fsdp": the card is
+    the one the format's name gives."""
+    for old, new, framework in (("verl-fsdp", "fsdp", "verl"), ("accelerate-fsdp", "accelerate", "accelerate"),
+                                ("torchtitan-dcp", "torchtitan", "torchtitan")):
+        assert render_model_card(info(source={"format": old, "framework": framework})) == render_model_card(
+            info(source={"format": new, "framework": framework}))
+    assert "written from a Hugging Face model folder" in render_model_card(info(source={"format": "hf"}))

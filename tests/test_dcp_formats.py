@@ -22,7 +22,8 @@ from hf_merge import formats
 from hf_merge.cli.app import main as cli_main
 from hf_merge.errors import MappingError, MissingConfigError
 from hf_merge.provenance import Provenance
-from hf_merge.transforms.name_table import NameRule, NameTable, NameTableView, rope_source_rows
+from hf_merge.transforms.name_table import NameRule, NameTable
+from hf_merge.transforms.name_table_view import NameTableView, rope_source_rows
 
 from helpers import assert_tensors_equal, folder_tensors, fresh_merge_imports, model_logits, read_json
 
@@ -98,7 +99,7 @@ def test_accelerate_full_training_folder_merges_bit_exact(dcp_root, tmp_path, mo
     assert_tensors_equal(folder_tensors(out), folder_tensors(dcp_root / "accelerate" / "reference"))
     _check_logits(out, dcp_root / "accelerate" / "reference", exact=True)
     prov = read_json(out / "hf_merge.json")["source"]
-    assert prov["format"] == "accelerate-fsdp" and prov["framework"] == "accelerate" and prov["world_size"] == 2
+    assert prov["format"] == "accelerate" and prov["framework"] == "accelerate" and prov["world_size"] == 2
 
 
 def test_accelerate_config_beside_and_newest_checkpoint(dcp_root, tmp_path):
@@ -134,10 +135,10 @@ def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path, family, t
     # (Qwen3 is tied: neither has lm_head.weight)
     assert_tensors_equal(folder_tensors(out), folder_tensors(tt / "reference"))
     prov = read_json(out / "hf_merge.json")
-    assert prov["verification"]["passed"] and prov["source"]["format"] == "torchtitan-dcp"
+    assert prov["verification"]["passed"] and prov["source"]["format"] == "torchtitan"
     record = Provenance.read(out)  # the typed record reads back what merge wrote, key for key
     assert record.source.framework == "torchtitan" and record.source.step == 1 and record.to_dict() == prov
-    assert "from a torchtitan dcp training checkpoint" in (out / "README.md").read_text()
+    assert "from a torchtitan training checkpoint" in (out / "README.md").read_text()
     # transformers' model on the merged folder vs torchtitan's own forward (flex attention)
     _check_logits(out, tt / "reference", exact=False)
 

@@ -19,7 +19,7 @@ def test_hf_merge_runs_as_hf_extension(qwen2_fp32_ws2, tmp_path):
     proc = subprocess.run([str(bindir / "hf"), "merge", "inspect", str(qwen2_fp32_ws2.actor), "--json"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["format"] == "verl-fsdp"
+    assert json.loads(proc.stdout)["format"] == "fsdp"
     target = tmp_path / "merged"
     # `hf merge SOURCE TARGET` (merge is the default command)
     proc = subprocess.run([str(bindir / "hf"), "merge", str(qwen2_fp32_ws2.actor), str(target)],

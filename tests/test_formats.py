@@ -32,7 +32,7 @@ def test_detect_fsdp_and_provenance_label(qwen2_fp32_ws2, tmp_path):
     det = formats.detect(qwen2_fp32_ws2.root)
     assert det.chosen.name == "fsdp" and det.matched == ("fsdp",) and det.note is None
     with hf_merge.open_checkpoint(qwen2_fp32_ws2.root) as ckpt:
-        assert ckpt.info.reader == "fsdp" and ckpt.info.format == "verl-fsdp"
+        assert ckpt.info.reader == "fsdp" and ckpt.info.format == "fsdp"
 
 
 def test_two_matching_formats_are_reported(qwen2_fp32_ws2, tmp_path):
@@ -91,8 +91,61 @@ def test_declared_literals_equal_the_registry_and_import_no_reader():
     import subprocess
     import sys
 
-    declared = [(d.name, d.description, d.priority) for d in formats.declared()]
-    assert declared == [(f.name, f.description, f.priority) for f in formats.registry().values()]
+    fields = ("name", "description", "priority", "aliases", "cli", "hf_folder", "weights_label")
+    declared = [tuple(getattr(d, k) for k in fields) for d in formats.declared()]
+    assert declared == [tuple(getattr(f, k) for k in fields) for f in formats.registry().values()]
     code = "import sys, hf_merge.formats as f; f.format_names(); f.declared(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_one_name_per_format_and_the_old_spellings_are_aliases(qwen2_fp32_ws2, tmp_path):
+    """The format's name is what --backend takes and what CheckpointInfo.format, hf_merge.json and
+    inspect say; the names earlier releases wrote are accepted on input. The safetensors header
+    keeps the label it had, so weight files stay byte-identical."""
+    from safetensors import safe_open
+
+    from hf_merge.cli.app import build_parser
+
+    every = [n for d in formats.declared() for n in (d.name, *d.aliases)]
+    assert len(every) == len(set(every))
+    assert formats.canonical("verl-fsdp") == "fsdp" and formats.canonical("accelerate-fsdp") == "accelerate"
+    assert formats.canonical("torchtitan-dcp") == "torchtitan" and formats.canonical("auto") == "auto"
+    with hf_merge.open_checkpoint(qwen2_fp32_ws2.root, backend="verl-fsdp") as ckpt:
+        assert ckpt.info.reader == ckpt.info.format == "fsdp"
+    args = build_parser().parse_args(["merge", str(qwen2_fp32_ws2.root), str(tmp_path / "o"), "--backend", "verl-fsdp"])
+    assert args.backend == "fsdp"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["merge", "a", "b", "--backend", "zero"])
+    hf_merge.merge(qwen2_fp32_ws2.root, tmp_path / "merged")
+    assert json.loads((tmp_path / "merged" / "hf_merge.json").read_text())["source"]["format"] == "fsdp"
+    shard = next((tmp_path / "merged").glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        assert f.metadata()["source_format"] == "verl-fsdp"
+
+
+def test_formats_declare_their_cli_options():
+    """DeepSpeed's --tag / --source-weights come from its FORMAT declaration, in merge and inspect."""
+    from hf_merge.cli._formats import source_options
+    from hf_merge.cli.app import build_parser
+
+    declared = {o.flag: (d.name, o) for d in formats.declared() for o in d.cli}
+    assert {"--tag", "--source-weights"} <= set(declared)
+    for flag, (name, option) in declared.items():
+        assert option.dest in formats.registry()[name].options
+    parser = build_parser()
+    for command in ("merge", "inspect"):
+        argv = [command, "src"] + (["dst"] if command == "merge" else []) + ["--tag", "t1", "--source-weights", "module"]
+        args = parser.parse_args(argv)
+        assert source_options(args) == {"tag": "t1", "source_weights": "module"}
+    with pytest.raises(ValueError, match="set no option"):
+        formats.SourceFormat("x", "x", probe=bool, open=print, cli=(formats.CliOption("--y", "y", "y"),))
+
+
+def test_is_value_model_note_follows_the_format_options(qwen2_fp32_ws2, tmp_path, caplog):
+    """--is-value-model is an option of the formats that declare it (Megatron); elsewhere merge says it changes nothing."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="hf_merge"):
+        hf_merge.merge(qwen2_fp32_ws2.root, tmp_path / "m", is_value_model=True)
+    assert "--is-value-model changes nothing here" in caplog.text

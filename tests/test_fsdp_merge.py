@@ -81,7 +81,7 @@ def test_side_files_copied(qwen2_fp32_ws2, tmp_path):
     tok = AutoTokenizer.from_pretrained(target)
     assert len(tok("hello world")["input_ids"]) > 0
     prov = read_json(target / "hf_merge.json")
-    assert prov["source"]["world_size"] == 2 and prov["source"]["format"] == "verl-fsdp"
+    assert prov["source"]["world_size"] == 2 and prov["source"]["format"] == "fsdp"
 
 
 def test_many_files_with_index_load_in_transformers(qwen2_fp32_ws2, tmp_path):
@@ -216,7 +216,7 @@ def test_inspect_reads_no_tensor_data(hsdp_ckpt):
     proc = run_cli("inspect", hsdp_ckpt.actor, "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["format"] == "verl-fsdp"
+    assert report["format"] == "fsdp"
     assert report["world_size"] == 4
     assert report["mesh"] == [2, 2] and report["mesh_dim_names"] == ["ddp", "fsdp"]
     assert report["ranks_read"] == [0, 1]  # one replica group

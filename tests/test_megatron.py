@@ -122,7 +122,7 @@ def test_reader_yields_megatron_names_and_inspect_shows_them(megatron_root, caps
     them; HF names come from the name table on top, and `inspect --source-names` says which
     Megatron tensor (stacked index, split role) each HF tensor is read from."""
     from hf_merge.cli.app import main
-    from hf_merge.transforms.name_table import NameTableView
+    from hf_merge.transforms.name_table_view import NameTableView
 
     root = role_dir(megatron_root, "qwen2_v1")
     meta = FileSystemReader(str(root / "dist_ckpt")).read_metadata()

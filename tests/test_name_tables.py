@@ -1,5 +1,5 @@
 """Name tables: typed data found in hf_merge/name_tables/, applied by the one interpreter
-(hf_merge/transforms/name_table.py) for every format that renames (Megatron, torchtitan)."""
+(hf_merge/transforms/name_table.py, name_table_view.py) for every format that renames (Megatron, torchtitan)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from hf_merge import name_tables
 from hf_merge.errors import MappingError, MissingConfigError
 from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.transforms import Renamed
-from hf_merge.transforms.name_table import NameRule, NameTable, NameTableView, all_tables, find_table, gate_up
+from hf_merge.transforms.name_table import NameRule, NameTable, all_tables, find_table, gate_up
+from hf_merge.transforms.name_table_view import NameTableView
 
 
 def test_every_table_file_is_found_and_valid():

@@ -438,7 +438,7 @@ def test_schemas_cover_every_allowed_call():
     """Every pair a pickle may call has an argument schema (or is a plain-data call on purpose)."""
     from hf_merge.readers import pickle_schemas
     from hf_merge.readers.deepspeed import DEEPSPEED_FILE
-    from hf_merge.readers.megatron import LEGACY_RANK_FILE
+    from hf_merge.readers.megatron_legacy import LEGACY_RANK_FILE
 
     plain = {("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
              ("deepspeed.utils.tensor_fragment", "fragment_address")}

@@ -257,7 +257,7 @@ def test_rank_file_reduce_on_allowed_class_refused(qwen2_fp32_ws2, sentinel_init
 
 
 def test_legacy_model_pt_payload_refused(tmp_path):
-    from hf_merge.readers.megatron import _load_rank_file
+    from hf_merge.readers.megatron_legacy import load_rank_file as _load_rank_file
 
     path = tmp_path / "model.pt"
     pwned = tmp_path / "pwned"
@@ -274,7 +274,7 @@ def test_real_files_load_under_the_policy(qwen2_fp32_ws2, megatron_root):
     state = sp.load_rank_file(qwen2_fp32_ws2.rank_files[1])
     assert state and all(isinstance(v, (DTensor, torch.Tensor)) for v in state.values())
     legacy = next((megatron_root / "qwen2_legacy_tied" / "actor" / "model").glob("mp_rank_*/model.pt"))
-    from hf_merge.readers.megatron import LEGACY_RANK_FILE
+    from hf_merge.readers.megatron_legacy import LEGACY_RANK_FILE
 
     assert isinstance(sp.torch_load(legacy, LEGACY_RANK_FILE), (list, dict))
     md = sp.load_pickle((megatron_root / "qwen2_v1" / "actor" / "dist_ckpt" / ".metadata").read_bytes(), sp.DCP_METADATA, "m")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HfMergeError, LoraError, QuantizationError
+from ..formats import is_hf_folder
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def merge_gguf(
             logger.info(note)
         for warning in ckpt.info.warnings:
             logger.warning(warning)
-        name = model_name(cfg, base_model_name, ckpt.info.path if ckpt.info.format == "hf" else None, target)
+        name = model_name(cfg, base_model_name, ckpt.info.path if is_hf_folder(ckpt.info.format) else None, target)
         provenance = merging._provenance(ckpt, cfg, views, base_model_name, views.out_dtype, requested=dtype)
         if views.model is not None:  # k-quants: the BF16 file and the quantized one exist together for a while
             planned_bytes = total_bytes(plan_tensors(views.model, cfg, arch_for(cfg), ftype))

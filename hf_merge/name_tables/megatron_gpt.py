@@ -23,12 +23,20 @@ layouts of :mod:`.megatron_moe`); a later spelling of what an earlier rule write
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Mapping
 
 from ..transforms.name_table import NameRule, NameTable, Split, gate_up, pattern_key, qkv
 
 LAYER = "decoder.layers."  # Megatron's layer prefix
 HF_LAYER = "model.layers.{layer}."
+LAYER_INDEX = re.compile(r"^(\d+)\.(.+)$")  # what follows LAYER in a per-layer name: (index, suffix)
+# Megatron-Core's own names for the tensors whose role the reader decides (not a mapping: the
+# checkpoint's structure says whether the output layer is a language-model or a value head, tied
+# or not).
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+OUTPUT_BIAS = "output_layer.bias"
 CITATION = "megatron-core 0.16 megatron/core/models/gpt/gpt_model.py, transformer_layer.py (read, not copied)"
 
 

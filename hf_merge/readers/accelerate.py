@@ -67,7 +67,7 @@ def open_accelerate(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
             "a FULL_STATE_DICT save is a plain pytorch_model_fsdp.bin, not read here"
         )
     hf_dir = config_beside(model_dir, config_dir)
-    info = CheckpointInfo(format="accelerate-fsdp", path=model_dir, hf_dir=hf_dir, step=index, notes=notes)
+    info = CheckpointInfo(format="accelerate", path=model_dir, hf_dir=hf_dir, step=index, notes=notes)
     return open_dcp_model(model_dir, info, strip=WRAPPER)
 
 
@@ -80,6 +80,8 @@ def probe(path: Path) -> bool:
 
 FORMAT = SourceFormat(
     name="accelerate",
+    aliases=("accelerate-fsdp",),
+    weights_label="accelerate-fsdp",
     description="accelerate FSDP save_state folders (pytorch_model_fsdp_0/ DCP; optimizer and RNG files skipped)",
     probe=probe,
     open=open_accelerate,

@@ -41,7 +41,7 @@ import torch
 from .. import filemap
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
-from ..formats import SourceFormat
+from ..formats import CliOption, SourceFormat
 from ..spec import TensorSpec
 from .deepspeed_universal import LATEST as LATEST_UNIVERSAL
 from .deepspeed_universal import UniversalCheckpoint, is_universal_tag_dir
@@ -689,6 +689,14 @@ FORMAT = SourceFormat(
     probe=probe,
     open=open_deepspeed,
     options=frozenset({"tag", "source_weights"}),
+    cli=(
+        CliOption("--tag", "tag", "DeepSpeed: the checkpoint tag to read (default: the one named in `latest`)"),
+        CliOption(
+            "--source-weights", "source_weights",
+            "DeepSpeed: master (default): the fp32 master weights; module: the 16-bit module weights (ZeRO 1/2)",
+            choices=("master", "module"),
+        ),
+    ),
     priority=30,
     framework="deepspeed",
 )

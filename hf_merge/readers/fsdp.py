@@ -118,7 +118,7 @@ class FsdpCheckpoint(LazyCheckpoint):
             hf_dir = checkpoint_side_dir(self.folder / "huggingface", self.folder)
         dtypes = sorted({str(lay.spec.dtype).removeprefix("torch.") for lay in self._layouts.values()})
         self.info = CheckpointInfo(
-            format="verl-fsdp",
+            format="fsdp",
             path=self.folder,
             hf_dir=hf_dir,
             world_size=self.world_size,
@@ -308,6 +308,8 @@ def probe(path: Path) -> bool:
 
 FORMAT = SourceFormat(
     name="fsdp",
+    aliases=("verl-fsdp",),
+    weights_label="verl-fsdp",
     description="verl FSDP1/FSDP2 rank files (model_world_size_N_rank_r.pt of DTensors)",
     probe=probe,
     open=open_fsdp,

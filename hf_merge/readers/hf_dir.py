@@ -128,6 +128,7 @@ def probe(path: Path) -> bool:
 
 FORMAT = SourceFormat(
     name="hf",
+    hf_folder=True,
     description="a Hugging Face folder of safetensors weights (as --base-model or verify --against, or to re-shard/quantize)",
     probe=probe,
     open=open_hf_dir,

@@ -14,7 +14,7 @@ Layouts (``info.details["layout"]``):
   says so.
 - ``"legacy"``: ``model/mp_rank_XX[_PPP]/model.pt`` per-rank ``torch.save`` files (one
   ``GPTModel.state_dict()`` per virtual pipeline stage). TP shards are put back together along
-  the dims Megatron splits them on (``_TENSOR_PARALLEL``), PP stages by their layer offsets.
+  the dims Megatron splits them on, PP stages by their layer offsets (:mod:`.megatron_legacy`).
 - ``"dist_ckpt"``: a bare ``torch_dist`` folder outside a verl layout (``config_dir`` required).
 
 Names (the contract): the reader yields Megatron-Core's own names and layouts, read with no
@@ -25,7 +25,7 @@ renaming: the ``torch_dist`` entries as the folder's ``.metadata`` lists them, t
 the model's ``state_dict()`` (``decoder.layers.<i>.…`` with global layer numbers: the only layout
 work the reader does is joining TP shards and placing PP / virtual stages). Everything else is the
 family's name table (:mod:`hf_merge.name_tables.megatron_gpt`, :mod:`hf_merge.name_tables.megatron_moe`)
-applied by the one interpreter, :class:`~hf_merge.transforms.name_table.NameTableView`: stacked layer
+applied by the one interpreter, :class:`~hf_merge.transforms.name_table_view.NameTableView`: stacked layer
 and expert axes unstacked, fused QKV and gate/up tensors split by role (lazily, as row regions),
 1:1 renames, and a tensor the table does not know is a :class:`~hf_merge.errors.MappingError`
 naming it. The reader adds what only the checkpoint's structure says: critic or actor, a tied
@@ -44,16 +44,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import torch
-
-from .. import filemap
-from . import contained, record_crc
-from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from . import contained, megatron_legacy
+from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from .. import config_fields
 from ..config_overrides import ConfigOverrides
 from ..errors import (
@@ -66,38 +62,17 @@ from ..errors import (
 )
 from ..formats import SourceFormat
 from ..spec import TensorSpec
-from ..name_tables.megatron_gpt import HF_LAYER, LAYER, NOT_MODEL
-from ..transforms.name_table import NameTable, NameTableView, attention_heads, find_table
+from ..name_tables.megatron_gpt import HF_LAYER, LAYER_INDEX, NOT_MODEL, OUTPUT_BIAS, OUTPUT_LAYER
+from ..transforms.name_table import NameTable, find_table
+from ..transforms.name_table_view import NameTableView, attention_heads
 from .dcp import DcpCheckpoint, is_dcp_dir
 from .fsdp_files import choose_step
 from ..hf_files import checkpoint_side_dir, load_config
-from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
 
 __all__ = ["probe", "open_megatron", "find_layout", "resolve_megatron_dir"]
 
 MANIFEST = "ckpt_contents.json"
 TRANSFORMER_CONFIG = "transformer_config.json"
-_MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-_MAX_NAMED = 12
-# Megatron-Core's own names for the tensors whose role the reader decides (not a mapping: the
-# checkpoint's structure says whether the output layer is a language-model or a value head, tied
-# or not). The HF names come from the family's table (hf_merge.name_tables.megatron_*).
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT_LAYER = "output_layer.weight"
-OUTPUT_BIAS = "output_layer.bias"
-# How legacy per-rank files split a tensor over TP ranks: the dim, or "gate_up" (each rank holds
-# [gate_r; up_r]); unlisted names are replicated. A data layout, the same for every family.
-_TENSOR_PARALLEL: dict[str, int | str] = {
-    EMBEDDING: 0,
-    OUTPUT_LAYER: 0,
-    "self_attention.linear_qkv.weight": 0,
-    "self_attention.linear_qkv.bias": 0,
-    "self_attention.linear_proj.weight": 1,
-    "self_attention.linear_proj.bias": 0,
-    "mlp.linear_fc1.weight": "gate_up",
-    "mlp.linear_fc1.bias": "gate_up",
-    "mlp.linear_fc2.weight": 1,
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,13 +141,6 @@ def _has_dist(path: Path) -> bool:
     return path.is_dir() and (is_dcp_dir(path) or (path / "metadata.json").is_file())
 
 
-def _legacy_dir(root: Path) -> Path | None:
-    for cand in (root / "model", root):
-        if cand.is_dir() and any(_MP_RANK.match(p.name) and (p / "model.pt").is_file() for p in cand.iterdir()):
-            return cand
-    return None
-
-
 def find_layout(path: Path) -> Layout | None:
     """Recognise a verl Megatron checkpoint at ``path`` (cheap: file names and small JSON only)."""
     path = Path(path)
@@ -210,7 +178,7 @@ def find_layout(path: Path) -> Layout | None:
         lay.extra_dist_dirs = [p for p in (path / "optimizer" / "dist_ckpt", path / "extra" / "dist_ckpt") if p.is_dir()]
     elif _has_dist(path / "dist_ckpt"):
         lay = Layout("v1", path, dist_dir=path / "dist_ckpt", hf_dir=path / "huggingface")
-    elif (legacy := _legacy_dir(path)) is not None:
+    elif (legacy := megatron_legacy.legacy_dir(path)) is not None:
         hf = path / "huggingface"
         if legacy == path and path.name == "model" and not hf.is_dir():
             hf = path.parent / "huggingface"  # the user passed <role>/model itself
@@ -333,15 +301,6 @@ def _check_heads(config: Mapping[str, Any], tconf: Mapping[str, Any] | None, cfg
                 f"config.json {ours}={val} but the Megatron {TRANSFORMER_CONFIG} has {theirs}={t}; "
                 "the HF config does not describe this checkpoint (pass the right config_dir)"
             )
-
-
-_LAYER_RE = re.compile(r"^(\d+)\.(.+)$")
-
-
-def _name_list(names: Sequence[str]) -> str:
-    shown = ", ".join(sorted(names)[:_MAX_NAMED])
-    more = len(names) - _MAX_NAMED
-    return shown + (f" (and {more} more)" if more > 0 else "")
 
 
 @dataclass
@@ -490,7 +449,7 @@ def _parallel_details(lay: Layout, dcp: DcpCheckpoint | None) -> dict[str, Any]:
     if out["tp"] is None and dcp is not None:
         for key in dcp.specs():
             if key.endswith("self_attention.linear_qkv.weight") and not key.startswith("optimizer"):
-                out["tp"] = _infer_tp(dcp, key, not _LAYER_RE.match(key[len("decoder.layers.") :]))
+                out["tp"] = _infer_tp(dcp, key, not LAYER_INDEX.match(key[len("decoder.layers.") :]))
                 out["tp_inferred"] = True
                 break
     return {k: v for k, v in out.items() if v is not None}
@@ -667,251 +626,25 @@ def _step_from(path: Path) -> int | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# Legacy per-rank files: model/mp_rank_XX[_PPP]/model.pt
-# --------------------------------------------------------------------------------------------
-
-
-#: Legacy ``model.pt``: tensors plus ``_extra_state`` entries that are ``io.BytesIO`` values.
-LEGACY_RANK_FILE = TENSOR_FILE | Allowlist.of(calls=[("_io", "BytesIO")], classes=[("_io", "BytesIO")])
-
-
-def _load_rank_file(path: Path) -> list[dict[str, Any]]:
-    """``torch.load`` one legacy rank file under :data:`LEGACY_RANK_FILE` (records checked,
-    memory-mapped, weights only) -> list of state dicts (one per virtual pipeline stage)."""
-    obj = torch_load(contained.check(path), LEGACY_RANK_FILE, str(path))
-    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
-        sds = [obj["model"]]
-    elif isinstance(obj, dict) and any(re.fullmatch(r"model\d+", k) for k in obj):
-        sds = [obj[k] for k in sorted((k for k in obj if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))]
-    elif isinstance(obj, (list, tuple)):
-        sds = list(obj)
-    elif isinstance(obj, dict):
-        sds = [obj]
-    else:
-        raise UnsupportedCheckpointError(f"{path}: holds a {type(obj).__name__}, not a model state dict")
-    out = []
-    for sd in sds:
-        if not isinstance(sd, dict):
-            raise UnsupportedCheckpointError(f"{path}: holds a {type(sd).__name__}, not a model state dict")
-        tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-        if tensors and all(k.startswith("module.") for k in tensors):
-            tensors = {k[len("module.") :]: v for k, v in tensors.items()}
-        out.append(tensors)
-    return out
-
-
-class _AssembledTensors(LazyCheckpoint):
-    """Global tensors put together from local pieces (memory-mapped tensors) at known offsets."""
-
-    def __init__(self, info: CheckpointInfo):
-        self.info = info
-        self._specs: dict[str, TensorSpec] = {}
-        self._pieces: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
-        self._mapped: list[int] = []
-
-    def track(self, path: Path, tensors: list[torch.Tensor]) -> None:
-        """Make the records of ``path`` (whose mapped ``tensors`` this object keeps) CRC-checkable."""
-        token = filemap.register(path, tensors)
-        if token is not None:
-            self._mapped.append(token)
-            weakref.finalize(self, filemap.unregister, token)
-            record_crc.add_file(path)
-
-    def close(self) -> None:
-        for token in self._mapped:
-            filemap.unregister(token)
-        self._mapped.clear()
-
-    def add(self, name: str, shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
-        dtypes = {t.dtype for _, t in pieces}
-        if len(dtypes) != 1:
-            raise CorruptCheckpointError(f"{self.info.path}: the pieces of {name} have different dtypes {sorted(map(str, dtypes))}")
-        covered = sum(t.numel() for _, t in pieces)
-        numel = 1
-        for d in shape:
-            numel *= d
-        if covered != numel:
-            raise CorruptCheckpointError(f"{self.info.path}: the pieces of {name} cover {covered} of {numel} elements")
-        self._specs[name] = TensorSpec(name, shape, dtypes.pop())
-        self._pieces[name] = pieces
-
-    def specs(self) -> dict[str, TensorSpec]:
-        return self._specs
-
-    def read_into(self, name: str, out: torch.Tensor) -> None:
-        spec = self._specs[name]
-        check_out(spec, out)
-        self.read_region_into(name, (0,) * len(spec.shape), out)
-
-    def read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
-        size = tuple(out.shape)
-        for offsets, t in self._pieces[name]:
-            lo = [max(s, o) for s, o in zip(start, offsets)]
-            hi = [min(s + n, o + z) for s, n, o, z in zip(start, size, offsets, t.shape)]
-            if any(a >= b for a, b in zip(lo, hi)):
-                continue
-            record_crc.check_tensor(t)
-            src = t[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
-            out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))].copy_(src)
-
-
-def _tp_pieces(
-    name: str, rule: Any, local: list[torch.Tensor], where: str
-) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]:
-    """Global shape and pieces of one tensor from its TP-rank-ordered local shards."""
-    shapes = {tuple(t.shape) for t in local}
-    if len(shapes) != 1:
-        raise CorruptCheckpointError(f"{where}: {name} has different shapes on the TP ranks: {sorted(shapes)}")
-    shape = shapes.pop()
-    tp = len(local)
-    zero = (0,) * len(shape)
-    if rule is None or tp == 1:
-        return shape, [(zero, local[0])]
-    if rule in (0, 1):
-        if rule >= len(shape):
-            raise MappingError(f"{where}: {name} has no dim {rule} to join the TP shards along")
-        g = list(shape)
-        g[rule] *= tp
-        pieces = []
-        for r, t in enumerate(local):
-            off = [0] * len(shape)
-            off[rule] = r * shape[rule]
-            pieces.append((tuple(off), t))
-        return tuple(g), pieces
-    if rule == "gate_up":
-        if shape[0] % 2:
-            raise MappingError(f"{where}: {name} has an odd number of rows; cannot be a [gate; up] shard")
-        f = shape[0] // 2
-        total = f * tp
-        pieces = []
-        for r, t in enumerate(local):
-            pieces.append(((r * f,) + zero[1:], t[:f]))
-            pieces.append(((total + r * f,) + zero[1:], t[f:]))
-        return (2 * total,) + shape[1:], pieces
-    raise MappingError(f"{where}: unknown tensor_parallel rule {rule!r} for {name}")
-
-
 def _open_legacy(
     path: Path, lay: Layout, *, config_dir: Path | None, is_value_model: bool | None, notes: list[str]
 ) -> LazyCheckpoint:
-
     assert lay.legacy_dir is not None
-    grid: dict[tuple[int, int], Path] = {}
-    for d in sorted(lay.legacy_dir.iterdir()):
-        m = _MP_RANK.match(d.name)
-        if not m or not (d / "model.pt").is_file():
-            continue
-        tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
-        if m.group(3) is not None:
-            raise UnsupportedCheckpointError(
-                f"{d}: expert-parallel legacy files (mp_rank_XX_PPP_EEE) are not supported; re-save with "
-                "dist checkpointing (torch_dist)"
-            )
-        grid[(tp_rank, pp_rank)] = d / "model.pt"
-    tp = max(t for t, _ in grid) + 1
-    pp = max(p for _, p in grid) + 1
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp) if (t, p) not in grid]
-    if missing:
-        raise CorruptCheckpointError(f"{lay.legacy_dir}: rank files missing for {', '.join(missing)} (TP={tp}, PP={pp})")
-
+    grid = megatron_legacy.rank_grid(lay.legacy_dir)
     cdir, config = _load_hf_config(lay.hf_dir, config_dir, lay.root)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise MissingConfigError(f"{cdir / 'config.json'}: no model_type")
     table = _table_for(config, cdir, lay.transformer_config)
-    lp = LAYER
-    rules = _TENSOR_PARALLEL
-    if tp > 1 and "expert" in table.sizes:
-        raise UnsupportedCheckpointError(
-            f"{lay.legacy_dir}: legacy per-rank files of an MoE model ({table.name}) saved at TP={tp} are not "
-            "supported (expert tensor-parallel layouts vary); re-save with dist checkpointing (torch_dist)"
-        )
-
-    # files[p][t] = list over virtual stages of state dicts
-    files = [[_load_rank_file(grid[(t, p)]) for t in range(tp)] for p in range(pp)]
-    vpp = {len(files[p][t]) for p in range(pp) for t in range(tp)}
-    if len(vpp) != 1:
-        raise CorruptCheckpointError(f"{lay.legacy_dir}: rank files hold different numbers of virtual pipeline stages {sorted(vpp)}")
-    vpp_n = vpp.pop()
-
-    def local_layers(sd: dict[str, Any]) -> list[int]:
-        idx = set()
-        for k in sd:
-            if k.startswith(lp):
-                m = _LAYER_RE.match(k[len(lp) :])
-                if m:
-                    idx.add(int(m.group(1)))
-        return sorted(idx)
-
-    info = CheckpointInfo(format="megatron", path=path, hf_dir=cdir, world_size=tp * pp, step=_step_from(path))
-    src = _AssembledTensors(info)
-    src.zip_archives = lambda: [(grid[k], 0, None) for k in sorted(grid)]  # for CRC checks
-    for (t, p), rank_file in grid.items():  # each tensor's record is found through its file offset
-        src.track(rank_file, [x for sd in files[p][t] for x in sd.values()])
-    notes = list(notes)
-    offset = 0
-    where = str(lay.legacy_dir)
-    seen_globals: dict[str, tuple[int, int]] = {}
-    drop_tied_copy = config_fields.ties_word_embeddings(config) and pp * vpp_n > 1
-    for v in range(vpp_n):
-        for p in range(pp):
-            sds = [files[p][t][v] for t in range(tp)]
-            keys = list(sds[0])
-            for t in range(1, tp):
-                if set(sds[t]) != set(keys):
-                    raise CorruptCheckpointError(
-                        f"{where}: TP ranks 0 and {t} of pipeline stage {p} hold different tensors: "
-                        f"{_name_list(sorted(set(sds[t]) ^ set(keys)))}"
-                    )
-            layers = local_layers(sds[0])
-            if layers and layers != list(range(len(layers))):
-                raise CorruptCheckpointError(f"{where}: pipeline stage {p} has non-contiguous local layers {layers}")
-            for k in keys:
-                if table.ignored(k):
-                    continue
-                m = _LAYER_RE.match(k[len(lp) :]) if k.startswith(lp) else None
-                if m:
-                    suffix = m.group(2)
-                    name = f"{lp}{offset + int(m.group(1))}.{suffix}"
-                    rule = rules.get(suffix)
-                else:
-                    name = k
-                    rule = rules.get(k)
-                    if k in seen_globals:
-                        if k == OUTPUT_LAYER and drop_tied_copy:
-                            continue
-                        raise CorruptCheckpointError(
-                            f"{where}: {k} is on pipeline stages {seen_globals[k][1]} and {p}; only a tied "
-                            "output layer may repeat"
-                        )
-                    seen_globals[k] = (v, p)
-                    if k == OUTPUT_LAYER and drop_tied_copy and EMBEDDING in seen_globals:
-                        notes.append(f"{k} on the last pipeline stage is Megatron's copy of the tied embedding; not written")
-                        del seen_globals[k]
-                        continue
-                local = [sd[k] for sd in sds]
-                if k in (OUTPUT_LAYER, OUTPUT_BIAS) and local[0].ndim >= 1 and local[0].shape[0] == 1:
-                    rule = None  # a [1, H] value head is replicated, not vocab-parallel
-                shape, pieces = _tp_pieces(name, rule, local, where)
-                src.add(name, shape, pieces)
-            offset += len(layers)
-    if offset != config_fields.get(config, "num_hidden_layers"):  # an int or absent (checked by _load_hf_config)
-        raise MappingError(
-            f"{where}: the rank files hold {offset} layers but config.json has num_hidden_layers="
-            f"{config_fields.get(config, 'num_hidden_layers')}; is config.json the right one?"
-        )
-    if drop_tied_copy and OUTPUT_LAYER in src.specs():
-        # The copy was seen before the embedding (cannot happen in stage order); keep it honest.
-        raise CorruptCheckpointError(f"{where}: tied output layer found before the embedding")
-
-    named = hf_names(src, table, config, is_value_model=is_value_model, where=where)
+    info = CheckpointInfo(format="megatron", path=path, hf_dir=cdir, world_size=grid.tp * grid.pp, step=_step_from(path))
+    ranks = megatron_legacy.assemble(grid, table, config, info)
+    named = hf_names(ranks.tensors, table, config, is_value_model=is_value_model, where=str(lay.legacy_dir))
     details = {
         "layout": "legacy",
-        "tp": tp,
-        "pp": pp,
-        "vpp": vpp_n if vpp_n > 1 else None,
-        "num_layers": offset,
+        "tp": grid.tp,
+        "pp": grid.pp,
+        "vpp": ranks.vpp if ranks.vpp > 1 else None,
+        "num_layers": ranks.num_layers,
         "family": table.name.split(".", 1)[-1],
         "moe": named.moe,
         "model_type": model_type,
@@ -919,7 +652,7 @@ def _open_legacy(
         "tied": named.head.tied,
     }
     info.details = {k: v for k, v in details.items() if v is not None}
-    info.notes = notes + named.head.notes
+    info.notes = list(notes) + ranks.notes + named.head.notes
     info.warnings = named.head.warnings
     info.config_overrides = named.head.config_overrides
     named.view.info = info

@@ -17,7 +17,8 @@ from pathlib import Path
 from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from ..formats import SourceFormat
 from ..hf_files import load_config
-from ..transforms.name_table import NameTableView, find_table
+from ..transforms.name_table import find_table
+from ..transforms.name_table_view import NameTableView
 from .dcp import is_dcp_dir
 from .dcp_sources import config_beside, newest_step, open_dcp_model
 
@@ -43,7 +44,7 @@ def open_torchtitan(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
     hf_dir = config_beside(folder, config_dir)
     config = load_config(hf_dir)
     table = find_table("torchtitan", config)
-    info = CheckpointInfo(format="torchtitan-dcp", path=folder, hf_dir=hf_dir, step=step, notes=notes)
+    info = CheckpointInfo(format="torchtitan", path=folder, hf_dir=hf_dir, step=step, notes=notes)
     info.details["name_table"] = table.name
     source = open_dcp_model(folder, info, strip=None, skip=())
     view = NameTableView(source, table, config)
@@ -60,6 +61,8 @@ def probe(path: Path) -> bool:
 
 FORMAT = SourceFormat(
     name="torchtitan",
+    aliases=("torchtitan-dcp",),
+    weights_label="torchtitan-dcp",
     description="torchtitan checkpoint/step-N DCP folders (Llama 3, Qwen3; names mapped by a table)",
     probe=probe,
     open=open_torchtitan,

@@ -16,7 +16,7 @@ A fused tensor stacks several Hugging Face tensors along dim 0 (rows):
 The arithmetic is a list of row ranges per role (:func:`qkv_row_ranges`,
 :func:`gate_up_row_ranges`); :func:`split_qkv` / :func:`split_gate_up` apply them to in-memory
 tensors and :func:`merge_qkv` / :func:`merge_gate_up` invert them. The name-table transform
-(:mod:`hf_merge.transforms.name_table`) applies a :class:`FusedSplit` lazily: each output role is
+(:mod:`hf_merge.transforms.name_table_view`) applies a :class:`FusedSplit` lazily: each output role is
 read as a few row regions of the fused tensor, straight into the caller's buffer, so the fused
 tensor is never held whole (when the base supports region reads; see :func:`read_region_into`).
 """
