@@ -218,7 +218,7 @@ def measure(ns: argparse.Namespace) -> int:
     ns.inputs.mkdir(parents=True, exist_ok=True)
     all_cases = cases(sources(ns.inputs.resolve()))
     chosen = ns.only or list(all_cases)
-    results = {"tree": str(tree), "commit": _commit(tree), "python": sys.executable, "cases": {}}
+    results = {"tree": str(tree), "commit": ns.label or _commit(tree), "python": sys.executable, "cases": {}}
     print(f"{'case':24} {'rc':>3} {'files':>5} {'s':>6}  note")
     for name in chosen:
         case = all_cases[name]
@@ -286,6 +286,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "hf-merge-byte-identity",
                     help="output folders (the same path for every tree; removed after hashing)")
     ap.add_argument("--only", nargs="*", help="case names (default: all)")
+    ap.add_argument("--label", help="what the tree is, recorded as its commit (default: git rev-parse HEAD in TREE)")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"), help="compare two results; exit 1 on any difference")
     ns = ap.parse_args()
     if ns.compare:
