@@ -107,10 +107,12 @@ def trace_merge(source: Path, extra: list[str]) -> Tracer:
     import hf_merge.cli.app as app
 
     out = Path(tempfile.mkdtemp(prefix="hf-merge-trace-")) / "out"
-    args = app.build_parser().parse_args(["merge", str(source), str(out), *extra])
+    argv = ["merge", str(source), str(out), *extra]
+    args = app.build_parser().parse_args(argv) if hasattr(app, "build_parser") else None
     tracer = Tracer()
     try:
-        rc = tracer.run(args.run, args)
+        # the merge command's run(args), as app.main calls it; else app.main itself (its parsing traced too)
+        rc = tracer.run(args.run, args) if getattr(args, "run", None) else tracer.run(app.main, argv)
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
     if rc not in (0, None):
@@ -137,7 +139,7 @@ def area(mod: str) -> str:
     return parts[1] + "/" if len(parts) > 2 else "(package root)"
 
 
-def print_trace(t: Tracer, imports: dict[str, set[str]]) -> None:
+def print_trace(t: Tracer, imports: dict[str, set[str]], wing: list[str]) -> None:
     distinct = len(t.moves)
     climbing = len(t.climbs)
     r = reach(imports)
@@ -160,6 +162,9 @@ def print_trace(t: Tracer, imports: dict[str, set[str]]) -> None:
     print(f"moves (every call): {sum(t.moves.values())}, of which climb back up: {sum(t.climbs.values())}")
     print(f"moves against the import direction (the callee imports the caller, not the other way): {len(upward)}; "
           f"between modules importing each other: {len(circular)}")
+    wing_mods = {"hf_merge." + f.removesuffix(".py").replace("/", ".") for f in wing}
+    in_wing = sorted(m for m in t.entered if m in wing_mods)
+    print(f"write-wing modules entered (--wing): {len(in_wing)}: {', '.join(m.removeprefix('hf_merge.') for m in in_wing)}")
     areas = collections.Counter(area(m) for m in t.entered if m not in only_hooks)
     print("modules entered per folder: " + ", ".join(f"{a} {n}" for a, n in sorted(areas.items())) + "\n")
     print(f"| {'caller -> callee':70} | calls | climbs | against imports |")
@@ -384,7 +389,7 @@ def main() -> int:
             raise SystemExit(f"hf_merge comes from {hf_merge.__file__}, not {pkg}: run with PYTHONPATH={tree}")
         g = import_graph(pkg)
         both = {k: g["module"].get(k, set()) | g["function"].get(k, set()) for k in set(g["module"]) | set(g["function"])}
-        print_trace(trace_merge(ns.source, ns.merge_args.split()), both)
+        print_trace(trace_merge(ns.source, ns.merge_args.split()), both, ns.wing)
     print_cycles(pkg, ns.max_cycles)
     print_wing(pkg, ns.wing)
     return 0
