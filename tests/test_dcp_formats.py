@@ -177,7 +177,15 @@ def test_generic_dcp_top_level_hf_names_tied_bf16(dcp_root, tmp_path):
     src = dcp_root / "dcp_plain" / "ckpt"
     assert formats.detect(src).chosen.name == "dcp"
     out = tmp_path / "out"
-    _merge(src, out)  # config.json beside the .metadata
+    (src / "zero_to_fp32.py").write_text("raise SystemExit('a training script, not modeling code')\n")
+    (src / "latest").write_text("global_step1\n")
+    try:
+        _merge(src, out)  # config.json beside the .metadata (and the training run's own files)
+    finally:
+        (src / "zero_to_fp32.py").unlink()
+        (src / "latest").unlink()
+    # the config folder is the checkpoint itself: its rank files and training files stay behind
+    assert not [f.name for f in out.iterdir() if f.suffix in (".distcp", ".py") or f.name in ("latest", ".metadata")]
     got = folder_tensors(out)
     assert "lm_head.weight" not in got and got["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert_tensors_equal(got, folder_tensors(dcp_root / "dcp_plain" / "reference"))
