@@ -413,17 +413,16 @@ def fill_and_finish(sink: _Sink, fill: Callable[[], None]) -> str | None:
         sink.close()
 
 
-def _add_tensor(sink: _Sink, tensor: torch.Tensor) -> int:
-    """Append ``tensor``'s bytes: from its file when it is rank-file bytes, else from memory."""
+def _add_tensor(sink: _Sink, piece: filemap.Piece) -> int:
+    """Append ``piece``'s bytes: from its file when it is rank-file bytes, else from memory."""
     import torch
 
-    n = tensor.numel() * tensor.element_size()
-    located = filemap.locate(tensor)
-    if located is not None:
-        sink.add_file(located[0], located[1], n)
-    else:
-        sink.add_memory(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
-    return n
+    run = filemap.run_of(piece)
+    if run is not None:
+        sink.add_file(run.fd, run.offset, run.nbytes)
+        return run.nbytes
+    sink.add_memory(memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return piece.numel() * piece.element_size()
 
 
 def join_range(ranges: list[list[int]], source: tuple[int, int], offset: int, n: int) -> None:
@@ -452,12 +451,11 @@ def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan, whole_limit: int) -> list[
         if rows is None:
             return None
         for _first, run in rows:
-            located = filemap.locate(run)
+            located = filemap.run_of(run)
             if located is None:
                 return None
-            fd, offset = located
-            if fd not in sources:
-                st = os.fstat(fd)
-                sources[fd] = (st.st_dev, st.st_ino)
-            join_range(ranges, sources[fd], offset, run.numel() * run.element_size())
+            if located.fd not in sources:
+                st = os.fstat(located.fd)
+                sources[located.fd] = (st.st_dev, st.st_ino)
+            join_range(ranges, sources[located.fd], located.offset, located.nbytes)
     return ranges

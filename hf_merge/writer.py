@@ -51,27 +51,28 @@ ProgressFn = Callable[[int], None]
 WHOLE_TENSOR_LIMIT = 256 << 20
 
 
-def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    if filemap.copy_to_file(tensor, fd, offset):  # bytes of a rank file: copied file to file
+def _pwrite_all(fd: int, piece: filemap.Piece, offset: int) -> None:
+    if filemap.copy_to_file(piece, fd, offset):  # bytes of a rank file: copied file to file
         return
-    filemap.pwrite_exact(fd, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), offset)
+    filemap.pwrite_exact(fd, memoryview(filemap.values(piece).reshape(-1).view(torch.uint8).numpy()), offset)
 
 
-def _write_piece(piece: torch.Tensor, fd: int, offset: int, done: CompletedRanges) -> None:
+def _write_piece(piece: filemap.FileRun, fd: int, offset: int, done: CompletedRanges) -> None:
     _pwrite_all(fd, piece, offset)
-    done.add(offset, offset + piece.numel())
+    done.add(offset, offset + piece.nbytes)
 
 
 def _submit_copy(
-    pool: PiecePool, rows: torch.Tensor, fd: int, offset: int, done: CompletedRanges, poll: Callable[[], None]
+    pool: PiecePool, rows: filemap.Piece, fd: int, offset: int, done: CompletedRanges, poll: Callable[[], None]
 ) -> bool:
     """Hand the file-to-file copy of ``rows`` to ``pool`` in pieces; False when ``rows`` are not
-    bytes of a registered rank file (then only the caller knows how long they stay valid)."""
-    if filemap.locate(rows) is None:
+    bytes of a rank file (then only the caller knows how long they stay valid)."""
+    run = filemap.run_of(rows)
+    if run is None:
         return False
-    flat = rows.reshape(-1).view(torch.uint8)
+    flat = run.tensor.reshape(-1).view(torch.uint8)
     for a in range(0, flat.numel(), PIECE_BYTES):
-        pool.submit(_write_piece, flat[a : a + PIECE_BYTES], fd, offset + a, done, poll=poll)
+        pool.submit(_write_piece, run.piece(flat[a : a + PIECE_BYTES]), fd, offset + a, done, poll=poll)
     return True
 
 
