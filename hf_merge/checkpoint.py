@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from .config_overrides import ConfigOverrides
+from .filemap import FileRun, MappedFile, Piece, read_into, values
 from .spec import TensorSpec
 
 ROW_CHUNK_BYTES = 32 << 20  # converted / computed runs of rows are at most about this big
@@ -59,7 +60,14 @@ class LazyCheckpoint:
         raise NotImplementedError
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
-        raise NotImplementedError
+        """The default: the tensor's :meth:`read_rows` runs, each read into its rows of ``out``."""
+        spec = self.specs()[name]
+        check_out(spec, out)
+        runs = self.read_rows(name, spec.dtype) if spec.shape else None
+        if runs is None:
+            raise NotImplementedError
+        for first, piece in runs:
+            read_into(piece, out[first : first + len(values(piece))])
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Return the full tensor ``name`` (in ``dtype``, default the spec's) as a new tensor."""
@@ -68,16 +76,18 @@ class LazyCheckpoint:
         self.read_into(name, out)
         return out
 
-    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES) -> Iterator[tuple[int, torch.Tensor]] | None:
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES) -> Iterator[tuple[int, Piece]] | None:
         """Optional streaming fast path: the tensor as contiguous runs of rows (along dim 0).
 
         Returns None when not supported (the caller then uses :meth:`read_into`), else an iterator
-        of ``(first_row, rows)`` where ``rows`` is a contiguous tensor in ``dtype`` holding the rows
-        ``first_row .. first_row + len(rows)`` of the full tensor, in order, covering it exactly.
-        A run may be a zero-copy view of the source (same dtype) and must not be modified; a
-        converted or computed run holds at most about ``max_bytes``, and is only valid until the
-        next run is requested (a buffer may be reused): consume it, or clone it to keep it. Values
-        are identical to what :meth:`read_into` produces.
+        of ``(first_row, piece)`` where ``piece`` holds the rows ``first_row .. first_row + n`` of
+        the full tensor in ``dtype``, in order, covering it exactly. A piece that is a source
+        file's bytes unchanged is a :class:`~hf_merge.filemap.FileRun` (descriptor, offset, byte
+        count, and the rows as a view of the file's mapping): it must not be modified. Any other
+        piece is a contiguous tensor; a converted or computed one holds at most about ``max_bytes``
+        and is only valid until the next run is requested (a buffer may be reused): consume it, or
+        clone it to keep it. :func:`~hf_merge.filemap.values` gives either as a tensor; values are
+        identical to what :meth:`read_into` produces.
 
         The default serves checkpoints that can read a box of a tensor (``read_region_into``:
         DCP / Megatron readers and the views over them) as chunks of rows read by ``pread``;
@@ -158,14 +168,17 @@ def open_checkpoint(
     return open_source(Path(source), backend, config_dir, {"is_value_model": is_value_model, **options})
 
 
-def row_runs(tensor: torch.Tensor, first_row: int, dtype: torch.dtype, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
+def row_runs(
+    tensor: torch.Tensor, first_row: int, dtype: torch.dtype, max_bytes: int, source: MappedFile | FileRun | None = None
+) -> Iterator[tuple[int, Piece]]:
     """``tensor`` (rows ``first_row..``) as :meth:`LazyCheckpoint.read_rows` runs in ``dtype``.
 
-    Same dtype and contiguous: one zero-copy run. Otherwise runs of about ``max_bytes`` each,
-    converted by ``copy_`` (round to nearest even, as ``Tensor.to``) into one reused buffer.
+    Same dtype and contiguous: one zero-copy run, a :class:`~hf_merge.filemap.FileRun` where it is
+    bytes of ``source`` (the file the reader mapped it from, or a run it is a view of). Otherwise runs of about ``max_bytes``
+    each, converted by ``copy_`` (round to nearest even, as ``Tensor.to``) into one reused buffer.
     """
     if tensor.dtype == dtype and tensor.is_contiguous():
-        yield first_row, tensor
+        yield first_row, source.piece(tensor) if source is not None else tensor
         return
     row_bytes = max(1, (tensor[0].numel() if tensor.dim() and len(tensor) else 1) * dtype.itemsize)
     step = max(1, max_bytes // row_bytes)

@@ -6,7 +6,7 @@ the other. A :class:`DeviceStager` streams a tensor as runs of rows (``LazyCheck
 in the checkpoint's own dtype) through a small ring of page-locked buffers:
 
 - a run's bytes are read straight from the rank file into a pinned buffer (``preadv`` through
-  :mod:`hf_merge.filemap` where the run is a mapped file range, else one host copy);
+  its descriptor where the run is a :class:`~hf_merge.filemap.FileRun`, else one host copy);
 - the host-to-device copy of that buffer is queued on the stager's own stream (``non_blocking``),
   and the next run is read while it is in flight; a buffer is reused only once its copy is done
   (an event per buffer);
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import filemap
+from .filemap import Piece, read_into, run_of, values
 
 if TYPE_CHECKING:
     from .checkpoint import LazyCheckpoint
@@ -61,25 +61,27 @@ class DeviceStager:
             host = view.read(name)
             self._finish(lambda: out.copy_(host.to(self.device, non_blocking=False)))
             return
-        for first, rows in runs:
+        for first, piece in runs:
+            rows, run = values(piece), run_of(piece)
             row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
             if row_bytes > self.slot_bytes:  # one row larger than a buffer: copy it as it is
                 self._finish(lambda r=rows, f=first: out[f : f + len(r)].copy_(r.to(self.device)))
                 continue
             step = self.slot_bytes // max(1, row_bytes)
             for start in range(0, len(rows), step):
-                self._send(rows[start : start + step], out[first + start : first + start + min(step, len(rows) - start)])
+                part = rows[start : start + step]
+                self._send(run.piece(part) if run else part, out[first + start : first + start + min(step, len(rows) - start)])
         self._finish(lambda: None)
 
-    def _send(self, rows: torch.Tensor, dst: torch.Tensor) -> None:
+    def _send(self, piece: Piece, dst: torch.Tensor) -> None:
+        rows = values(piece)
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
         done = self._done[slot]
         if done is not None:
             done.synchronize()  # the buffer's previous transfer has finished
         host = self._buffers[slot][: rows.numel() * rows.element_size()].view(rows.dtype).view(rows.shape)
-        if not filemap.read_into(rows, host):
-            host.copy_(rows)
+        read_into(piece, host)
         if not self.cuda:
             dst.copy_(host)
             return

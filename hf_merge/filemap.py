@@ -1,221 +1,160 @@
-"""Where the bytes of a memory-mapped tensor live on disk, so they can be copied through the file.
+"""Byte provenance: which file range holds a piece of a tensor, as the reader that mapped it says.
 
-Rank files are loaded with ``torch.load(mmap=True)``: their tensors are views of a mapping of the
-file. Handing such a view to ``pwrite`` makes the kernel fault in and walk every source page;
+Rank files are memory-mapped whole (``torch.load(mmap=True)``, or a reader's own
+``UntypedStorage.from_file``): each storage is a slice of that one mapping at its zip record's data
+offset. Handing such a view to ``pwrite`` makes the kernel fault in and walk every source page;
 copying the same bytes through the file descriptor (``copy_file_range`` into the output file,
 ``preadv`` into a buffer) skips that, and took 2-3x less system time on the benchmark checkpoint.
 
-A reader registers the tensors it loaded from a file (:func:`register`: each storage's file offset,
-found through the file's entries in ``/proc/self/maps``, Linux only) and drops them when it closes
-(the reader keeps the tensors alive until then, so a registered address always holds that file's
-bytes). :func:`locate` answers "which file and offset hold this tensor's bytes", or None, and callers
-then use the pages as before.
+A reader keeps one :class:`MappedFile` per file it mapped (the file open by descriptor for the
+reader's lifetime, and the address range of the mapping, found from the zip records the reader has
+already parsed). Its ``read_rows`` then hands out a :class:`FileRun` (descriptor, file offset, byte
+count, and the same bytes as a tensor view) for every run that is the file's bytes unchanged, and a
+plain tensor for every run it converted or computed. Transforms that pass runs through unchanged
+keep the :class:`FileRun`; consumers that want values take :func:`values`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
+import mmap
 import os
-import threading
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
 if TYPE_CHECKING:  # torch is imported by whoever hands tensors in; pread/pwrite need none
     import torch
 
-MAPS = "/proc/self/maps"
-PROBE_BYTES = 64
-# copy_file_range errors that mean "not between these files / not here": copy through memory instead.
-UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
+    from .readers.torch_zip import Record
 
 
-@dataclass(frozen=True)
-class _Storage:
+
+@dataclass(frozen=True, eq=False)
+class FileRun:
+    """``nbytes`` bytes of the open file ``fd`` from ``offset``; ``tensor`` is the same bytes as a
+    contiguous view of the file's mapping (valid while the reader is open; never modify it)."""
+
     fd: int
-    offset: int  # file offset of the storage's first byte
+    offset: int
     nbytes: int
-    # a registered tensor on this storage: while it lives, so does the mapping at this address. Once
-    # it is gone the address may hold another file's mapping (a reader dropped without close(), its
-    # pages unmapped, the address reused by the next torch.load(mmap=True)): never trusted then.
-    owner: "weakref.ref[torch.Tensor]"
+    tensor: "torch.Tensor"
+
+    def piece(self, tensor: "torch.Tensor") -> "Piece":
+        """``tensor`` (a view of this run's tensor: rows or bytes of it) as a run of the same file
+        when it is contiguous and inside the run, else itself."""
+        at = tensor.data_ptr() - self.tensor.data_ptr()
+        n = tensor.numel() * tensor.element_size()
+        if not n or not tensor.is_contiguous() or at < 0 or at + n > self.nbytes:
+            return tensor
+        return FileRun(self.fd, self.offset + at, n, tensor)
 
 
-_lock = threading.Lock()
-_storages: dict[int, _Storage] = {}  # storage data_ptr -> where its bytes are in the file
-_registrations: dict[int, tuple[int, list[int]]] = {}  # token -> (fd, storage pointers)
-_next_token = 0
+#: what ``read_rows`` yields after the first row: file bytes with their provenance, or values
+Piece = Union[FileRun, "torch.Tensor"]
 
 
-def _mapped_ranges(path: Path) -> list[tuple[int, int, int]]:
-    """``(start, end, file offset)`` of every mapping of ``path`` in this process."""
-    st = os.stat(path)
-    found = []
-    try:
-        with open(MAPS) as maps:
-            for line in maps:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or int(parts[4]) != st.st_ino:
-                    continue
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                if os.makedev(major, minor) != st.st_dev:
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                found.append((lo, hi, int(parts[2], 16)))
-    except OSError:
-        return []
-    return found
+def values(piece: Piece) -> "torch.Tensor":
+    """The tensor of ``piece``."""
+    return piece.tensor if isinstance(piece, FileRun) else piece
 
 
-def _file_offset(ranges: list[tuple[int, int, int]], ptr: int, nbytes: int) -> int | None:
-    for lo, hi, offset in ranges:
-        if lo <= ptr and ptr + nbytes <= hi:
-            return offset + (ptr - lo)
-    return None
+def run_of(piece: Piece) -> FileRun | None:
+    """``piece`` when it is file bytes, else None."""
+    return piece if isinstance(piece, FileRun) else None
 
 
-def register(path: Path, tensors) -> int | None:
-    """Record where the storages of ``tensors`` (views of ``path``'s mapping, kept alive by the
-    caller until :func:`unregister`) are in the file. Returns a token, or None when nothing could
-    be located (not Linux, not memory-mapped)."""
-    global _next_token
-    try:
-        ranges = _mapped_ranges(Path(path))
-    except OSError:
-        return None
-    if not ranges:
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    found: dict[int, _Storage] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if not nbytes or ptr in found or t.device.type != "cpu":
-            continue
-        offset = _file_offset(ranges, ptr, nbytes)
-        if offset is None:
-            continue
-        n = min(PROBE_BYTES, nbytes)
-        if os.pread(fd, n, offset) != bytes((ctypes.c_char * n).from_address(ptr)):
-            continue  # not this file's bytes after all: never trusted
-        found[ptr] = _Storage(fd, offset, nbytes, weakref.ref(t))
-    if not found:
-        os.close(fd)
-        return None
-    with _lock:
-        _next_token += 1
-        token = _next_token
-        _registrations[token] = (fd, list(found))
-        _storages.update(found)
-    return token
+class MappedFile:
+    """One source file mapped whole at ``base`` (``size`` bytes), open by descriptor until
+    :meth:`close` (or until this object is dropped)."""
 
+    def __init__(self, path: "str | os.PathLike[str]", base: int, size: int):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.base, self.size = base, size
+        self._closer = weakref.finalize(self, os.close, self.fd)
 
-def unregister(token: int | None) -> None:
-    with _lock:
-        fd, pointers = _registrations.pop(token, (None, []))
-        for ptr in pointers:
-            if ptr in _storages and _storages[ptr].fd == fd:
-                del _storages[ptr]
-    if fd is not None:
-        os.close(fd)
-
-
-def register_within(token: int, parent: torch.Tensor, tensors) -> int:
-    """Add to registration ``token`` tensors whose storages lie inside ``parent``'s registered
-    storage (e.g. ``torch.frombuffer`` views, at any byte offset, of the mapping ``parent`` covers):
-    their file offsets follow from the parent's, with no ``/proc/self/maps`` walk and no extra file
-    descriptor. The caller keeps ``parent``'s mapping alive while they live. Returns how many were
-    added (none when the parent is not registered under ``token``)."""
-    base = parent.untyped_storage().data_ptr()
-    with _lock:
-        entry = _storages.get(base)
-        fd, pointers = _registrations.get(token, (None, None))
-        if entry is None or entry.fd != fd or entry.owner() is None or pointers is None:
-            return 0
-        added = 0
+    @classmethod
+    def from_records(
+        cls, path: "str | os.PathLike[str]", tensors: Iterable["torch.Tensor"], records: Mapping[str, "Record"]
+    ) -> "MappedFile | None":
+        """The mapping that ``tensors`` (loaded from ``path`` with ``torch.load(mmap=True)``, one
+        storage per record of ``records``) are views of, or None when their storages do not line up
+        with the records (not memory-mapped, or not this file)."""
+        storages: dict[int, int] = {}
         for t in tensors:
-            storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if not nbytes or t.device.type != "cpu" or ptr < base or ptr + nbytes > base + entry.nbytes:
-                continue
-            held = _storages.get(ptr)
-            if held is not None and held.owner() is not None:
-                continue
-            _storages[ptr] = _Storage(fd, entry.offset + (ptr - base), nbytes, weakref.ref(t))
-            pointers.append(ptr)
-            added += 1
-    return added
-
-
-def registered() -> bool:
-    """Whether any file-backed storage is registered (else :func:`locate` finds nothing)."""
-    return bool(_storages)
-
-
-def locate(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """``(fd, offset)`` of the file bytes of a contiguous tensor whose storage was registered."""
-    if not _storages or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
+            s = t.untyped_storage()
+            if s.nbytes() and t.device.type == "cpu":
+                storages[s.data_ptr()] = s.nbytes()
+        if not storages:
+            return None
+        sizes = {r.data_start: r.size for r in records.values()}
+        low = min(storages)
+        # The mapping starts at a page boundary and every storage is a whole record of it: the base
+        # that lines them all up, when exactly one does and the memory there holds the file's bytes.
+        bases = [
+            low - start for start, size in sizes.items()
+            if size == storages[low] and (low - start) % mmap.PAGESIZE == 0
+            and all(sizes.get(ptr - (low - start)) == n for ptr, n in storages.items())
+        ]
+        if len(bases) != 1:
+            return None
+        mapped = cls(path, bases[0], os.path.getsize(path))
+        if all(mapped._holds(ptr, n) for ptr, n in storages.items()):
+            return mapped
+        mapped.close()  # not this file's bytes after all: never trusted
         return None
-    storage = tensor.untyped_storage()
-    with _lock:
-        entry = _storages.get(storage.data_ptr())
-    if entry is None or entry.owner() is None:
-        return None
-    start = tensor.data_ptr() - storage.data_ptr()
-    if start < 0 or start + tensor.numel() * tensor.element_size() > entry.nbytes:
-        return None
-    return entry.fd, entry.offset + start
+
+    def _holds(self, ptr: int, nbytes: int) -> bool:
+        """Whether the memory at ``ptr`` begins with the file's bytes there."""
+        import ctypes
+
+        n = min(64, nbytes)
+        return os.pread(self.fd, n, ptr - self.base) == bytes((ctypes.c_char * n).from_address(ptr))
+
+    def offset(self, tensor: "torch.Tensor") -> int | None:
+        """The file offset of a CPU tensor's first byte, when it lies in this mapping."""
+        if not self._closer.alive or tensor.device.type != "cpu":
+            return None
+        at = tensor.data_ptr() - self.base
+        return at if 0 <= at and at + tensor.numel() * tensor.element_size() <= self.size else None
+
+    def run(self, tensor: "torch.Tensor") -> FileRun | None:
+        """``tensor`` as a :class:`FileRun`, or None when it is not a contiguous view of this file."""
+        if not tensor.numel() or not tensor.is_contiguous():
+            return None
+        at = self.offset(tensor)
+        return None if at is None else FileRun(self.fd, at, tensor.numel() * tensor.element_size(), tensor)
+
+    def piece(self, tensor: "torch.Tensor") -> Piece:
+        """``tensor`` as a :class:`FileRun` where it is this file's bytes, else itself."""
+        return self.run(tensor) or tensor
+
+    def storage_span(self, tensor: "torch.Tensor") -> tuple[int, int, int] | None:
+        """``(fd, offset, nbytes)`` of the file bytes of ``tensor``'s whole storage."""
+        storage = tensor.untyped_storage()
+        if not storage.nbytes() or not self._closer.alive or tensor.device.type != "cpu":
+            return None
+        at = storage.data_ptr() - self.base
+        return (self.fd, at, storage.nbytes()) if 0 <= at and at + storage.nbytes() <= self.size else None
+
+    def close(self) -> None:
+        self._closer()
 
 
-def storage_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(fd, offset, nbytes)`` of the registered file bytes of ``tensor``'s whole storage."""
-    if not _storages or tensor.device.type != "cpu":
-        return None
-    with _lock:
-        entry = _storages.get(tensor.untyped_storage().data_ptr())
-    if entry is None or entry.owner() is None:
-        return None
-    return entry.fd, entry.offset, entry.nbytes
+def source_of(tensor: "torch.Tensor", files: Iterable[MappedFile]) -> MappedFile | None:
+    """The one of ``files`` whose mapping holds ``tensor``'s storage, or None."""
+    return next((f for f in files if f.storage_span(tensor) is not None), None)
 
 
-def copy_to_file(tensor: torch.Tensor, out_fd: int, out_offset: int) -> bool:
-    """Copy ``tensor``'s bytes from its file to ``out_fd`` at ``out_offset`` with
-    ``copy_file_range``; False (nothing assumed written) when the tensor is not file-backed or the
-    kernel cannot copy between these files."""
-    src = locate(tensor)
-    if src is None:
-        return False
-    fd, offset = src
-    total = tensor.numel() * tensor.element_size()
-    done = 0
-    try:
-        while done < total:
-            n = os.copy_file_range(fd, out_fd, total - done, offset + done, out_offset + done)
-            if n <= 0:
-                return False
-            done += n
-    except OSError as e:
-        if e.errno in UNSUPPORTED:
-            return False
-        raise
-    return True
-
-
-def read_into(tensor: torch.Tensor, out: torch.Tensor) -> bool:
-    """Fill the contiguous CPU tensor ``out`` (same dtype and size) from ``tensor``'s file with
-    ``preadv``; False when ``tensor`` is not file-backed (``out`` untouched then)."""
-    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != tensor.dtype or out.numel() != tensor.numel():
-        return False
-    src = locate(tensor)
-    if src is None:
-        return False
+def read_into(piece: Piece, out: "torch.Tensor") -> None:
+    """Fill ``out`` (the piece's shape, any dtype and strides) with the piece's values: a
+    :class:`FileRun` into a contiguous CPU ``out`` of its dtype with ``preadv``, else ``copy_``."""
     import torch
 
-    fd, offset = src
-    pread_exact(fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), offset)
-    return True
+    run = run_of(piece)
+    if run is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == run.tensor.dtype:
+        pread_exact(run.fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), run.offset)
+    else:
+        out.copy_(values(piece))
 
 
 def pread_exact(fd: int, out: memoryview, offset: int) -> None:

@@ -17,8 +17,8 @@ anonymous pages of the range with ``preadv``. Bytes equal the file's either way.
 
 Like any memory-mapped weight (``from_pretrained``'s too), the pages read the file when first
 touched: truncating or rewriting a rank file while the model lives changes or faults its weights.
-Linux only (``/proc/self/maps`` locates the pieces, see :mod:`hf_merge.filemap`); elsewhere
-:meth:`Mapper.tensor` returns None and the caller copies.
+Linux only (``mmap`` with ``MAP_FIXED``); the pieces it maps are the runs a reader hands out as
+:class:`~hf_merge.filemap.FileRun`\\ s. Elsewhere :meth:`Mapper.tensor` returns None and the caller copies.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Iterable
 
 import torch
 
-from . import filemap
+from .filemap import FileRun, Piece, pread_exact, run_of, values
 
 PAGE = mmap.PAGESIZE
 MIN_MAPPED_PAGES = 16  # a run of fewer whole pages is read (a mapping per 64 KB is not worth it)
@@ -103,11 +103,11 @@ class Mapper:
         """Whether a tensor of ``nbytes`` is big enough to be worth mapping."""
         return nbytes >= MIN_MAPPED_PAGES * PAGE
 
-    def maps(self, rows: torch.Tensor) -> bool:
-        """Whether :meth:`tensor` would map ``rows`` (a run of a tensor): file-backed, on Linux."""
-        return self.available and self._budget > 2 and filemap.locate(rows) is not None
+    def maps(self, piece: Piece) -> bool:
+        """Whether :meth:`tensor` would map ``piece`` (a run of a tensor): file bytes, on Linux."""
+        return self.available and self._budget > 2 and run_of(piece) is not None
 
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[tuple[int, Piece]]) -> torch.Tensor:
         """The tensor of ``shape`` / ``dtype`` made of ``runs`` (``(first row, rows)``, as
         :meth:`LazyCheckpoint.read_rows` yields them, in order, covering it), its file-backed runs
         mapped where the page offsets allow, the rest read or copied into anonymous pages.
@@ -116,9 +116,9 @@ class Mapper:
         first = next(runs)
         total = dtype.itemsize * int(torch.Size(shape).numel())
         row_bytes = total // shape[0]
-        located = filemap.locate(first[1])
+        located = run_of(first[1])
         # where the tensor starts in its first page: so that the first run's pages line up with the file's
-        shift = (located[1] - first[0] * row_bytes) % PAGE if located else 0
+        shift = (located.offset - first[0] * row_bytes) % PAGE if located else 0
         if shift % dtype.itemsize:
             shift = 0
         length = -(-(shift + total) // PAGE) * PAGE
@@ -130,11 +130,12 @@ class Mapper:
         try:
             view = memoryview(buffer).cast("B")
             covered = 0
-            for row, rows in itertools.chain([first], runs):
+            for row, piece in itertools.chain([first], runs):
+                rows = values(piece)
                 start, nbytes = row * row_bytes, rows.numel() * rows.element_size()
                 if rows.dtype != dtype or start != covered or start + nbytes > total:
                     raise ValueError(f"rows {row}.. do not continue the tensor at byte {covered}")
-                located = filemap.locate(rows) if nbytes else None
+                located = run_of(piece)
                 if located is None:
                     torch.frombuffer(view[start : start + nbytes], dtype=torch.uint8).copy_(
                         rows.reshape(-1).view(torch.uint8)
@@ -151,10 +152,10 @@ class Mapper:
             del buffer  # the finalizer unmaps the range
             raise
 
-    def _place(self, addr: int, at: int, nbytes: int, located: tuple[int, int], view: memoryview, start: int) -> None:
-        """Bytes ``[at, at + nbytes)`` of the range (``[start, ...)`` of the tensor) from file
-        ``located = (fd, offset)``: whole pages mapped where the offsets agree, the rest read."""
-        fd, offset = located
+    def _place(self, addr: int, at: int, nbytes: int, located: FileRun, view: memoryview, start: int) -> None:
+        """Bytes ``[at, at + nbytes)`` of the range (``[start, ...)`` of the tensor) from the file
+        run ``located``: whole pages mapped where the offsets agree, the rest read."""
+        fd, offset = located.fd, located.offset
         lo, hi = at, at + nbytes
         page_lo, page_hi = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE
         mapped = False
@@ -170,5 +171,5 @@ class Mapper:
             page_lo = page_hi = hi
         for a, b in ((lo, page_lo), (page_hi, hi)):  # the partial pages at either end (or everything)
             if b > a:
-                filemap.pread_exact(fd, view[start + a - lo : start + b - lo], offset + a - lo)
+                pread_exact(fd, view[start + a - lo : start + b - lo], offset + a - lo)
                 self.read_bytes += b - a

@@ -44,7 +44,6 @@ import torch
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
 from .hf_files import find_config_dir, load_config
-from . import filemap
 from .mapped import Mapper
 from .device_fill import StagerPool, stages
 from .readers import contained, record_crc
@@ -620,7 +619,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     def read(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
         if (
-            mapper is not None and str(devices[key]) == "cpu" and filemap.registered()
+            mapper is not None and str(devices[key]) == "cpu"
             and specs[name].dtype == dtype and mapper.worth(specs[name].nbytes)
         ):
             # a run that is cast or computed (LoRA) comes one row long here: cheap to drop, and such

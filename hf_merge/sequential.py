@@ -58,10 +58,11 @@ HASHING_NICE = 5
 ProgressFn = Callable[[int], None]
 
 
-def file_bytes(tensor: "torch.Tensor") -> tuple[int, int] | None:
-    """``(fd, offset)`` of the file that holds ``tensor``'s bytes, or None (then they are copied
-    from memory). The engine's only question about where bytes live."""
-    return filemap.locate(tensor)
+def file_bytes(piece: "filemap.Piece") -> "filemap.FileRun | None":
+    """Where a piece of a tensor lives in a file (the reader said so: a
+    :class:`~hf_merge.filemap.FileRun`), or None (then its bytes are copied from memory). The
+    engine's only question about where bytes live."""
+    return filemap.run_of(piece)
 
 
 def usable_cpus() -> int:
@@ -433,9 +434,8 @@ def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan) -> list[list[int]] | None:
             located = file_bytes(run)
             if located is None:
                 return None
-            fd, offset = located
-            if fd not in sources:
-                st = os.fstat(fd)
-                sources[fd] = (st.st_dev, st.st_ino)
-            join_range(ranges, sources[fd], offset, run.numel() * run.element_size())
+            if located.fd not in sources:
+                st = os.fstat(located.fd)
+                sources[located.fd] = (st.st_dev, st.st_ino)
+            join_range(ranges, sources[located.fd], located.offset, located.nbytes)
     return ranges

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import sequential
+from . import filemap, sequential
 from .checkpoint import LazyCheckpoint
 from .plan import INDEX_NAME, FilePlan, ShardPlan
 from .readers import record_crc
@@ -91,15 +91,16 @@ def _fill(sink: sequential.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
         sink.report()
 
 
-def _add_tensor(sink: sequential.Sink, tensor: torch.Tensor) -> int:
-    """Append ``tensor``'s bytes: from its file when it is rank-file bytes, else from memory."""
-    n = tensor.numel() * tensor.element_size()
-    located = sequential.file_bytes(tensor)
-    if located is not None:
-        sink.add_file(located[0], located[1], n)
-    else:
-        sink.add_memory(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
-    return n
+def _add_tensor(sink: sequential.Sink, piece: "filemap.Piece") -> int:
+    """Append a piece's bytes: from its file when the reader says it is a file's bytes
+    (a :class:`~hf_merge.filemap.FileRun`), else from memory."""
+    run = sequential.file_bytes(piece)
+    if run is not None:
+        sink.add_file(run.fd, run.offset, run.nbytes)
+        return run.nbytes
+    tensor = filemap.values(piece)
+    sink.add_memory(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return tensor.numel() * tensor.element_size()
 
 
 def _write_files(

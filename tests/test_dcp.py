@@ -255,21 +255,24 @@ def test_row_chunks_are_runs_copied_from_the_file(sample):
         if not t.dim():
             assert ck.read_rows(name, t.dtype) is None
             continue
-        runs = list(ck.read_rows(name, t.dtype))
-        located = [filemap.locate(rows) for _, rows in runs]
+        pieces = list(ck.read_rows(name, t.dtype))
+        located = [filemap.run_of(piece) for _, piece in pieces]
+        runs = [(first, filemap.values(piece)) for first, piece in pieces]
         backed[name] = all(located)
         for (first, rows), where in zip(runs, located):
             assert torch.equal(rows, t[first : first + len(rows)]), name
-            if where is not None:  # the located bytes are the run's bytes
-                fd, offset = where
-                assert os.pread(fd, rows.numel() * rows.element_size(), offset) == rows.reshape(-1).view(torch.uint8).numpy().tobytes(), name
+            if where is not None:  # the run's file bytes are its values' bytes
+                assert os.pread(where.fd, where.nbytes, where.offset) == rows.reshape(-1).view(torch.uint8).numpy().tobytes(), name
         assert sum(len(rows) for _, rows in runs) == len(t), name
         if t.is_floating_point():
-            cast = torch.cat([rows.clone() for _, rows in ck.read_rows(name, torch.float64, max_bytes=64)])
+            cast = torch.cat([filemap.values(p).clone() for _, p in ck.read_rows(name, torch.float64, max_bytes=64)])
             assert torch.equal(cast, t.double()), name
     # emb: three row chunks at unaligned byte offsets; half, ids (cut on dim 1 -> boxes), flag: whole
     assert backed == {"stacked.qkv": False, "stacked.proj": False, "emb": True, "half": True, "ids": False,
                       "flag": True, "transposed": False}
     runs = list(ck.read_rows("emb", torch.bfloat16))
+    fds = {run.fd for _, run in runs}
     ck.close()
-    assert all(filemap.locate(rows) is None for _, rows in runs)  # closed: never copied through the file again
+    for fd in fds:  # closed: never copied through the file again
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_merge.filemap import values
 from hf_merge import open_checkpoint
 from hf_merge.cli.app import main
 from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError, UnsupportedCheckpointError
@@ -111,7 +112,8 @@ def test_row_runs_across_partition_boundaries(name):
                 runs = ck.read_rows(tensor, dtype, max_bytes=256)
                 assert runs is not None, tensor
                 out, rows_seen = torch.empty(spec.shape, dtype=dtype), 0
-                for first, rows in runs:
+                for first, piece in runs:
+                    rows = values(piece)
                     assert first == rows_seen
                     out[first : first + len(rows)] = rows
                     rows_seen += len(rows)
@@ -264,7 +266,8 @@ def test_row_runs_equal_full_reads(name):
                 continue
             fast += 1
             out, expected_first = torch.empty(spec.shape, dtype=torch.bfloat16), 0
-            for first, rows in runs:
+            for first, piece in runs:
+                rows = values(piece)
                 assert first == expected_first
                 out[first : first + len(rows)] = rows
                 expected_first = first + len(rows)

@@ -1,24 +1,26 @@
-"""Rank-file bytes copied through the file (copy_file_range / preadv) instead of the mapped pages.
+"""Byte provenance: readers hand out rank-file runs as FileRuns (descriptor, offset, byte count).
 
-The fast path must give byte-identical outputs to the page path, be taken on real FSDP2 rank
-files, fall back when the kernel refuses, and never answer for memory it did not register.
+The runs must point at the tensor's bytes in the file (found from the zip records, no
+/proc/self/maps), copies through the file must equal the page path, the kernel's refusal must fall
+back, transforms that pass runs through must keep them, and a closed reader's files are closed.
 """
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-import hf_merge
 from hf_merge import filemap
 from hf_merge.checkpoint import open_checkpoint
+from hf_merge.filemap import FileRun, MappedFile
 from hf_merge.readers.safe_pickle import load_rank_file
-
-pytestmark = pytest.mark.skipif(not os.path.exists(filemap.MAPS), reason="needs /proc/self/maps (Linux)")
+from hf_merge.readers.torch_zip import read_records
+from hf_merge.transforms.cast import Cast
+from hf_merge.transforms.rename import Renamed
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -30,83 +32,91 @@ def saved(tmp_path):
     path = tmp_path / "rank.pt"
     g = torch.Generator().manual_seed(0)
     torch.save({"a": torch.randn(64, 32, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)}, path)
-    state = load_rank_file(path)
-    token = filemap.register(path, list(state.values()))
-    yield path, state, token
-    filemap.unregister(token)
+    state = load_rank_file(path)  # torch.load(mmap=True)
+    with open(path, "rb") as f:
+        records = read_records(f, path.name)
+    source = MappedFile.from_records(path, list(state.values()), records)
+    yield path, state, source
+    if source is not None:
+        source.close()
 
 
-def test_locate_points_at_the_tensor_bytes_in_the_file(saved):
-    path, state, token = saved
-    assert token is not None
+def test_runs_point_at_the_tensor_bytes_in_the_file(saved):
+    path, state, source = saved
+    assert source is not None
     raw = path.read_bytes()
     for t in (state["a"], state["b"], state["a"][5:9], state["a"][63]):
-        fd, offset = filemap.locate(t)
-        n = t.numel() * t.element_size()
-        assert raw[offset : offset + n] == _bytes(t)
-    assert filemap.locate(state["a"][:, :3]) is None  # not contiguous
-    assert filemap.locate(state["a"].clone()) is None  # not from the file
-    assert filemap.locate(torch.zeros(3)) is None
+        run = source.run(t)
+        assert run.nbytes == t.numel() * t.element_size() and run.tensor is t
+        assert raw[run.offset : run.offset + run.nbytes] == _bytes(t)
+        assert os.pread(run.fd, run.nbytes, run.offset) == _bytes(t)
+    assert source.run(state["a"][:, :3]) is None  # not contiguous
+    assert source.run(state["a"].clone()) is None  # not from the file
+    assert source.run(torch.zeros(3)) is None
+    part = source.run(state["a"]).piece(state["a"][10:12])  # a view inside a run stays a run
+    assert isinstance(part, FileRun) and os.pread(part.fd, part.nbytes, part.offset) == _bytes(state["a"][10:12])
 
 
-def test_copy_and_read_through_the_file(saved, tmp_path):
-    _, state, _ = saved
-    rows = state["a"][10:20]
-    out = tmp_path / "out.bin"
-    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.ftruncate(fd, 100 + rows.numel() * 4)
-        assert filemap.copy_to_file(rows, fd, 100)
-        assert not filemap.copy_to_file(rows.clone(), fd, 100)  # not file-backed: caller writes it
-    finally:
-        os.close(fd)
-    assert out.read_bytes()[100:] == _bytes(rows)
+def test_tensors_of_another_file_are_not_its_mapping(saved, tmp_path):
+    path, state, _ = saved
+    other = tmp_path / "other.pt"
+    torch.save({"a": torch.ones(64, 32), "b": torch.ones(7, dtype=torch.bfloat16)}, other)
+    with open(path, "rb") as f:
+        records = read_records(f, path.name)
+    assert MappedFile.from_records(path, list(load_rank_file(other).values()), records) is None
+    assert MappedFile.from_records(path, [t.clone() for t in state.values()], records) is None
+
+
+def test_read_through_the_file(saved):
+    _, state, source = saved
+    rows = source.run(state["a"][10:20])
+    assert os.pread(rows.fd, rows.nbytes, rows.offset) == _bytes(rows.tensor)
     dst = torch.empty(10, 32)
-    assert filemap.read_into(rows, dst) and torch.equal(dst, rows)
-    assert not filemap.read_into(rows, torch.empty(10, 32, dtype=torch.float64))  # a cast: caller copies
+    filemap.read_into(rows, dst)  # preadv
+    assert torch.equal(dst, rows.tensor)
+    cast = torch.empty(10, 32, dtype=torch.float64)
+    filemap.read_into(rows, cast)  # a cast: copied from the values
+    assert torch.equal(cast, rows.tensor.double())
 
 
-def test_unregistered_memory_is_never_located(saved):
-    _, state, token = saved
-    t = state["a"]
-    assert filemap.locate(t) is not None
-    filemap.unregister(token)
-    assert filemap.locate(t) is None
-    filemap.unregister(token)  # twice is harmless
+def test_a_closed_file_hands_out_no_runs(saved):
+    _, state, source = saved
+    fd = source.fd
+    source.close()
+    assert source.run(state["a"]) is None and source.storage_span(state["a"]) is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    source.close()  # twice is harmless
 
 
-def test_a_dropped_checkpoint_forgets_its_files(llama_tied_bf16_ws4):
-    before = len(filemap._storages)
+def test_readers_hand_out_runs_and_close_their_files(llama_tied_bf16_ws4):
     ckpt = open_checkpoint(llama_tied_bf16_ws4.actor)
-    assert len(filemap._storages) > before
-    del ckpt
-    gc.collect()
-    assert len(filemap._storages) == before
+    name, spec = next((n, s) for n, s in ckpt.specs().items() if len(s.shape) == 2)
+    runs = list(ckpt.read_rows(name, spec.dtype))
+    assert runs and all(isinstance(piece, FileRun) for _, piece in runs)
+    for _, run in runs:
+        assert os.pread(run.fd, run.nbytes, run.offset) == _bytes(run.tensor)
+    # pass-through transforms keep the provenance; a conversion makes values
+    assert all(isinstance(p, FileRun) for _, p in Cast(ckpt, spec.dtype).read_rows(name, spec.dtype))
+    renamed = Renamed(ckpt, {"x": name})
+    assert all(isinstance(p, FileRun) for _, p in renamed.read_rows("x", spec.dtype))
+    assert not any(isinstance(p, FileRun) for _, p in ckpt.read_rows(name, torch.float64))
+    fds = {run.fd for _, run in runs}
+    ckpt.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
-def test_a_registration_whose_tensors_are_gone_is_never_trusted(saved):
-    """A reader dropped without close() leaves its registration behind; once the registered tensor
-    is gone its address may be another file's mapping (seen: a DeepSpeed universal merge copied a
-    tensor from a ColossalAI .bin file of an earlier test), so a view that outlives it is not located."""
-    path, state, token = saved
-    a = state["a"]
-    view = torch.empty(0, dtype=a.dtype).set_(a.untyped_storage(), a.storage_offset() + 64, (32,))  # no ._base
-    assert filemap.locate(view) is not None
-    del a
-    del state["a"]
-    gc.collect()
-    assert filemap.locate(view) is None  # the storage lives on through the view, the registration does not
-
-
-def test_colossalai_reader_dropped_without_close_is_forgotten():
-    from pathlib import Path
-
+def test_a_dropped_reader_closes_its_files():
     folder = Path(__file__).parent / "data" / "colossalai" / "ddp_bin_tied_ws2"
     ck = open_checkpoint(folder)
     name = next(iter(ck.specs()))
-    ck.read(name)  # maps a .bin shard and registers it
-    before = len(filemap._registrations)
-    assert before
+    ck.read(name)  # maps a .bin shard, opens it
+    fds = [s.fd for s in ck._mapped.values() if s is not None]
+    assert fds
     del ck
     gc.collect()
-    assert len(filemap._registrations) < before
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -81,9 +81,10 @@ def test_expert_splits_are_file_ranges_of_the_rank_files(hub_root):
         assert view.source_names(name) == ["model.layers.1.mlp.experts.gate_up_proj"]
         runs = list(view.read_rows(name, torch.float32))
         assert len(runs) == 1 and runs[0][0] == 0
-        assert filemap.locate(runs[0][1]) is not None  # bytes the writer can copy_file_range
+        run = filemap.run_of(runs[0][1])  # bytes the writer can copy_file_range
+        assert run is not None and os.pread(run.fd, run.nbytes, run.offset) == run.tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
         fused = ckpt.read("model.layers.1.mlp.experts.gate_up_proj")
-        assert torch.equal(runs[0][1], fused[3, 16:])
+        assert torch.equal(run.tensor, fused[3, 16:])
     finally:
         ckpt.close()
 

@@ -384,7 +384,8 @@ def test_a_flipped_byte_in_a_deepspeed_partition_stops_the_merge(tmp_path, capsy
     ckpt = _copy(DEEPSPEED / name, tmp_path / "run")
     optim = ckpt / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     with hf_merge.open_checkpoint(ckpt) as ck:  # where rank 1's fp32 partition of group 0 lies
-        _, offset, _ = filemap.storage_span(ck._files[("group", 1, 0)])
+        part = ck._files[("group", 1, 0)]
+        _, offset, _ = filemap.source_of(part, ck._mapped).storage_span(part)
     with open(optim, "rb") as f:
         records = read_records(f, optim.name)
     record = next(r for r in records.values() if r.data_start == offset)

@@ -301,9 +301,9 @@ def test_row_chunks_equal_whole_reads(tmp_path, dtype):
     for name, spec in ckpt.specs().items():
         # a run is valid until the next is requested (the reader reuses its buffer): keep copies
         runs, file_backed = [], []
-        for first, rows in ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize):
-            runs.append((first, rows.clone()))
-            file_backed.append(filemap.locate(rows) is not None)
+        for first, piece in ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize):
+            runs.append((first, filemap.values(piece).clone()))
+            file_backed.append(filemap.run_of(piece) is not None)
         width = spec.shape[1] if len(spec.shape) == 2 else 1
         step = max(1, 3 * H // width)  # chunks of at most max_bytes: [*, H] matrices 3 rows, vectors whole
         firsts = [first for first, _ in runs]

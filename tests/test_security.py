@@ -821,10 +821,10 @@ def test_rank_file_storage_that_torch_cannot_use_is_a_typed_error(qwen2_fp32_ws2
     # ("invalid python storage"): that must be the rank file's typed error, not an unexpected one
     from hf_merge import filemap
 
-    def refuse(path, tensors):
+    def refuse(self, tensor):
         raise RuntimeError("Attempted to access the data pointer on an invalid python storage.")
 
-    monkeypatch.setattr(filemap, "register", refuse)
+    monkeypatch.setattr(filemap.MappedFile, "storage_span", refuse)
     with pytest.raises(CorruptCheckpointError, match=r"model_world_size_2_rank_0\.pt: inconsistent tensor metadata"):
         hf_merge.open_checkpoint(qwen2_fp32_ws2.actor)
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import LazyCheckpoint
+from ..filemap import values
 from ..errors import MappingError
 from . import quant
 from .pipeline import prefetched
@@ -111,6 +112,7 @@ def _row_chunks(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[torch.Tensor
                 whole = permute_rows(whole, t.permute_heads)
             runs = iter([(0, whole)])
         for _, run in runs:
+            run = values(run)
             if piece.part is not None:  # the i-th of n slices along dim 1, for every entry of dim 0
                 i, n = piece.part
                 width = run.shape[1] // n

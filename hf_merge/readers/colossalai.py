@@ -28,14 +28,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import filemap
+from ..filemap import MappedFile, Piece, read_into
 from . import contained, record_crc
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
@@ -191,7 +190,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
         self._specs: dict[str, TensorSpec] = {}
         self._safe: dict[str, Any] = {}  # file -> safe_open handle
         self._bins: dict[str, dict[str, torch.Tensor]] = {}  # file -> memory-mapped state dict
-        self._mapped: list[int | None] = []
+        self._mapped: dict[str, MappedFile | None] = {}  # .bin file -> its mapping, open until close()
         metas = sorted(p for p in self.folder.iterdir() if DIST_META.match(p.name))
         if metas:
             layout = "distributed"
@@ -316,20 +315,17 @@ class ColossalAICheckpoint(LazyCheckpoint):
             if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
                 raise CorruptCheckpointError(f"{file} holds a {type(state).__name__}, not a state dict of tensors; re-copy it")
             self._bins[file] = state
-            token = filemap.register(path, state.values())
-            if token is not None:
-                self._mapped.append(token)
-                weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
-                record_crc.add_file(path)
+            self._mapped[file] = record_crc.mapped_file(path, state.values())  # open until close()
         return self._bins[file]
 
-    def _box(self, piece: _Piece) -> torch.Tensor:
-        """The piece's own tensor (a view of the file: memory-mapped, or read from the safetensors slice)."""
+    def _box(self, piece: _Piece) -> Piece:
+        """The piece's own bytes: a run of its memory-mapped file, or read from the safetensors slice."""
         if piece.file in self._safe:
             return self._safe[piece.file].get_tensor(piece.key)
         tensor = self._bin(piece.file)[piece.key]
-        record_crc.check_tensor(tensor)
-        return tensor
+        source = self._mapped.get(piece.file)
+        record_crc.check_tensor(tensor, source)
+        return source.piece(tensor) if source is not None else tensor
 
     # ---- the LazyCheckpoint interface ---------------------------------------------------------
 
@@ -339,14 +335,12 @@ class ColossalAICheckpoint(LazyCheckpoint):
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
         for piece in self._pieces[name]:
-            src = self._box(piece)
-            dst = out[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.lengths))]
-            if not (dst.is_contiguous() and filemap.read_into(src, dst)):
-                dst.copy_(src)
+            read_into(self._box(piece), out[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.lengths))])
 
     def close(self) -> None:
-        for token in self._mapped:
-            filemap.unregister(token)
+        for source in self._mapped.values():
+            if source is not None:
+                source.close()
         self._mapped.clear()
         self._bins.clear()
         self._safe.clear()

@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import weakref
 import re
 import threading
 from bisect import bisect_left
@@ -47,7 +46,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .. import filemap
+from ..filemap import MappedFile
 from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
@@ -122,12 +121,12 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class _Mapped:
-    """A ``.distcp`` file mapped copy-on-write, as one uint8 tensor registered with :mod:`~hf_merge.filemap`
-    (``token`` None when it could not be: the views then are plain memory views)."""
+    """A ``.distcp`` file mapped copy-on-write, as one uint8 tensor; ``source`` says where its views'
+    bytes are in the file (:class:`~hf_merge.filemap.MappedFile`, open until ``close()``)."""
 
     buffer: mmap.mmap
     whole: torch.Tensor
-    token: int | None
+    source: MappedFile
 
 
 class _RebuildRecord:
@@ -441,8 +440,8 @@ class DcpCheckpoint(LazyCheckpoint):
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         """Chunks that split dim 0 only (FSDP's ``Shard(0)``, as accelerate and torchtitan save) are
-        runs of whole rows: views of the ``.distcp`` file mapped copy-on-write, registered with
-        :mod:`~hf_merge.filemap`, so the writer copies them file to file (``copy_file_range``)
+        runs of whole rows: views of the ``.distcp`` file mapped copy-on-write, handed out as
+        :class:`~hf_merge.filemap.FileRun`\\ s, so the writer copies them file to file (``copy_file_range``)
         instead of reading them into a buffer and writing it out. Other layouts (a chunk cut along
         another dimension, a file that cannot be mapped) are read box by box (the default)."""
         spec = self._spec(name)
@@ -453,7 +452,7 @@ class DcpCheckpoint(LazyCheckpoint):
         def runs():
             for first, view, chunk in views:
                 self._checked_layout(name, chunk)  # its record's CRC-32 (noted, when a writer streams it)
-                yield from row_runs(view, first, dtype, max_bytes)
+                yield from row_runs(view, first, dtype, max_bytes, self._maps[chunk.file].source)
 
         return runs()
 
@@ -473,8 +472,8 @@ class DcpCheckpoint(LazyCheckpoint):
         return views
 
     def _view(self, name: str, chunk: _Chunk) -> torch.Tensor | None:
-        """The chunk as a zero-copy tensor over its mapped file (its storage registered with
-        :mod:`~hf_merge.filemap`), or None when it is not C-ordered or the file does not map."""
+        """The chunk as a zero-copy tensor over its mapped file, or None when it is not C-ordered or
+        the file does not map."""
         if chunk.view is None:
             lay = self._layout(name, chunk)
             mapped = self._map(chunk.file)
@@ -484,8 +483,6 @@ class DcpCheckpoint(LazyCheckpoint):
             # data, is not aligned to the element size, which a view of ``whole`` would need.
             view = torch.frombuffer(mapped.buffer, dtype=lay.dtype, count=math.prod(lay.size),
                                     offset=lay.data_start).view(lay.size)
-            if mapped.token is not None:
-                filemap.register_within(mapped.token, mapped.whole, [view])
             chunk.view = view
         return chunk.view
 
@@ -499,10 +496,8 @@ class DcpCheckpoint(LazyCheckpoint):
                     whole = torch.frombuffer(buffer, dtype=torch.uint8)
                 except (OSError, ValueError):  # an empty file, a file system without mmap
                     return None
-                token = filemap.register(self.path / rel, [whole])
-                if token is not None:
-                    weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
-                self._maps[rel] = _Mapped(buffer, whole, token)
+                source = MappedFile(self.path / rel, whole.data_ptr(), whole.numel())
+                self._maps[rel] = _Mapped(buffer, whole, source)
             return self._maps[rel]
 
     def _chunks_near(self, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> list[_Chunk]:
@@ -592,8 +587,8 @@ class DcpCheckpoint(LazyCheckpoint):
             for chunk in chunks:
                 chunk.view = None
         for mapped in maps.values():
-            if mapped is not None and mapped.token is not None:
-                filemap.unregister(mapped.token)
+            if mapped is not None:
+                mapped.source.close()
         for fd in fds.values():
             try:
                 os.close(fd)

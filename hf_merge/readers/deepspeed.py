@@ -31,14 +31,13 @@ from __future__ import annotations
 import logging
 import math
 import re
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import filemap
+from ..filemap import MappedFile, read_into, source_of
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import CliOption, SourceFormat
@@ -297,7 +296,7 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         folder = loc.tag_dir
         self._files: dict[tuple, torch.Tensor] = {}
         self._states: list[dict[str, Any]] = []  # keep the mapped files alive
-        self._mapped: list[int] = []  # filemap tokens: tensors copied through their file, not their pages
+        self._mapped: list[MappedFile] = []  # the files, open until close(): tensors copied through them
         model_files = self._numbered(folder, MODEL_STATES, rank_group=1)
         optim_files = self._numbered(folder, OPTIM_STATES, rank_group=2)
         if not optim_files:
@@ -394,11 +393,9 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         else:
             tensors = [t for key in ("module", "frozen_param_fragments")
                        for t in (state.get(key) or {}).values() if isinstance(t, torch.Tensor)]
-        token = filemap.register(path, tensors)
-        if token is not None:
-            self._mapped.append(token)
-            weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
-            record_crc.add_file(path)  # its records' CRC-32, checked when a tensor's bytes are first used
+        source = record_crc.mapped_file(path, tensors)  # its records' CRC-32, checked when bytes are first used
+        if source is not None:
+            self._mapped.append(source)
         return state
 
     # ---- layouts ------------------------------------------------------------------------
@@ -556,11 +553,9 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         check_out(lay.spec, out)
         flat = out.view(-1) if out.is_contiguous() else torch.empty(lay.spec.shape, dtype=out.dtype).view(-1)
         for p in lay.pieces:
-            record_crc.check_tensor(self._files[p.source])
-            src = self._files[p.source][p.src_start : p.src_start + p.numel]
-            dst = flat[p.dst_start : p.dst_start + p.numel]
-            if not filemap.read_into(src, dst):
-                dst.copy_(src)
+            part, source = self._checked(p.source)
+            src = part[p.src_start : p.src_start + p.numel]
+            read_into(source.piece(src) if source is not None else src, flat[p.dst_start : p.dst_start + p.numel])
         if not out.is_contiguous():
             out.copy_(flat.view(lay.spec.shape))
 
@@ -594,11 +589,12 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
                 if p is None:  # a row cut by a partition boundary
                     rows = torch.empty((1,) + shape[1:], dtype=lay.spec.dtype)
                     self._read_range(lay, lo * row, rows.view(-1))
+                    source = None
                 else:
-                    record_crc.check_tensor(self._files[p.source])
+                    part, source = self._checked(p.source)
                     start = p.src_start + lo * row - p.dst_start
-                    rows = self._files[p.source][start : start + (hi - lo) * row].view((hi - lo,) + shape[1:])
-                yield from row_runs(rows, lo, dtype, max_bytes)
+                    rows = part[start : start + (hi - lo) * row].view((hi - lo,) + shape[1:])
+                yield from row_runs(rows, lo, dtype, max_bytes, source)
 
         return runs()
 
@@ -608,12 +604,19 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
         for p in lay.pieces:
             a, b = max(p.dst_start, first), min(p.dst_start + p.numel, end)
             if a < b:
-                record_crc.check_tensor(self._files[p.source])
-                out[a - first : b - first].copy_(self._files[p.source][p.src_start + a - p.dst_start : p.src_start + b - p.dst_start])
+                part, _ = self._checked(p.source)
+                out[a - first : b - first].copy_(part[p.src_start + a - p.dst_start : p.src_start + b - p.dst_start])
+
+    def _checked(self, key: tuple) -> tuple[torch.Tensor, MappedFile | None]:
+        """Flat partition ``key``, its record's CRC checked, and the file it was mapped from."""
+        part = self._files[key]
+        source = source_of(part, self._mapped)
+        record_crc.check_tensor(part, source)
+        return part, source
 
     def close(self) -> None:
-        for token in self._mapped:
-            filemap.unregister(token)
+        for source in self._mapped:
+            source.close()
         self._mapped.clear()
         self._files.clear()
         self._states.clear()

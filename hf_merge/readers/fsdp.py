@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import math
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
-from .. import filemap
+from ..filemap import MappedFile, Piece, read_into, values
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..formats import SourceFormat
 from ..spec import TensorSpec
@@ -35,7 +34,7 @@ from .fsdp_files import (  # noqa: F401 - the folder helpers, re-exported
     resolve_fsdp_dir,
 )
 from . import contained, record_crc
-from .rank_records import LocalDTensor, load_rank_records
+from .rank_records import LocalDTensor, load_mapped_rank_records
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class FsdpCheckpoint(LazyCheckpoint):
         self.world_size, ws_warnings = detect_world_size(self.folder)
         check_rank_files_present(self.folder, self.world_size)
         self._states: dict[int, dict[str, Any]] = {}
-        self._mapped: list = []
+        self._files: dict[int, MappedFile | None] = {}
         first = self._state(0)
         self._layouts: dict[str, _Layout] = {}
         mesh_info: dict[str, Any] = {}
@@ -138,14 +137,14 @@ class FsdpCheckpoint(LazyCheckpoint):
     def _state(self, rank: int) -> dict[str, Any]:
         if rank not in self._states:
             path = self.folder / rank_file_name(self.world_size, rank)
-            self._states[rank] = load_rank_records(path)
-            # copy its tensors through the file, not its pages (the states keep the mapping alive)
-            with _malformed(path.name, None):  # a damaged storage record fails here, not later
-                tensors = [t for t in map(_local, self._states[rank].values()) if isinstance(t, torch.Tensor)]
-                token = filemap.register(path, tensors)
-            if token is not None:
-                self._mapped.append(token)
-                weakref.finalize(self, filemap.unregister, token)  # dropped without close(): still forgotten
+            # the file stays open (its tensors' bytes are copied through it) until close()
+            self._states[rank], source = load_mapped_rank_records(path)
+            self._files[rank] = source
+            if source is not None:
+                with _malformed(path.name, None):  # a damaged storage record fails here, not later
+                    for value in self._states[rank].values():
+                        if isinstance(local := _local(value), torch.Tensor):
+                            source.storage_span(local)
         return self._states[rank]
 
     def _layout(self, name: str, value: Any, mesh_info: dict[str, Any]) -> _Layout:
@@ -234,16 +233,22 @@ class FsdpCheckpoint(LazyCheckpoint):
                     )
         return compared, differ
 
+    def _piece(self, rank: int, name: str) -> Piece | None:
+        """Rank ``rank``'s local tensor of ``name``, its record checked (None when empty)."""
+        local = _local(self._state(rank)[name])
+        if not local.numel():
+            return None
+        source = self._files.get(rank)
+        record_crc.check_tensor(local, source)
+        return source.piece(local) if source is not None else local
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         lay = self._layouts[name]
         check_out(lay.spec, out)
         for piece in lay.pieces:
-            local = _local(self._state(piece.rank)[name])
-            if local.numel():
-                record_crc.check_tensor(local)
-                dst = out[piece.index]
-                if not filemap.read_into(local, dst):
-                    dst.copy_(local)
+            local = self._piece(piece.rank, name)
+            if local is not None:
+                read_into(local, out[piece.index])
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         """Rank pieces that split dim 0 only (FSDP's usual ``Shard(0)``) are runs of whole rows."""
@@ -256,17 +261,17 @@ class FsdpCheckpoint(LazyCheckpoint):
 
         def runs():
             for piece in pieces:
-                local = _local(self._state(piece.rank)[name])
-                if local.numel():
-                    record_crc.check_tensor(local)
-                    yield from row_runs(local, piece.index[0].start, dtype, max_bytes)
+                local = self._piece(piece.rank, name)
+                if local is not None:
+                    yield from row_runs(values(local), piece.index[0].start, dtype, max_bytes, self._files.get(piece.rank))
 
         return runs()
 
     def close(self) -> None:
-        for key in self._mapped:
-            filemap.unregister(key)
-        self._mapped.clear()
+        for source in self._files.values():
+            if source is not None:
+                source.close()
+        self._files.clear()
         self._states.clear()
 
 

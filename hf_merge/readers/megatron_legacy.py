@@ -12,14 +12,14 @@ the same for both.
 from __future__ import annotations
 
 import re
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from .. import config_fields, filemap
+from .. import config_fields
+from ..filemap import MappedFile, source_of
 from . import contained, record_crc
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, MappingError, UnsupportedCheckpointError
@@ -129,19 +129,17 @@ class _AssembledTensors(LazyCheckpoint):
         self.info = info
         self._specs: dict[str, TensorSpec] = {}
         self._pieces: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
-        self._mapped: list[int] = []
+        self._mapped: list[MappedFile] = []  # the files, open until close()
 
     def track(self, path: Path, tensors: list[torch.Tensor]) -> None:
         """Make the records of ``path`` (whose mapped ``tensors`` this object keeps) CRC-checkable."""
-        token = filemap.register(path, tensors)
-        if token is not None:
-            self._mapped.append(token)
-            weakref.finalize(self, filemap.unregister, token)
-            record_crc.add_file(path)
+        source = record_crc.mapped_file(path, tensors)
+        if source is not None:
+            self._mapped.append(source)
 
     def close(self) -> None:
-        for token in self._mapped:
-            filemap.unregister(token)
+        for source in self._mapped:
+            source.close()
         self._mapped.clear()
 
     def add(self, name: str, shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
@@ -172,7 +170,7 @@ class _AssembledTensors(LazyCheckpoint):
             hi = [min(s + n, o + z) for s, n, o, z in zip(start, size, offsets, t.shape)]
             if any(a >= b for a, b in zip(lo, hi)):
                 continue
-            record_crc.check_tensor(t)
+            record_crc.check_tensor(t, source_of(t, self._mapped))
             src = t[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
             out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))].copy_(src)
 

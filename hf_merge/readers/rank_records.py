@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ..filemap import MappedFile
 from ..spec import DTypeName, c_contiguous
 from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
 from . import contained, record_crc
@@ -35,7 +36,7 @@ from .torch_zip import read_data_pickle
 if TYPE_CHECKING:  # torch is imported where tensors are made; index_rank_file needs none
     import torch
 
-__all__ = ["IndexedTensor", "LocalDTensor", "Placement", "index_rank_file", "load_rank_records"]
+__all__ = ["IndexedTensor", "LocalDTensor", "Placement", "index_rank_file", "load_mapped_rank_records", "load_rank_records"]
 
 _DT = "torch.distributed.tensor"
 
@@ -243,6 +244,11 @@ class _Mapped:
                 self._whole = torch.UntypedStorage.from_file(str(self.path), False, os.path.getsize(self.path))
             self._storages[s.key] = self._whole[rec.data_start : rec.data_start + rec.size]
         return self._storages[s.key]
+
+    @property
+    def whole(self) -> torch.UntypedStorage | None:
+        """The mapping of the whole file (None until a storage is used)."""
+        return self._whole
 
     def tensor(self, rec: _TensorRecord) -> torch.Tensor:
         import torch
@@ -453,7 +459,13 @@ def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names:
 
 
 def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
-    """One verl FSDP rank file, memory-mapped: plain tensors and :class:`LocalDTensor`\\ s.
+    """One verl FSDP rank file, memory-mapped: plain tensors and :class:`LocalDTensor`\\ s."""
+    return load_mapped_rank_records(path)[0]
+
+
+def load_mapped_rank_records(path: Path) -> tuple[dict[str, "torch.Tensor | LocalDTensor"], "MappedFile | None"]:
+    """:func:`load_rank_records`, and the file open by descriptor with where it is mapped (None
+    when it holds no storage): the provenance of its tensors' bytes.
 
     Raises:
         UnsafeCheckpointError: the pickle asks for anything outside :data:`DTENSOR_FILE`.
@@ -479,7 +491,8 @@ def load_rank_records(path: Path) -> dict[str, "torch.Tensor | LocalDTensor"]:
             raise unknown_layout_error(key, where, e) from None
         except (TypeError, ValueError, RuntimeError, IndexError) as e:
             raise _inconsistent(key, where, e) from None
-    return out
+    whole = mapped.whole
+    return out, (MappedFile(path, whole.data_ptr(), whole.nbytes()) if whole is not None else None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ record's offset):
 A record whose CRC differs raises :class:`SourceCrcError` naming the file and the record, before the
 output folder is renamed into place.
 
-Readers call :func:`add_archive` (or :func:`add_file`) when they open a file, and
+Readers call :func:`add_archive` (or :func:`mapped_file`) when they open a file, and
 :func:`check_tensor` / :func:`check_record` before handing out bytes. A tensor is mapped to its
-record through :mod:`hf_merge.filemap` (where its storage lies in its file); a tensor that is not
-file-backed (copied into memory, not Linux) is not checked here.
+record through the reader's :class:`~hf_merge.filemap.MappedFile` (where its storage lies in its
+file); a tensor that is not file-backed (copied into memory) is not checked here.
 
 :func:`skipping` turns the checks off (``--no-source-crc``, ``source_crc=False``).
 """
@@ -38,14 +38,14 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-from .. import filemap
 from ..errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     import torch
 
+    from ..filemap import MappedFile
     from .torch_zip import Record
 
 #: bytes per ``pread`` of a record being checked
@@ -110,21 +110,32 @@ def add_archive(path: "str | Path | int", records: "dict[str, Record]", where: s
         _archives[_key(st)] = _Archive(name, [r.data_start for r in ordered], ordered)
 
 
-def add_file(path: "str | Path", where: str | None = None) -> None:
-    """:func:`add_archive` for a whole ``torch.save`` file, reading its zip directory."""
+def mapped_file(
+    path: "str | Path", tensors: "Iterable[torch.Tensor]", records: "dict[str, Record] | None" = None, where: str | None = None
+) -> "MappedFile | None":
+    """The file ``tensors`` were memory-mapped from (``torch.load(mmap=True)``), open by descriptor,
+    its records (read from its zip directory when not given) made checkable; None when the tensors
+    are not views of its mapping."""
+    from ..filemap import MappedFile
     from .torch_zip import read_records
 
     where = where or Path(path).name
-    with open(path, "rb") as f:
-        add_archive(path, read_records(f, where), where)
+    if records is None:
+        with open(path, "rb") as f:
+            records = read_records(f, where)
+    source = MappedFile.from_records(path, tensors, records)
+    if source is not None:
+        add_archive(path, records, where)
+    return source
 
 
-def check_tensor(tensor: "torch.Tensor") -> None:
-    """Check the record holding ``tensor``'s storage (once per record); a tensor that is not
-    file-backed, or whose file was not added, is let through."""
-    if _skip:
+def check_tensor(tensor: "torch.Tensor", source: "MappedFile | None") -> None:
+    """Check the record holding ``tensor``'s storage (once per record), ``source`` being the file
+    the reader mapped it from; a tensor that is not file-backed, or whose file was not added, is
+    let through."""
+    if _skip or source is None:
         return
-    span = filemap.storage_span(tensor)
+    span = source.storage_span(tensor)
     if span is None:
         return
     fd, offset, nbytes = span

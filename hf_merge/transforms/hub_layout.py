@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
+from ..filemap import read_into, run_of, values
 from ..errors import MappingError
 from ..skeleton import model_class_for, skeleton
 from ..spec import TensorSpec, c_contiguous, dtype_name, parse_dtype
@@ -262,8 +263,8 @@ class HubLayout(LazyCheckpoint):
         if name in self._spans:
             runs = self.read_rows(name, out.dtype)
             if runs is not None:
-                for first, rows in runs:
-                    out[first : first + len(rows)].copy_(rows)
+                for first, piece in runs:
+                    read_into(piece, out[first : first + len(values(piece))])
                 return
         out.copy_(_replay(recipe, self._source))
 
@@ -387,7 +388,8 @@ def _span_runs(runs, span: _Span, source: TensorSpec, spec: TensorSpec, dtype: t
     source_row = math.prod(source.shape[1:])
     pending: torch.Tensor | None = None  # one output row being assembled across two runs
     filled = 0
-    for first, rows in runs:
+    for first, piece in runs:
+        rows = values(piece)
         start = first * source_row
         end = start + rows.numel()
         if end <= lo:
@@ -406,7 +408,7 @@ def _span_runs(runs, span: _Span, source: TensorSpec, spec: TensorSpec, dtype: t
                 pending = None
         whole = (flat.numel() // row) * row
         if whole:
-            yield from row_runs(flat[:whole].view((-1,) + spec.shape[1:]), at // row, dtype, max_bytes)
+            yield from row_runs(flat[:whole].view((-1,) + spec.shape[1:]), at // row, dtype, max_bytes, run_of(piece))
         if flat.numel() > whole:
             pending = torch.empty(row, dtype=dtype)
             filled = flat.numel() - whole

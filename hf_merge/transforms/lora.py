@@ -7,6 +7,7 @@ import torch
 from typing import Iterator
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out
+from ..filemap import values
 from ..lora import PEFT_PREFIX, LoraLayout, LoraSettings
 from ..spec import TensorSpec
 
@@ -76,7 +77,8 @@ class FusedLora(LazyCheckpoint):
             return
         else:
             runs = self.read_rows(name, self._specs[name].dtype) or iter([(0, self.read(name))])
-        for first, rows in runs:  # the rows lo..hi of the runs, cut to the box
+        for first, piece in runs:  # the rows lo..hi of the runs, cut to the box
+            rows = values(piece)
             a, b = max(lo, first), min(hi, first + len(rows))
             if a < b:
                 out[a - lo : b - lo].copy_(rows[a - first : b - first][(slice(None),) + box])
@@ -114,7 +116,8 @@ class FusedLora(LazyCheckpoint):
             else:
                 buf = torch.empty((1,) + spec.shape[1:], dtype=w_dtype)
                 runs = ((e, region(name, (e, 0, 0), buf) or buf) for e in range(lo, hi))
-        for first, rows in runs:
+        for first, piece in runs:
+            rows = values(piece)
             for e in range(max(lo, first), min(hi, first + len(rows))):
                 yield e, rows[e - first]
             if first + len(rows) >= hi:
@@ -143,7 +146,8 @@ class FusedLora(LazyCheckpoint):
         rows_out = min(step, module.out_features)
         acc = torch.empty(rows_out, module.in_features, dtype=torch.float32)
         low = acc if dtype == torch.float32 else torch.empty(rows_out, module.in_features, dtype=dtype)
-        for first, weight in runs:
+        for first, piece in runs:
+            weight = values(piece)
             for start in range(0, len(weight), step):
                 rows = slice(first + start, first + min(start + step, len(weight)))
                 n = rows.stop - rows.start
