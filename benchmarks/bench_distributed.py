@@ -13,6 +13,9 @@ medians (and every run), with GB/s of checkpoint bytes, user and system CPU seco
 (children included); ``--json`` saves the runs. ``--variants``: more single-process merges, one
 per ``;``-separated set of extra arguments (``--workers 1`` / ``--workers 2``: one or two writer
 processes; ``--no-checksums``: without the sha256 thread), each a row of its own.
+``--rank-writers``: each N > 1 also with ``--dist-writers rank`` (every rank opens the source and
+writes a share), beside the default (on one node: local rank 0 merges alone, the other ranks
+return before importing torch; see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def main() -> int:
     ap.add_argument("--max-shard-size", default="1GB")
     ap.add_argument("--extra", default="", help="more hf-merge merge arguments, e.g. '--no-checksums'")
     ap.add_argument("--variants", default="", help="';'-separated extra arguments, one single-process row each")
+    ap.add_argument("--rank-writers", action="store_true", help="each N > 1 also with --dist-writers rank")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     files = rank_files(args.ckpt)
@@ -86,7 +90,10 @@ def main() -> int:
     copy_out = args.workdir / "copy"
     commands["copy"] = (["sh", "-c", f"mkdir -p {copy_out} && cat {' '.join(map(str, files))} > {copy_out / 'all.bin'}"],
                         copy_out)
-    runs_of = [(f"hf-merge, {n} process{'es' if n > 1 else ''}", n, "") for n in (int(n) for n in args.procs.split(","))]
+    counts = [int(n) for n in args.procs.split(",")]
+    runs_of = [(f"hf-merge, {n} process{'es' if n > 1 else ''}", n, "") for n in counts]
+    if args.rank_writers:
+        runs_of += [(f"hf-merge, {n} processes, --dist-writers rank", n, "--dist-writers rank") for n in counts if n > 1]
     runs_of += [(f"hf-merge, 1 process, {v.strip()}", 1, v.strip()) for v in args.variants.split(";") if v.strip()]
     for i, (name, n, more) in enumerate(runs_of):
         out = args.workdir / f"merged-{i}"
