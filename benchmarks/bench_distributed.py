@@ -15,7 +15,9 @@ per ``;``-separated set of extra arguments (``--workers 1`` / ``--workers 2``: o
 processes; ``--no-checksums``: without the sha256 thread), each a row of its own.
 ``--rank-writers``: each N > 1 also with ``--dist-writers rank`` (every rank opens the source and
 writes a share), beside the default (on one node: local rank 0 merges alone, the other ranks
-return before importing torch; see docs/distributed.md).
+return before importing torch; see docs/distributed.md). ``--launcher``: each N > 1 also as
+``torchrun --no-python --nproc-per-node N true``, the launcher's own cost (it imports torch)
+that any torchrun job pays on top of the work.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1"]
 
 
 def rank_files(ckpt: Path) -> list[Path]:
@@ -76,6 +79,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more hf-merge merge arguments, e.g. '--no-checksums'")
     ap.add_argument("--variants", default="", help="';'-separated extra arguments, one single-process row each")
     ap.add_argument("--rank-writers", action="store_true", help="each N > 1 also with --dist-writers rank")
+    ap.add_argument("--launcher", action="store_true", help="each N > 1 also as torchrun of `true` (the launcher's cost)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     files = rank_files(args.ckpt)
@@ -102,9 +106,12 @@ def main() -> int:
         if n == 1:
             cmd = [sys.executable, "-m", "hf_merge", *tail]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--monitor-interval",
-                   "0.1", "-m", "hf_merge", *tail]
+            cmd = [*TORCHRUN, "--nproc-per-node", str(n), "-m", "hf_merge", *tail]
         commands[name] = (cmd, out)
+    for n in counts if args.launcher else []:
+        if n > 1:
+            commands[f"torchrun launcher alone, {n} processes of `true`"] = (
+                [*TORCHRUN, "--nproc-per-node", str(n), "--no-python", "true"], args.workdir / "launcher")
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
     for _ in range(args.repeat):

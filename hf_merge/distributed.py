@@ -91,7 +91,8 @@ class Launch:
         if self.role == "alone":
             return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
         if self.role == "leader":
-            return {"RANK": str(self.node_rank), "WORLD_SIZE": str(self.nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+            return {"RANK": str(self.node_rank), "WORLD_SIZE": str(self.nodes), "LOCAL_RANK": "0",
+                    "LOCAL_WORLD_SIZE": "1"}
         return {}
 
     def describe(self, cpus: int) -> str:
@@ -99,7 +100,8 @@ class Launch:
         where = f"torchrun: {self.world_size} ranks on {self.nodes} node{'s' if self.nodes > 1 else ''}"
         others = self.world_size - self.nodes
         if self.nodes == 1:
-            return f"{where}: rank 0 merges alone, with forked writers on its {cpus} CPUs; {_other_ranks(self.world_size)} had nothing to do"
+            return (f"{where}: rank 0 merges alone, with forked writers on its {cpus} CPUs; "
+                    f"{_other_ranks(self.world_size)} had nothing to do")
         return (f"{where}: local rank 0 of each node merges ({self.nodes} processes, each with forked writers on its "
                 f"node's CPUs); the other {others} ranks had nothing to do")
 
