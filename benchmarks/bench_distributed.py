@@ -13,6 +13,11 @@ medians (and every run), with GB/s of checkpoint bytes, user and system CPU seco
 (children included); ``--json`` saves the runs. ``--variants``: more single-process merges, one
 per ``;``-separated set of extra arguments (``--workers 1`` / ``--workers 2``: one or two writer
 processes; ``--no-checksums``: without the sha256 thread), each a row of its own.
+``--rank-writers``: each N > 1 also with ``--dist-writers rank`` (every rank opens the source and
+writes a share), beside the default (on one node: local rank 0 merges alone, the other ranks
+return before importing torch; see docs/distributed.md). ``--launcher``: each N > 1 also as
+``torchrun --no-python --nproc-per-node N true``, the launcher's own cost (it imports torch)
+that any torchrun job pays on top of the work.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1"]
 
 
 def rank_files(ckpt: Path) -> list[Path]:
@@ -72,6 +78,8 @@ def main() -> int:
     ap.add_argument("--max-shard-size", default="1GB")
     ap.add_argument("--extra", default="", help="more hf-merge merge arguments, e.g. '--no-checksums'")
     ap.add_argument("--variants", default="", help="';'-separated extra arguments, one single-process row each")
+    ap.add_argument("--rank-writers", action="store_true", help="each N > 1 also with --dist-writers rank")
+    ap.add_argument("--launcher", action="store_true", help="each N > 1 also as torchrun of `true` (the launcher's cost)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     files = rank_files(args.ckpt)
@@ -86,7 +94,10 @@ def main() -> int:
     copy_out = args.workdir / "copy"
     commands["copy"] = (["sh", "-c", f"mkdir -p {copy_out} && cat {' '.join(map(str, files))} > {copy_out / 'all.bin'}"],
                         copy_out)
-    runs_of = [(f"hf-merge, {n} process{'es' if n > 1 else ''}", n, "") for n in (int(n) for n in args.procs.split(","))]
+    counts = [int(n) for n in args.procs.split(",")]
+    runs_of = [(f"hf-merge, {n} process{'es' if n > 1 else ''}", n, "") for n in counts]
+    if args.rank_writers:
+        runs_of += [(f"hf-merge, {n} processes, --dist-writers rank", n, "--dist-writers rank") for n in counts if n > 1]
     runs_of += [(f"hf-merge, 1 process, {v.strip()}", 1, v.strip()) for v in args.variants.split(";") if v.strip()]
     for i, (name, n, more) in enumerate(runs_of):
         out = args.workdir / f"merged-{i}"
@@ -95,9 +106,12 @@ def main() -> int:
         if n == 1:
             cmd = [sys.executable, "-m", "hf_merge", *tail]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--monitor-interval",
-                   "0.1", "-m", "hf_merge", *tail]
+            cmd = [*TORCHRUN, "--nproc-per-node", str(n), "-m", "hf_merge", *tail]
         commands[name] = (cmd, out)
+    for n in counts if args.launcher else []:
+        if n > 1:
+            commands[f"torchrun launcher alone, {n} processes of `true`"] = (
+                [*TORCHRUN, "--nproc-per-node", str(n), "--no-python", "true"], args.workdir / "launcher")
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]
     for _ in range(args.repeat):

@@ -1,7 +1,16 @@
 """One merge across the ranks of a ``torchrun`` job (several processes, several nodes).
 
 ``torchrun --nnodes N --nproc-per-node M -m hf_merge merge SOURCE TARGET`` (or ``hf-merge merge``
-launched by torchrun) runs the same command on every rank. Each rank opens the source and plans
+launched by torchrun) runs the same command on every rank. With ``--dist-writers node`` (the
+default) the start-up is paid once per node (:func:`torchrun_launch`, from the environment alone,
+before torch is imported): on one node local rank 0 runs the single-process merge (forked writers
+on the node's CPUs) and the other ranks return at once; across nodes only each node's local rank 0
+takes part, as rank ``GROUP_RANK`` of a job of ``GROUP_WORLD_SIZE`` node leaders whose default
+group meets in the store torchrun already hosts at ``MASTER_ADDR:MASTER_PORT``. Inside a program
+that runs torch.distributed (``distributed=True``) every rank joins; when they all share one host,
+rank 0 merges alone and the others wait for its result (:meth:`Job.alone`).
+
+What follows is the job of the ranks that take part. Each opens the source and plans
 the output from specs alone, so every rank knows every output file without talking to the others;
 then each writes a share of the files, balanced by bytes, into one temporary folder beside the
 target (on a file system all ranks see). A gloo process group (CPU only; timeout
@@ -30,6 +39,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +62,96 @@ def launched_by_torchrun(environ: "dict[str, str] | None" = None) -> bool:
     except ValueError:
         return False
     return world > 1 and "RANK" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one rank of a torchrun merge does, decided from the launcher's environment alone (no
+    torch import, no source read). ``role``:
+
+    - ``"alone"``: every rank is on this node and this is local rank 0: the single-process merge;
+    - ``"idle"``: another process merges for this node: nothing to do;
+    - ``"leader"``: local rank 0 of one of several nodes: one rank of a job of the node leaders;
+    - ``"every"``: every rank takes part (``--dist-writers rank``, or a launcher that does not say
+      which ranks share a node).
+    """
+
+    role: str
+    rank: int
+    world_size: int
+    nodes: int
+    node_rank: int
+
+    def environ(self) -> dict[str, str]:
+        """The job as this process should see it: one process (``alone``), or rank ``node_rank`` of
+        the ``nodes`` leaders, whose default group then meets at the same MASTER_ADDR:MASTER_PORT."""
+        if self.role == "alone":
+            return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        if self.role == "leader":
+            return {"RANK": str(self.node_rank), "WORLD_SIZE": str(self.nodes), "LOCAL_RANK": "0",
+                    "LOCAL_WORLD_SIZE": "1"}
+        return {}
+
+    def describe(self, cpus: int) -> str:
+        """One line for rank 0: what was chosen (``alone`` or ``leader``; ``every`` rank's job says it itself)."""
+        where = f"torchrun: {self.world_size} ranks on {self.nodes} node{'s' if self.nodes > 1 else ''}"
+        others = self.world_size - self.nodes
+        if self.nodes == 1:
+            return (f"{where}: rank 0 merges alone, with forked writers on its {cpus} CPUs; "
+                    f"{_other_ranks(self.world_size)} had nothing to do")
+        return (f"{where}: local rank 0 of each node merges ({self.nodes} processes, each with forked writers on its "
+                f"node's CPUs); the other {others} ranks had nothing to do")
+
+
+def _other_ranks(world_size: int) -> str:
+    return f"rank{'s 1-' if world_size > 2 else ' '}{world_size - 1}"
+
+
+def torchrun_launch(writers: str = "node", environ: "dict[str, str] | None" = None) -> "Launch | None":
+    """This rank's part in a merge launched by torchrun (None when not launched so, or when
+    ``HF_MERGE_DISTRIBUTED`` decides). With ``writers="node"`` the start-up (torch import, opening
+    and planning the source, the process group) is paid once per node: on one node
+    (``LOCAL_WORLD_SIZE == WORLD_SIZE``) local rank 0 runs the single-process merge and the others
+    return at once; across nodes only each node's local rank 0 joins, as rank ``GROUP_RANK`` of
+    ``GROUP_WORLD_SIZE``."""
+    env = os.environ if environ is None else environ
+    if not launched_by_torchrun(env) or env.get(SWITCH_VAR, "") in ("0", "1"):
+        return None
+    known = {k: _int_or_none(env.get(k)) for k in LAUNCH_VARS}
+    rank, world, local_rank = known["RANK"], known["WORLD_SIZE"], known["LOCAL_RANK"]
+    nodes, node_rank = known["GROUP_WORLD_SIZE"], known["GROUP_RANK"]
+    if known["LOCAL_WORLD_SIZE"] == world:
+        nodes, node_rank = 1, 0
+    if writers != "node" or rank is None or local_rank is None or nodes is None or node_rank is None:
+        return Launch("every", rank or 0, world or 0, nodes or 0, node_rank or 0)
+    if local_rank != 0:
+        return Launch("idle", rank, world, nodes, node_rank)
+    return Launch("alone" if nodes == 1 else "leader", rank, world, nodes, node_rank)
+
+
+def _int_or_none(value: "str | None") -> "int | None":
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def enter_torchrun_merge(writers: str = "node") -> bool:
+    """The CLI's first step of a merge under torchrun: False when this rank has nothing to do (another
+    process merges for its node); otherwise this process's environment now describes the job it
+    takes part in (:meth:`Launch.environ`). Rank 0 logs the choice. Reads nothing but the environment."""
+    launch = torchrun_launch(writers)
+    if launch is None or launch.role == "every":
+        return True
+    if launch.rank == 0:
+        from .copypool import usable_cpus
+
+        logger.info(launch.describe(usable_cpus()))
+    os.environ.update(launch.environ())
+    return launch.role != "idle"
 
 
 def timeout_seconds() -> float:
@@ -263,6 +363,19 @@ class Job:
                 error = e
         first = self.exchange(error, result)[0]
         return _with_rank(first, self.rank)
+
+    def on_one_node(self) -> bool:
+        """True when every rank runs on this host (one exchange of the host names)."""
+        self.exchange(None)
+        return len(set(self.hosts)) == 1
+
+    def alone(self, work: Callable[[], Any]) -> Any:
+        """Every rank on one node: ``work()`` (the single-process merge, with its forked writers) on
+        rank 0 alone; the other ranks read nothing and wait for its result (:meth:`one_writer`)."""
+        if self.rank == 0:
+            logger.info(f"torch.distributed: {self.world_size} ranks on 1 node: rank 0 merges alone, with forked "
+                        f"writers on its CPUs; the other ranks read nothing and wait for its result")
+        return self.one_writer(work)
 
     # -- the merge ---------------------------------------------------------------------------
     def merge(

@@ -241,6 +241,7 @@ def merge(
     if not source_crc:
         with record_crc.skipping():
             return merge(**{**locals(), "source_crc": True})
+    arguments = dict(locals())  # for the single-process merge rank 0 runs when every rank is on one node
     if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
         from .gguf.convert import merge_gguf
 
@@ -291,6 +292,8 @@ def merge(
     job = join_job(distributed)  # under torchrun: this process is one rank of a distributed merge
     if job is not None:
         with job:
+            if dist_writers == "node" and job.on_one_node():  # start-up paid once: the others read nothing
+                return job.alone(lambda: merge(**{**arguments, "distributed": False}))
             return job.merge(
                 prepare, target, overwrite=replace, workers=workers, checksums=checksums,
                 finish=finish, writers=dist_writers,

@@ -13,6 +13,9 @@ MASTER_PORT set by hand). JOBS is a list of ``{"argv": [...], "missing_source_on
 - ``missing_source_on_rank``: that rank is given a source path that does not exist (a node that
   does not see the checkpoint; for ``verify``, the target).
 - ``die_on_rank``: that rank SIGKILLs itself when it starts writing its first output file.
+
+Each result also says whether the rank imported torch (``"torch"``): a rank that had nothing to do
+returns before it does.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ def main() -> int:
     jobs = json.loads(Path(sys.argv[1 + own_group]).read_text())
     out = Path(sys.argv[2 + own_group])
     rank = int(os.environ["RANK"])
-    import hf_merge.writer
     from hf_merge.cli.app import main as cli
 
     if own_group:
@@ -39,23 +41,24 @@ def main() -> int:
 
         dist.init_process_group("gloo")
         os.environ["HF_MERGE_DISTRIBUTED"] = "1"
-    real_write_file = hf_merge.writer.write_file
     for i, job in enumerate(jobs):
         argv = list(job["argv"])
         if job.get("missing_source_on_rank") == rank:
             argv[1] = argv[1] + "-not-mounted-here"
+        if job.get("die_on_rank") == rank:
+            import hf_merge.writer
 
-        def dying_write_file(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGKILL)
+            def dying_write_file(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        hf_merge.writer.write_file = dying_write_file if job.get("die_on_rank") == rank else real_write_file
+            hf_merge.writer.write_file = dying_write_file
         err, std = io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
             try:
                 code = cli(argv)
             except SystemExit as e:
                 code = e.code
-        result = {"code": code, "stderr": err.getvalue(), "stdout": std.getvalue()}
+        result = {"code": code, "stderr": err.getvalue(), "stdout": std.getvalue(), "torch": "torch" in sys.modules}
         (out / f"{i}.rank{rank}.json").write_text(json.dumps(result))
     if own_group:
         dist.destroy_process_group()  # as a training script ends

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hf_merge import merge
-from hf_merge.distributed import assign_by_bytes, launched_by_torchrun, writing_ranks
+from hf_merge.distributed import Launch, assign_by_bytes, launched_by_torchrun, torchrun_launch, writing_ranks
 from helpers import no_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,27 +57,30 @@ def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.Popen:
     return proc
 
 
-def _run_jobs(jobs: list[dict], tmp_path: Path, *, ranks: int) -> dict[tuple[int, int], dict]:
+def _run_jobs(jobs: list[dict], tmp_path: Path, *, ranks: int, own_group: bool = True) -> dict[tuple[int, int], dict]:
     """``jobs`` (see dist_driver.py) in one torchrun job of ``ranks`` processes that initialised
-    torch.distributed itself; ``{(job, rank): {"code", "stdout", "stderr"}}``."""
+    torch.distributed itself (``own_group``; else one job, as ``torchrun -m hf_merge`` runs it);
+    ``{(job, rank): {"code", "stdout", "stderr", "torch"}}``."""
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     results = tmp_path / "results"
     results.mkdir()
-    proc = _run(_torchrun("--nproc-per-node", str(ranks), str(DRIVER), "--own-group", str(tmp_path / "jobs.json"),
-                          str(results)), timeout=600)
+    proc = _run(_torchrun("--nproc-per-node", str(ranks), str(DRIVER), *(["--own-group"] if own_group else []),
+                          str(tmp_path / "jobs.json"), str(results)), timeout=600)
     assert proc.returncode == 0, proc.output
     return {(i, r): json.loads((results / f"{i}.rank{r}.json").read_text()) for i in range(len(jobs)) for r in range(ranks)}
 
 
-def assert_same_folder(got: Path, want: Path) -> None:
-    """Byte-identical files; hf_merge.json equal but for "created" and the "distributed" record."""
+def assert_same_folder(got: Path, want: Path, *, shared: bool = True) -> None:
+    """Byte-identical files; hf_merge.json equal but for "created" and (``shared``: the files were
+    written by several ranks) the "distributed" record."""
     names = sorted(p.name for p in want.iterdir())
     assert sorted(p.name for p in got.iterdir()) == names
     assert sum(n.endswith(".safetensors") for n in names) >= 2, names  # really split across ranks
     for name in names:
         if name == "hf_merge.json":
             a, b = json.loads((got / name).read_text()), json.loads((want / name).read_text())
-            assert a.pop("distributed")["world_size"] >= 2
+            if shared:
+                assert a.pop("distributed")["world_size"] >= 2
             a.pop("created"), b.pop("created")
             assert a == b
         else:
@@ -107,8 +110,51 @@ def test_one_writing_rank_per_node_unless_every_rank_is_asked_for():
     assert writing_ranks(["a", "a", "b"], "rank") == [0, 1, 2]
 
 
+def test_torchrun_launch_from_the_environment_alone():
+    """Which process merges, from torchrun's variables: once per node unless every rank is asked for."""
+    job = {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+           "GROUP_WORLD_SIZE": "1"}
+    alone = torchrun_launch("node", {**job, "RANK": "0", "LOCAL_RANK": "0"})
+    assert alone == Launch("alone", 0, 4, 1, 0)
+    assert alone.environ()["WORLD_SIZE"] == "1"
+    assert alone.describe(2) == ("torchrun: 4 ranks on 1 node: rank 0 merges alone, with forked writers on its 2 CPUs; "
+                                 "ranks 1-3 had nothing to do")
+    assert torchrun_launch("node", {**job, "RANK": "3", "LOCAL_RANK": "3"}).role == "idle"
+    assert torchrun_launch("rank", {**job, "RANK": "3", "LOCAL_RANK": "3"}).role == "every"
+    assert torchrun_launch("node", {**job, "RANK": "1", "LOCAL_RANK": "1", "HF_MERGE_DISTRIBUTED": "1"}) is None
+    # 2 nodes x 2 ranks: local rank 0 of each node becomes rank GROUP_RANK of the 2 node leaders
+    nodes = {**job, "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    leader = torchrun_launch("node", {**nodes, "RANK": "2", "LOCAL_RANK": "0"})
+    assert leader.role == "leader" and leader.environ() == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                                            "LOCAL_WORLD_SIZE": "1"}
+    assert torchrun_launch("node", {**nodes, "RANK": "3", "LOCAL_RANK": "1"}).role == "idle"
+    # a launcher that does not say which ranks share a node: every rank takes part, as before
+    assert torchrun_launch("node", {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "1"}).role == "every"
+
+
+def test_one_node_torchrun_merge_runs_in_one_process(qwen2_fp32_ws2, fsdp_single, tmp_path):
+    """`torchrun --nproc-per-node 3` running the CLI: rank 0 merges alone and says so; ranks 1 and 2
+    return before importing torch or opening the source (rank 2 is handed a source that does not
+    exist: it would fail if it read it). The output equals a single-process merge."""
+    target = tmp_path / "merged"
+    jobs = [{"argv": ["merge", str(qwen2_fp32_ws2.actor), str(target), "--max-shard-size", SHARD],
+             "missing_source_on_rank": 2}]
+    outcome = _run_jobs(jobs, tmp_path, ranks=3, own_group=False)
+    assert [outcome[0, r]["code"] for r in range(3)] == [0, 0, 0], outcome
+    assert "torchrun: 3 ranks on 1 node: rank 0 merges alone" in outcome[0, 0]["stderr"], outcome[0, 0]
+    assert outcome[0, 0]["torch"] and not outcome[0, 1]["torch"] and not outcome[0, 2]["torch"], outcome
+    for r in (1, 2):
+        assert not outcome[0, r]["stderr"] and not outcome[0, r]["stdout"], outcome[0, r]
+    assert_same_folder(target, fsdp_single, shared=False)
+    assert "distributed" not in json.loads((target / "hf_merge.json").read_text())
+
+
 def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
-    """`torchrun --nnodes 2 --nproc-per-node 1 -m hf_merge merge` twice, rendezvous on localhost.
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m hf_merge merge` twice, rendezvous on localhost.
+
+    Only local rank 0 of each "node" takes part: the two meet as ranks 0 and 1 of a job of the node
+    leaders (in the store torchrun's agents host), find that they share a host, and rank 0 merges
+    alone; the other two ranks return at once.
 
     The rendezvous store is hosted here, as on a cluster where it outlives every node's agent:
     when one of the two agents hosts it (torchrun's default on the endpoint's machine), that agent
@@ -120,7 +166,7 @@ def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
     target = tmp_path / "merged"
     port = _free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    cmd = _torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+    cmd = _torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                     f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false,join_timeout=120,close_timeout=30",
                     "--rdzv-id", "hf-merge-test", "-m", "hf_merge", "merge", str(qwen2_fp32_ws2.actor), str(target),
                     "--max-shard-size", SHARD)
@@ -134,12 +180,11 @@ def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
                 os.killpg(p.pid, signal.SIGKILL)
         del store
     assert [p.returncode for p in nodes] == [0, 0], logs
-    assert_same_folder(target, fsdp_single)
-    record = json.loads((target / "hf_merge.json").read_text())["distributed"]
-    assert record["world_size"] == 2 and record["writers"] == "node"
+    assert_same_folder(target, fsdp_single, shared=False)
     # both "nodes" run on this host: one process wrote every file (with its forked writers), and said so
-    assert record["files_per_rank"][1] == 0 and record["files_per_rank"][0] >= 2, record
-    assert sum("files written by rank 0, one process per node" in log for log in logs) == 1, logs
+    said = "torchrun: 4 ranks on 2 nodes: local rank 0 of each node merges (2 processes"
+    assert sum(log.count(said) for log in logs) == 1, logs
+    assert sum(log.count("2 ranks on 1 node: rank 0 merges alone") for log in logs) == 1, logs
     assert sum(log.count("wrote ") for log in logs) == 1, logs  # one report, from rank 0
     assert not any("exit barrier" in log.lower() and "error" in log.lower() for log in logs), logs
 
@@ -159,19 +204,24 @@ def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatr
     jobs = [  # in one job that initialised torch.distributed itself (as a training script would)
         {"argv": ["merge", str(megatron_src), str(out / "megatron"), "--max-shard-size", SHARD]},
         {"argv": ["merge", str(fsdp_src), str(out / "nf4"), "--max-shard-size", SHARD, "--quantize", "nf4"]},
-        {"argv": ["merge", str(fsdp_src), str(out / "blind"), "--max-shard-size", SHARD], "missing_source_on_rank": 1},
+        {"argv": ["merge", str(fsdp_src), str(out / "blind"), "--max-shard-size", SHARD, "--dist-writers", "rank"],
+         "missing_source_on_rank": 1},
         {"argv": ["merge", str(fsdp_src), str(out / "fsdp"), "--max-shard-size", SHARD, "--dist-writers", "rank"]},
+        {"argv": ["merge", str(fsdp_src), str(out / "alone"), "--max-shard-size", SHARD], "missing_source_on_rank": 2},
     ]
     outcome = _run_jobs(jobs, tmp_path, ranks=3)
-    for i in (0, 1, 3):
+    for i in (0, 1, 3, 4):
         assert [outcome[i, r]["code"] for r in range(3)] == [0, 0, 0], outcome
     assert_same_folder(out / "fsdp", fsdp_single)
     shared = json.loads((out / "fsdp" / "hf_merge.json").read_text())["distributed"]
     assert shared["writers"] == "rank" and sum(n > 0 for n in shared["files_per_rank"]) >= 2, shared
-    alone = json.loads((out / "megatron" / "hf_merge.json").read_text())["distributed"]
-    assert alone["writers"] == "node" and alone["files_per_rank"][1:] == [0, 0], alone
-    assert_same_folder(out / "megatron", singles / "megatron")
-    assert_same_folder(out / "nf4", singles / "nf4")
+    # --dist-writers node (the default) on one node: rank 0 runs the single-process merge, the
+    # others wait for it without reading the source (rank 2's does not exist); one note says so
+    assert_same_folder(out / "megatron", singles / "megatron", shared=False)
+    assert_same_folder(out / "nf4", singles / "nf4", shared=False)
+    assert_same_folder(out / "alone", fsdp_single, shared=False)
+    assert "3 ranks on 1 node: rank 0 merges alone" in outcome[4, 0]["stderr"], outcome[4, 0]
+    assert not outcome[4, 1]["stderr"] + outcome[4, 1]["stdout"] + outcome[4, 2]["stderr"], outcome
     # a rank that cannot see the source: every rank fails with one line, nothing is left behind
     for r in range(3):
         assert outcome[2, r]["code"] == 2
