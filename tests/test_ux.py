@@ -284,7 +284,7 @@ def test_sizes_and_dtype_aliases_are_parsed_before_anything_is_read(qwen2_fp32_w
     assert "usage: hf-merge merge" in err and "cannot read the size '2X'" in err and "Traceback" not in err
     err = usage_error(capsys, "merge", tmp_path / "x", tmp_path / "o", "--dtype", "bfloat")
     assert "unknown dtype 'bfloat' (did you mean bfloat16?)" in err
-    for flag, value in (("--workers", "0"), ("--copy-threads", "-2"), ("--copy-threads", "two")):
+    for flag, value in (("--workers", "0"), ("--workers", "-2"), ("--workers", "two")):
         err = usage_error(capsys, "merge", tmp_path / "x", tmp_path / "o", flag, value)
         assert f"{value!r} is not a whole number of at least 1" in err and "Traceback" not in err, err
     target = tmp_path / "m"

@@ -56,10 +56,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", default="5GB", type=size_arg, metavar="SIZE",
                    help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
     p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per CPU, at most 8)")
-    p.add_argument("--copy-threads", type=positive_int, default=None, metavar="N",
-                   help="threads per writing process copying rank-file bytes into the output on the page-cache path "
-                   "(HF_MERGE_DIRECT_IO=0, or where O_DIRECT does not apply; default: its share of the CPUs, at most 8; "
-                   "1: on the writing thread)")
     p.add_argument("--dist-writers", choices=("node", "rank"), default="node",
                    help="under torchrun: which ranks write the files: node (default: one process per node, with "
                    "forked writers on its CPUs) or rank (every rank writes a share)")
@@ -121,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
+    options = merge_options(args)
     with _head_start(args, source, target) as head:  # the first file written while torch is imported
-        result = _merge(args, source, target, head)
+        from ..merging import run as merge
+
+        result = merge(source, target, options, head=head)
     if result.rank != 0:  # a distributed merge reports once, from rank 0
         return 0
     if args.json:
@@ -173,17 +172,15 @@ def _quantize_options(args: argparse.Namespace):
     return QuantizeOptions(args.quantize, double_quant=args.double_quant, compute_dtype=args.quant_compute_dtype, skip_modules=skip)
 
 
-def _merge(args: argparse.Namespace, source: str, target: str, head):
-    from ..merging import merge
+def merge_options(args: argparse.Namespace):
+    """The command line's :class:`~hf_merge.options.MergeOptions` (built once per run)."""
+    from ..options import MergeOptions
 
-    return merge(
-        source,
-        target,
+    return MergeOptions(
         backend=args.backend,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         workers=args.workers,
-        copy_threads=args.copy_threads,
         dist_writers=args.dist_writers,
         config=args.config,
         overwrite=args.overwrite,
@@ -202,7 +199,6 @@ def _merge(args: argparse.Namespace, source: str, target: str, head):
         source_options=source_options(args),
         gguf=args.gguf,
         gguf_pre_tokenizer=args.gguf_pre_tokenizer,
-        head_start=head,
     )
 
 
