@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import DistributedError, HfMergeError
+from .settings import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, DIST_TIMEOUT_VAR as TIMEOUT_VAR
+from .settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
+from .settings import dist_timeout_s, distributed as distributed_from_environment
 
 logger = logging.getLogger(__name__)
 
-from .settings import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, DIST_TIMEOUT_VAR as TIMEOUT_VAR
-from .settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
 PROGRESS_FLUSH_BYTES = 64 << 20
 
 
@@ -54,8 +55,6 @@ def launched_by_torchrun(environ: "dict[str, str] | None" = None) -> bool:
 
 
 def timeout_seconds() -> float:
-    from .settings import dist_timeout_s
-
     return dist_timeout_s()
 
 
@@ -70,9 +69,7 @@ def join_job(distributed: bool | None = None) -> "Job | None":
     stands for True / False when ``distributed`` is None (for the CLI run inside such a program).
     """
     if distributed is None:
-        from .settings import distributed as from_environment
-
-        distributed = from_environment()
+        distributed = distributed_from_environment()
     if distributed is False or (distributed is None and not launched_by_torchrun()):
         return None
     import torch.distributed as dist
