@@ -249,18 +249,19 @@ class Job:
         self,
         prepare: Callable[[], Any],
         target: Path,
+        options: Any,
         *,
         overwrite: bool,
-        workers: int | None,
-        checksums: bool,
         result: Callable[[Any, bool], Any],
-        writers: str = "node",
     ) -> Any:
         """The distributed executor of any output (:mod:`hf_merge.pipeline`): ``prepare()`` it on every
         rank, write this rank's share of its planned files (:func:`writing_ranks`), let rank 0 finish
-        and commit; ``result(output, main)`` on every rank. See the module docstring."""
+        and commit; ``result(output, main)`` on every rank. ``options``: the merge's
+        :class:`~hf_merge.options.MergeOptions` (workers, checksums, dist_writers). See the module docstring."""
         from .output import stage
         from .pipeline import Writing
+
+        writers = options.dist_writers
 
         main = self.rank == 0
         output = tmp = staged = None
@@ -293,7 +294,8 @@ class Job:
             with self._progress(sum(f.data_size for f in files), str(tmp)) as progress:
                 try:
                     if share:
-                        how = Writing(workers=workers, sha256=checksums, progress=progress.update, processes_here=here)
+                        how = Writing(workers=options.workers, sha256=options.checksums, progress=progress.update,
+                                      processes_here=here)
                         digests = output.write(tmp, share, how)
                     progress.flush()
                 except BaseException as e:  # noqa: BLE001 - reported to every rank

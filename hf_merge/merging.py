@@ -113,10 +113,8 @@ def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, he
     job = join_job(options.distributed)  # under torchrun: this process is one rank of a distributed merge
     if job is not None:
         with job:
-            return job.merge(prepare, target, overwrite=overwrite, workers=options.workers,
-                             checksums=options.checksums, writers=options.dist_writers, result=result)
-    how = Writing(workers=options.workers, sha256=options.checksums, head=head)
-    return result(run_staged(prepare, target, overwrite=overwrite, how=how), True)
+            return job.merge(prepare, target, options, overwrite=overwrite, result=result)
+    return result(run_staged(prepare, target, options, overwrite=overwrite, head=head), True)
 
 
 def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) -> dict[str, str | None]:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from .options import MergeOptions
+
 ProgressFn = Callable[[int], None]
 
 
@@ -80,12 +82,15 @@ def run_in_process(output: Output, folder: Path | None, how: Writing = Writing()
     return digests
 
 
-def run_staged(prepare: Callable[[], Any], target: Path, *, overwrite: bool, how: Writing) -> Any:
+def run_staged(prepare: Callable[[], Any], target: Path, options: MergeOptions, *, overwrite: bool, head: Any = None) -> Any:
     """The in-process executor of a merge: lock ``target`` and make its temporary folder (before the
     source is read, so a second run on the same target is refused before it reads anything),
-    ``prepare()`` the output, write and finish it there, move the folder into place; the output."""
+    ``prepare()`` the output, write and finish it there (``options``: the merge's
+    :class:`~hf_merge.options.MergeOptions`), move the folder into place; the output."""
     from .output import atomic_folder
     from .preload import preload
+
+    how = Writing(workers=options.workers, sha256=options.checksums, head=head)
 
     with atomic_folder(target, overwrite=overwrite) as tmp:
         output = prepare()

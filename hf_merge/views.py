@@ -32,6 +32,8 @@ class Views:
     adapter_config: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None
     base: LazyCheckpoint | None = None  # the unfused base model the adapter goes onto (adapter/both)
+    layout: Any = None  # hf_merge.lora.LoraLayout of a PEFT checkpoint (what the GGUF LoRA file is planned from)
+    settings: Any = None  # its hf_merge.lora.LoraSettings (r, alpha, rsLoRA)
 
 
 LORA_MODES = ("fuse", "adapter", "both")
@@ -77,6 +79,7 @@ def build_views(
         settings = resolve_settings(
             layout, ckpt.info.path, config, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model_name=base_model_name
         )
+        views.layout, views.settings = layout, settings
         views.lora = {
             "mode": lora, "r": settings.r, "lora_alpha": settings.lora_alpha, "alpha_source": settings.alpha_source,
             "target_modules": layout.target_modules, "use_rslora": settings.use_rslora,

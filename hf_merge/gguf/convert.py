@@ -95,15 +95,8 @@ class GgufFile:
         self.config = cfg
         self.arch = arch_for(cfg)  # unsupported architectures are refused before anything is read
         self.views = views = build_views(ckpt, cfg, dtype="auto", lora=lora, **lora_kwargs)
-        self.layout = self.settings = None
-        if views.adapter is not None:  # lora: the layout and settings the adapter view was built from
-            from ..lora import find_lora, resolve_settings
-
-            self.layout = find_lora(ckpt.specs())
-            self.settings = resolve_settings(
-                self.layout, ckpt.info.path, cfg, lora_alpha=options.lora_alpha, use_rslora=options.use_rslora,
-                base_model_name=options.base_model_name,
-            )
+        self.layout, self.settings = views.layout, views.settings  # lora: what the adapter view was built from
+        if views.adapter is not None:
             try:
                 from .lora import lora_alpha as gguf_alpha
 
