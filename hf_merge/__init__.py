@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -17,7 +17,8 @@ _EXPORTS = {
     "LazyCheckpoint": "checkpoint",
     "open_checkpoint": "checkpoint",
     "HfMergeError": "errors",
-    "MergeResult": "merging",
+    "MergeOptions": "options",
+    "MergeResult": "pipeline",
     "merge": "merging",
     "TensorSpec": "spec",
     "verify": "verification",
@@ -33,7 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import CheckpointInfo, LazyCheckpoint, open_checkpoint
     from .errors import HfMergeError
     from .hub import push
-    from .merging import MergeResult, merge
+    from .merging import merge
+    from .options import MergeOptions
+    from .pipeline import MergeResult
     from .model import from_sharded_pretrained, load_tokenizer
     from .spec import TensorSpec
     from .verification import VerifyReport, verify

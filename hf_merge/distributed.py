@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import DistributedError, HfMergeError
+from .settings import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, DIST_TIMEOUT_VAR as TIMEOUT_VAR
+from .settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
+from .settings import dist_timeout_s, distributed as distributed_from_environment
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_VAR = "HF_MERGE_DIST_TIMEOUT"
-SWITCH_VAR = "HF_MERGE_DISTRIBUTED"  # "1": share merges across the ranks of a running job; "0": never
-DEFAULT_TIMEOUT_S = 1800.0
 PROGRESS_FLUSH_BYTES = 64 << 20
 
 
@@ -155,14 +155,7 @@ def enter_torchrun_merge(writers: str = "node") -> bool:
 
 
 def timeout_seconds() -> float:
-    raw = os.environ.get(TIMEOUT_VAR, "")
-    try:
-        value = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise HfMergeError(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds; unset it or set e.g. 1800") from None
-    if value <= 0:
-        raise HfMergeError(f"{TIMEOUT_VAR}={raw!r} must be positive")
-    return value
+    return dist_timeout_s()
 
 
 def join_job(distributed: bool | None = None) -> "Job | None":
@@ -175,8 +168,8 @@ def join_job(distributed: bool | None = None) -> "Job | None":
     ``False``: never (e.g. only rank 0 merges). ``HF_MERGE_DISTRIBUTED=1`` / ``0`` in the environment
     stands for True / False when ``distributed`` is None (for the CLI run inside such a program).
     """
-    if distributed is None and os.environ.get(SWITCH_VAR, "") in ("0", "1"):
-        distributed = os.environ[SWITCH_VAR] == "1"
+    if distributed is None:
+        distributed = distributed_from_environment()
     if distributed is False or (distributed is None and not launched_by_torchrun()):
         return None
     import torch.distributed as dist
@@ -247,10 +240,10 @@ def writing_ranks(hosts: list[str], writers: str = "node") -> list[int]:
     return sorted(first.values())
 
 
-def plan_fingerprint(plan: Any) -> str:
+def plan_fingerprint(files: list[Any]) -> str:
     """sha256 over every planned file's name and header: equal on ranks that planned the same output."""
     h = hashlib.sha256()
-    for f in plan.files if plan is not None else []:
+    for f in files:
         h.update(f.name.encode() + b"\0" + bytes(f.header) + b"\0")
     return h.hexdigest()
 
@@ -351,19 +344,6 @@ class Job:
         self.exchange(None)
         return result
 
-    def one_writer(self, work: Callable[[], Any]) -> Any:
-        """``work()`` on rank 0 alone, for an output only one process can write (a GGUF file is one
-        stream); the other ranks wait for it (up to the job's timeout) and return rank 0's result
-        with their own rank. A failure on rank 0 fails every rank."""
-        result = error = None
-        if self.rank == 0:
-            try:
-                result = work()
-            except BaseException as e:  # noqa: BLE001 - reported to every rank
-                error = e
-        first = self.exchange(error, result)[0]
-        return _with_rank(first, self.rank)
-
     def on_one_node(self) -> bool:
         """True when every rank runs on this host (one exchange of the host names)."""
         self.exchange(None)
@@ -371,42 +351,51 @@ class Job:
 
     def alone(self, work: Callable[[], Any]) -> Any:
         """Every rank on one node: ``work()`` (the single-process merge, with its forked writers) on
-        rank 0 alone; the other ranks read nothing and wait for its result (:meth:`one_writer`)."""
+        rank 0 alone; the other ranks read nothing, wait for its result (up to the job's timeout) and
+        return it with their own rank. A failure on rank 0 fails every rank."""
+        result = error = None
         if self.rank == 0:
             logger.info(f"torch.distributed: {self.world_size} ranks on 1 node: rank 0 merges alone, with forked "
                         f"writers on its CPUs; the other ranks read nothing and wait for its result")
-        return self.one_writer(work)
+            try:
+                result = work()
+            except BaseException as e:  # noqa: BLE001 - reported to every rank
+                error = e
+        first = self.exchange(error, result)[0]
+        return _with_rank(first, self.rank)
 
     # -- the merge ---------------------------------------------------------------------------
     def merge(
         self,
         prepare: Callable[[], Any],
         target: Path,
+        options: Any,
         *,
         overwrite: bool,
-        workers: int | None,
-        checksums: bool,
-        finish: Callable[[Any, Path, dict], None],
         result: Callable[[Any, bool], Any],
-        writers: str = "node",
     ) -> Any:
-        """Plan on every rank, write this rank's share (:func:`writing_ranks`), let rank 0 finish; see
-        the module docstring."""
+        """The distributed executor of any output (:mod:`hf_merge.pipeline`): ``prepare()`` it on every
+        rank, write this rank's share of its planned files (:func:`writing_ranks`), let rank 0 finish
+        and commit; ``result(output, main)`` on every rank. ``options``: the merge's
+        :class:`~hf_merge.options.MergeOptions` (workers, checksums, dist_writers). See the module docstring."""
         from .output import stage
-        from .writer import write_index, write_shards
+        from .pipeline import Writing
+
+        writers = options.dist_writers
 
         main = self.rank == 0
-        prepared = tmp = staged = None
+        output = tmp = staged = None
         error = None
         try:
             if main:  # locked before the source is read (see hf_merge.output)
                 staged = stage(target, overwrite=overwrite)
                 tmp = staged.tmp
-            prepared = prepare()
+            output = prepare()
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         try:
-            info = self.exchange(error, {"plan": plan_fingerprint(getattr(prepared, "model_plan", None)), "tmp": str(tmp)})
+            files = list(output.plan()) if output is not None else []
+            info = self.exchange(error, {"plan": plan_fingerprint(files), "tmp": str(tmp)})
             if len({i["plan"] for i in info}) != 1:
                 odd = next(r for r, i in enumerate(info) if i["plan"] != info[0]["plan"])
                 raise DistributedError(
@@ -414,8 +403,6 @@ class Job:
                     "on its node?); every rank must see the same checkpoint; no target was written"
                 )
             tmp = Path(info[0]["tmp"])
-            plan = prepared.model_plan
-            files = plan.files if plan is not None else []
             chosen = writing_ranks(self.hosts, writers)
             share = []
             if self.rank in chosen:
@@ -424,14 +411,12 @@ class Job:
             here = sum(1 for r in chosen if self.hosts[r] == self.host)
             digests: dict[str, str | None] = {}
             error = None
-            with self._progress(plan.total_size if plan else 0, str(tmp)) as progress:
+            with self._progress(sum(f.data_size for f in files), str(tmp)) as progress:
                 try:
                     if share:
-                        digests = write_shards(
-                            prepared.views.model, plan, tmp, workers=workers, sha256=checksums, files=share,
-                            processes_here=here,
-                            progress=progress.update,
-                        )
+                        how = Writing(workers=options.workers, sha256=options.checksums, progress=progress.update,
+                                      processes_here=here)
+                        digests = output.write(tmp, share, how)
                     progress.flush()
                 except BaseException as e:  # noqa: BLE001 - reported to every rank
                     error = e
@@ -440,10 +425,7 @@ class Job:
             if main:
                 try:
                     every = {k: v for d in gathered for k, v in d.items()}
-                    ordered = {f.name: every[f.name] for f in files}
-                    if plan is not None:
-                        write_index(plan, tmp)
-                    prepared.provenance["distributed"] = {
+                    output.provenance["distributed"] = {
                         "world_size": self.world_size,
                         "hosts": len(set(self.hosts)),
                         "writers": writers,
@@ -451,20 +433,20 @@ class Job:
                         "backend": "torch.distributed (gloo)",
                     }
                     note = _writers_note(self.world_size, self.hosts, chosen, writers)
-                    prepared.views.notes.append(note)
+                    output.notes.append(note)
                     logger.info(note)
-                    finish(prepared, tmp, ordered)
+                    output.finish(tmp, {f.name: every[f.name] for f in files})
                     staged.commit()
                     staged = None
                 except BaseException as e:  # noqa: BLE001 - reported to every rank
                     error = e
             self.exchange(error)
-            return _with_rank(result(prepared, main), self.rank)
+            return _with_rank(result(output, main), self.rank)
         finally:
             if staged is not None:
                 staged.discard()
-            if prepared is not None:
-                prepared.ckpt.close()
+            if output is not None:
+                output.close()
 
     def _progress(self, total: int, key: str) -> "_Progress":
         return _Progress(self._store, f"hf_merge/bytes/{key}", total, show=self.rank == 0)

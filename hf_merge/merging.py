@@ -1,201 +1,50 @@
-"""``merge``: open -> transforms -> writer, into an atomic output folder."""
+"""``merge``: open -> views -> an output (:mod:`hf_merge.pipeline`) -> an executor, into an atomic folder.
+
+This module holds the API entry (:func:`merge`, :func:`run`) and the safetensors outputs: the
+Hugging Face model folder (:class:`HfFolder`) and the PEFT adapter folder (:class:`PeftAdapter`).
+The GGUF output is :class:`hf_merge.gguf.convert.GgufFile`.
+"""
 
 from __future__ import annotations
 
-import datetime as _dt
+import dataclasses
 import json
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from . import __version__
+from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .formats import registry, weights_label
-from .hf_files import (
-    checkpoint_config, copy_side_files, holds_side_files_only, missing_side_files, resolve_dtype, tied_pairs,
-    write_config, written_dtype,
-)
-from .hub import push, write_card
-from .output import PROVENANCE_FILE as PROVENANCE_NAME, atomic_folder, check_free_space, check_target
-from .errors import HfMergeError, HubError
-from .plan import parse_size, plan_shards
-from .preload import preload
+from .hf_files import checkpoint_config, copy_side_files, holds_side_files_only, missing_side_files, write_config, written_dtype
+from .hub import write_card
+from .options import MergeOptions
+from .output import check_free_space, check_target
+from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
+from .plan import ShardPlan, plan_shards
+from .provenance import merge_record, write_record
 from .readers import record_crc
-from .spec import dtype_name, parse_dtype
-from .transforms import Cast, drop_tied
+from .spec import dtype_name
 from .verification import verify_or_raise
-from .writer import write_shards
+from .views import ADAPTER_SUBDIR, build_views
+from .writer import write_index, write_shards
+
+__all__ = ["ADAPTER_SUBDIR", "HfFolder", "MergeOptions", "MergeResult", "PeftAdapter", "merge", "run"]
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_SUBDIR = "lora_adapter"
 ADAPTER_PATTERN = "adapter_model{suffix}.safetensors"
 
 
-@dataclass
-class MergeResult:
-    target: Path
-    files: list[str]
-    dtype: str | None
-    num_tensors: int
-    total_bytes: int
-    notes: list[str] = field(default_factory=list)
-    provenance: dict[str, Any] = field(default_factory=dict)
-    url: str | None = None  # the Hub URL when pushed
-    quantization: str | None = None  # nf4 / fp4 / int8 when the weights are bitsandbytes-quantized
-    adapter: dict[str, Any] | None = None  # LoRA "both": the adapter folder's path, tensors, bytes, dtype
-    rank: int = 0  # a distributed merge's rank (rank 0 finishes the folder and reports)
-
-
-@dataclass
-class Views:
-    """What a merge writes: the HF model view and/or the PEFT adapter view."""
-
-    model: LazyCheckpoint | None
-    out_dtype: torch.dtype | None
-    notes: list[str]
-    adapter: LazyCheckpoint | None = None
-    adapter_config: dict[str, Any] | None = None
-    lora: dict[str, Any] | None = None
-    base: LazyCheckpoint | None = None  # the unfused base model the adapter goes onto (adapter/both)
-
-
-LORA_MODES = ("fuse", "adapter", "both")
-
-
-def build_views(
-    ckpt: LazyCheckpoint,
-    config: dict[str, Any],
-    *,
-    dtype: "str | torch.dtype | None" = None,
-    lora: str = "both",
-    lora_alpha: float | None = None,
-    use_rslora: bool | None = None,
-    base_model: "str | Path | None" = None,
-    base_model_name: str | None = None,
-    hub: bool = True,
-) -> Views:
-    """The transform stack from a source's tensors to what the output folder(s) hold.
-
-    Plain checkpoints: tied alias dropped, the Hub layout (``hub``: what ``save_pretrained``
-    writes, see :mod:`hf_merge.transforms.hub_layout`), floating tensors cast. PEFT checkpoints: the base
-    names unwrapped, LoRA folded in (``lora`` fuse/both) and/or the adapter on its own
-    (adapter/both; it keeps the training dtype unless ``dtype`` names one).
-    """
-    from .errors import LoraError
-    from .lora import adapter_config, find_lora, resolve_settings
-    from .transforms import Renamed
-    from .transforms.lora import FusedLora, LoraAdapter
-
-    if lora not in LORA_MODES:
-        raise LoraError(f"unknown --lora mode {lora!r}; use fuse, adapter or both")
-    notes: list[str] = []
-    out_dtype = resolve_dtype(dtype, config)
-    from .skeleton import experts_transposed
-
-    # the adapter's target_modules are settled on the model's meta skeleton (PEFT imports transformers anyway);
-    # a fused merge of a dense model imports neither
-    layout = find_lora(ckpt.specs(), experts_transposed=lambda module: experts_transposed(config, module),
-                       config=config if lora in ("adapter", "both") else None)
-    model: LazyCheckpoint | None = ckpt
-    views = Views(model=None, out_dtype=out_dtype, notes=notes)
-    if layout is not None:
-        settings = resolve_settings(
-            layout, ckpt.info.path, config, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model_name=base_model_name
-        )
-        views.lora = {
-            "mode": lora, "r": settings.r, "lora_alpha": settings.lora_alpha, "alpha_source": settings.alpha_source,
-            "target_modules": layout.target_modules, "use_rslora": settings.use_rslora,
-            "target_parameters": layout.target_parameters,
-            "modules_to_save": layout.modules_to_save, "rank_pattern": settings.rank_pattern,
-            "modules": len(layout.modules), "lora_only": layout.lora_only,
-        }
-        notes.append(
-            f"LoRA: r={settings.r}, lora_alpha={settings.lora_alpha} (from {settings.alpha_source}), "
-            f"{'rsLoRA, ' if settings.use_rslora else ''}targets {', '.join(layout.target_modules + layout.target_parameters)}"
-        )
-        if layout.lora_only:
-            if base_model is None:
-                if lora != "adapter":
-                    raise LoraError(
-                        "this checkpoint holds only LoRA weights (save_lora_only); pass --base-model DIR with the "
-                        "base model's Hugging Face folder to fuse them, or --lora adapter to write the adapter alone"
-                    )
-                base = None
-            else:
-                from .readers.hf_dir import open_hf_dir
-
-                base = open_hf_dir(Path(base_model))
-                notes.append(f"base weights from {base_model}")
-        else:
-            base = Renamed(ckpt, layout.base)
-        if lora in ("adapter", "both"):
-            adapter_dtype = None if dtype in (None, "config") else out_dtype
-            views.adapter = Cast(LoraAdapter(ckpt, layout), adapter_dtype)
-            views.adapter_config = adapter_config(layout, settings)
-            views.base = base if layout.lora_only else Renamed(ckpt, layout.unfused_base)
-        if lora in ("fuse", "both"):
-            model = FusedLora(base, ckpt, layout, settings)
-        else:
-            model = None
-    elif lora == "adapter":
-        raise LoraError("--lora adapter was asked for, but the checkpoint has no LoRA weights (no lora_A/lora_B tensors)")
-    if model is not None:
-        model, dropped = drop_tied(model, tied_pairs(config, model.specs()))
-        if dropped:
-            notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
-        if hub:
-            from .transforms.hub_layout import hub_layout
-
-            model, hub_notes = hub_layout(model, config)
-            notes.extend(hub_notes)
-        views.model = Cast(model, out_dtype)
-    return views
-
-
-def model_view(
-    ckpt: LazyCheckpoint, config: dict[str, Any], *, dtype: "str | torch.dtype | None" = None, **lora_options: Any
-) -> tuple[LazyCheckpoint, torch.dtype | None, list[str]]:
-    """The HF model in transformers' in-memory layout (LoRA fused), for loading into a model:
-    ``(view, output dtype or None, notes)``."""
-    views = build_views(ckpt, config, dtype=dtype, lora="fuse", hub=False, **lora_options)
-    return views.model, views.out_dtype, views.notes
-
-
-def merge(
-    source: "str | Path",
-    target: "str | Path",
-    *,
-    backend: str = "auto",
-    dtype: "str | torch.dtype | None" = None,
-    max_shard_size: "int | str" = "5GB",
-    workers: int | None = None,
-    config: "str | Path | None" = None,
-    overwrite: bool = False,
-    lora: str = "both",
-    lora_alpha: float | None = None,
-    use_rslora: bool | None = None,
-    base_model: "str | Path | None" = None,
-    base_model_name: str | None = None,
-    verify: bool = False,
-    checksums: bool = True,
-    quantize: "str | dict[str, Any] | Any | None" = None,
-    push_to_hub: str | None = None,
-    private: bool | None = None,
-    is_value_model: bool | None = None,
-    source_options: dict[str, Any] | None = None,
-    gguf: str | None = None,
-    gguf_pre_tokenizer: str | None = None,
-    distributed: bool | None = None,
-    dist_writers: str = "node",
-    head_start: Any = None,
-    source_crc: bool = True,
-) -> MergeResult:
+def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None, **options: Any) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
+
+    The keyword arguments are the fields of :class:`~hf_merge.options.MergeOptions` (an unknown one
+    is a ``TypeError``).
 
     Args:
         source: checkpoint folder (see :func:`hf_merge.open_checkpoint`).
@@ -221,8 +70,8 @@ def merge(
         source_options: format-specific reader options, e.g. ``{"tag": "global_step100",
             "source_weights": "module"}`` for DeepSpeed (each format takes the ones it declares).
         gguf / gguf_pre_tokenizer: write one GGUF file (``"f32"``, ``"bf16"``, ``"q8_0"``, ...) for
-            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`). In a distributed
-            job rank 0 writes it alone; the other ranks wait and return its result.
+            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`); its sha256 is
+            recorded like a safetensors file's. In a distributed job one writing rank writes it.
         distributed: this process is one rank of a merge shared by every rank of a torch.distributed
             job (see :mod:`hf_merge.distributed`). None: yes when launched by torchrun (``RANK``,
             ``WORLD_SIZE`` > 1, ``MASTER_ADDR``/``PORT`` set) and no process group exists yet; a
@@ -238,84 +87,40 @@ def merge(
             :class:`~hf_merge.readers.record_crc.SourceCrcError`. ``False`` skips the check
             (``--no-source-crc``). See docs/integrity.md.
     """
-    if not source_crc:
+    return run(source, target, MergeOptions(**options), head=head_start)
+
+
+def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, head: Any = None) -> MergeResult:
+    """The merge ``options`` ask for, by the executor this process is in: the ranks of a torchrun job
+    (:meth:`hf_merge.distributed.Job.merge`) or this process (:func:`hf_merge.pipeline.run_staged`)."""
+    if not options.source_crc:
         with record_crc.skipping():
-            return merge(**{**locals(), "source_crc": True})
-    arguments = dict(locals())  # for the single-process merge rank 0 runs when every rank is on one node
-    if gguf is not None:  # gguf: a llama.cpp file instead of safetensors
-        from .gguf.convert import merge_gguf
-
-        if quantize is not None or verify:
-            raise HfMergeError("--gguf writes its own quantized types; it does not combine with --quantize or --verify")
-
-        def write_gguf() -> MergeResult:
-            return merge_gguf(
-                source, target, gguf, backend=backend, dtype=dtype, config=config, overwrite=overwrite, lora=lora,
-                lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
-                pre_tokenizer=gguf_pre_tokenizer, push_to_hub=push_to_hub, private=private, is_value_model=is_value_model,
-                source_options=source_options,
-            )
-
-        from .distributed import join_job
-
-        job = join_job(distributed)  # under torchrun: one GGUF stream, written by rank 0 while the others wait
-        if job is None:
-            return write_gguf()
-        with job:
-            return job.one_writer(write_gguf)
+            return run(source, target, dataclasses.replace(options, source_crc=True), head=head)
     target = Path(target)
-    try:
-        max_shard_size = parse_size(max_shard_size)
-    except ValueError as e:
-        raise HfMergeError(f"--max-shard-size: {e}") from None
-    # verl scripts merge into actor/huggingface, which holds config and tokenizer only: fill it in place.
-    into_side_files = not overwrite and holds_side_files_only(target)
-    replace = overwrite or into_side_files
-    check_target(target, overwrite=replace)
+    if options.gguf is not None:  # gguf: a llama.cpp file instead of safetensors
+        from .gguf.convert import GgufFile as kind
+    else:
+        kind = HfFolder
+    overwrite = kind.check(target, options)  # before anything is read
 
-    def prepare() -> Prepared:
-        return _prepare(
-            source, target, backend=backend, dtype=dtype, max_shard_size=max_shard_size, config=config, lora=lora,
-            lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, base_model_name=base_model_name,
-            quantize=quantize, is_value_model=is_value_model, source_options=source_options,
-            into_side_files=into_side_files,
-        )
+    def prepare():
+        return kind.prepare(source, target, options, overwrite=overwrite)
 
-    def finish(prepared: Prepared, tmp: Path, digests: "dict[str, str | None] | None") -> None:
-        _finish(
-            prepared, tmp, digests, verify=verify, backend=backend, config=config, lora_alpha=lora_alpha,
-            use_rslora=use_rslora, base_model=base_model, push_to_hub=push_to_hub, source_options=source_options,
-        )
+    def result(output, main: bool) -> MergeResult:
+        return pushed(output.result(target), options.push_to_hub if main else None, options.private)
 
     from .distributed import join_job
 
-    job = join_job(distributed)  # under torchrun: this process is one rank of a distributed merge
+    job = join_job(options.distributed)  # under torchrun: this process is one rank of a distributed merge
     if job is not None:
         with job:
-            if dist_writers == "node" and job.on_one_node():  # start-up paid once: the others read nothing
-                return job.alone(lambda: merge(**{**arguments, "distributed": False}))
-            return job.merge(
-                prepare, target, overwrite=replace, workers=workers, checksums=checksums,
-                finish=finish, writers=dist_writers,
-                result=lambda prepared, main: _result(prepared, target, push_to_hub if main else None, private),
-            )
-    # The target is locked (and its temporary folder made) before the source is read, so a second
-    # run on the same target is refused at once rather than after this one's reading.
-    with atomic_folder(target, overwrite=replace) as tmp:
-        prepared = prepare()
-        card_imports = preload()  # the card's imports, while the weights are written
-        try:
-            digests = None
-            if prepared.model_plan is not None:
-                digests = _write_model(prepared, tmp, head_start, workers=workers, sha256=checksums)
-            card_imports.join()
-            finish(prepared, tmp, digests)
-        finally:
-            prepared.ckpt.close()
-    return _result(prepared, target, push_to_hub, private)
+            if options.dist_writers == "node" and job.on_one_node():  # start-up paid once: the others read nothing
+                return job.alone(lambda: run(source, target, dataclasses.replace(options, distributed=False), head=head))
+            return job.merge(prepare, target, options, overwrite=overwrite, result=result)
+    return result(run_staged(prepare, target, options, overwrite=overwrite, head=head), True)
 
 
-def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool) -> dict[str, str | None]:
+def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) -> dict[str, str | None]:
     """The model's weight files (and index) in ``tmp``; the first one from the CLI's head start
     when that child wrote exactly this file (:mod:`hf_merge.head_start`)."""
     plan, view = p.model_plan, p.views.model
@@ -368,39 +173,155 @@ def _write_model(p: "Prepared", tmp: Path, head: Any, *, workers, sha256: bool) 
     return write_shards(view, plan, tmp, workers=workers, desc="Merging", sha256=sha256)
 
 
+class PeftAdapter:
+    """Output: a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``), one
+    file never sharded (PEFT loads one). Alone (``--lora adapter``) it gets the tokenizer files too;
+    nested in a model folder (``--lora both``) it is written in that folder's finish."""
+
+    def __init__(self, view: LazyCheckpoint, adapter_config: dict[str, Any], metadata: dict[str, str]):
+        self.view, self.adapter_config = view, adapter_config
+        # PEFT loads one adapter file: never shard it.
+        self.file_plan: ShardPlan = plan_shards(view.specs(), max_shard_size=2**62, metadata=metadata,
+                                                filename_pattern=ADAPTER_PATTERN)
+        self.side_files: Path | None = None  # the config folder whose tokenizer files it gets (alone)
+
+    def plan(self) -> list:
+        return self.file_plan.files
+
+    def write(self, folder: Path, units: Sequence[Any], how: Writing) -> dict[str, str | None]:
+        return write_shards(self.view, self.file_plan, folder, workers=1, desc="Adapter", sha256=how.sha256,
+                            files=list(units), progress=how.progress)
+
+    def finish(self, folder: Path, digests: dict[str, str | None]) -> None:
+        (folder / "adapter_config.json").write_text(json.dumps(self.adapter_config, indent=2, sort_keys=True) + "\n")
+        if self.side_files is not None:
+            copy_side_files(self.side_files, folder, skip=("generation_config.json",))
+
+
 @dataclass
-class Prepared:
-    """Everything a merge decides before writing a byte: the same on every rank of a distributed merge."""
+class HfFolder:
+    """Output: a Hugging Face model folder (weights, index, config, side files, provenance, card) and/or
+    the PEFT adapter (:class:`PeftAdapter`: the folder itself for ``--lora adapter``, ``lora_adapter/``
+    for ``both``). Everything is decided before a byte is written, the same on every rank."""
 
     ckpt: LazyCheckpoint
     config_dir: Path | None
     config: dict[str, Any]
-    views: Views
+    views: Any  # hf_merge.views.Views
     provenance: dict[str, Any]
-    model_plan: Any  # ShardPlan | None
-    adapter_plan: Any  # ShardPlan | None
+    model_plan: ShardPlan | None
+    adapter: PeftAdapter | None
     written: "torch.dtype | None"  # the dtype config.json names (that of the written floating weights)
     warnings: list[str]
     quantization: str | None  # nf4 / fp4 / int8
     into_side_files: bool  # the target held config/tokenizer files only: they are kept
     target: Path
+    options: MergeOptions
+
+    @property
+    def notes(self) -> list[str]:
+        return self.views.notes
+
+    @staticmethod
+    def check(target: Path, options: MergeOptions) -> bool:
+        """Refuse what can be refused before reading; the ``overwrite`` the target is staged with
+        (verl scripts merge into actor/huggingface, which holds config and tokenizer only: filled in place)."""
+        options.shard_bytes()
+        replace = options.overwrite or holds_side_files_only(target)
+        check_target(target, overwrite=replace)
+        return replace
+
+    @classmethod
+    def prepare(cls, source: "str | Path", target: Path, options: MergeOptions, *, overwrite: bool) -> "HfFolder":
+        return _prepare(source, target, options, into_side_files=overwrite and not options.overwrite)
+
+    # -- the Output protocol --------------------------------------------------------------------
+    def plan(self) -> list:
+        return self.model_plan.files if self.model_plan is not None else self.adapter.plan()
+
+    def write(self, folder: Path, units: Sequence[Any], how: Writing) -> dict[str, str | None]:
+        if self.model_plan is None:  # an adapter folder alone
+            return self.adapter.write(folder, units, how)
+        if how.progress is None and len(units) == len(self.model_plan.files):  # all of them, in this process
+            return _write_model(self, folder, how.head, workers=how.workers, sha256=how.sha256)
+        return write_shards(self.views.model, self.model_plan, folder, workers=how.workers, sha256=how.sha256,
+                            files=list(units), progress=how.progress, processes_here=how.processes_here)
+
+    def finish(self, tmp: Path, digests: dict[str, str | None]) -> None:
+        """Everything but the weight files: index, config, side files, adapter, provenance, card."""
+        options, provenance = self.options, self.provenance
+        if self.into_side_files:
+            copy_side_files(self.target, tmp)  # the target's own files, refreshed below from the config folder
+        adapter_dir = None
+        if self.model_plan is not None:
+            write_index(self.model_plan, tmp)
+            write_config(self.config, tmp, dtype=self.written)
+            copy_side_files(self.config_dir, tmp)
+            missing = missing_side_files(self.config, sorted(f.name for f in tmp.iterdir()))
+            if missing:
+                provenance["missing_files"] = missing
+                self.warnings.append(_missing_message(missing, self.config_dir))
+                logger.warning(self.warnings[-1])
+            if self.adapter is not None:
+                adapter_dir = tmp / ADAPTER_SUBDIR
+                run_in_process(self.adapter, adapter_dir)
+        else:
+            adapter_dir = tmp
+            self.adapter.finish(tmp, digests)
+        if any(v is not None for v in digests.values()):
+            provenance["files"] = digests
+        if options.verify:  # the model and/or the adapter, before the folder is moved into place
+            write_record(tmp, provenance)
+            report = verify_or_raise(
+                tmp, self.ckpt.info.path, backend=options.backend, config=options.config, lora_alpha=options.lora_alpha,
+                use_rslora=options.use_rslora, base_model=options.base_model, source_options=options.source_options,
+                distributed=False,
+            )
+            provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
+        write_record(tmp, provenance)
+        if self.model_plan is not None:
+            write_card(tmp, provenance, kind="model", repo_id=options.push_to_hub)
+        if adapter_dir is not None:
+            write_card(adapter_dir, provenance, kind="adapter", repo_id=options.push_to_hub if self.model_plan is None else None)
+
+    # -- after the executor -------------------------------------------------------------------
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def result(self, target: Path) -> MergeResult:
+        main_plan = self.model_plan or self.adapter.file_plan
+        adapter = None
+        if self.adapter is not None and self.model_plan is not None:
+            plan = self.adapter.file_plan
+            adapter = {
+                "path": target / ADAPTER_SUBDIR, "tensors": sum(len(f.specs) for f in plan.files),
+                "bytes": plan.total_size, "dtype": self.provenance["lora"]["adapter_dtype"],
+            }
+        return MergeResult(
+            target=target,
+            files=[f.name for f in main_plan.files],
+            dtype=self.provenance["dtype"],
+            num_tensors=sum(len(f.specs) for f in main_plan.files),
+            total_bytes=main_plan.total_size,
+            notes=self.ckpt.info.notes + self.views.notes + self.warnings,
+            provenance=self.provenance,
+            quantization=self.quantization,
+            adapter=adapter,
+        )
 
 
-def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lora, lora_alpha, use_rslora, base_model,
-             base_model_name, quantize, is_value_model, source_options, into_side_files) -> Prepared:
+def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bool) -> HfFolder:
     """Open the source, build the views and plan every output file (specs only, nothing read)."""
+    quantize, dtype = options.quantize, options.dtype
     if quantize is not None:  # quantize: options and bitsandbytes are checked before anything is read
         from .transforms.quantize import QuantizeOptions, Quantized, require_bitsandbytes
 
         quantize = QuantizeOptions.coerce(quantize)
         require_bitsandbytes()
-    ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model, **(source_options or {}))
+    ckpt = open_checkpoint(source, **options.open_kwargs())
     try:
         config_dir, cfg = checkpoint_config(ckpt.info)
-        views = build_views(
-            ckpt, cfg, dtype=dtype, lora=lora, lora_alpha=lora_alpha, use_rslora=use_rslora,
-            base_model=base_model, base_model_name=base_model_name,
-        )
+        views = build_views(ckpt, cfg, dtype=dtype, lora=options.lora, **options.lora_kwargs())
         qview = None
         if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
             views.model = qview = Quantized(views.model, cfg, quantize)
@@ -408,13 +329,13 @@ def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lo
         warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
-        if is_value_model and "is_value_model" not in getattr(registry().get(ckpt.info.format), "options", ()):
+        if options.is_value_model and "is_value_model" not in getattr(registry().get(ckpt.info.format), "options", ()):
             views.notes.append("--is-value-model changes nothing here: FSDP critics are saved under their HF names already")
         written = None
         if views.model is not None:
             written, counts = written_dtype(views.model.specs(), skip=qview.group if qview is not None else None)
             views.notes += _dtype_notes(ckpt, written, counts, requested=dtype)
-        provenance = _provenance(ckpt, cfg, views, base_model_name, written, requested=dtype)
+        provenance = merge_record(ckpt, cfg, views, options.base_model_name, written, requested=dtype)
         if provenance["base_model"] is None:
             views.notes.append(
                 "base model unknown (config.json has no _name_or_path): pass --base-model-name ORG/NAME to set "
@@ -428,101 +349,25 @@ def _prepare(source, target: Path, *, backend, dtype, max_shard_size, config, lo
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
         metadata = {"hf_merge_version": __version__, "source_format": weights_label(ckpt.info.format)}
-        model_plan = adapter_plan = None
+        model_plan = adapter = None
         if views.model is not None:
             model_plan = plan_shards(
-                views.model.specs(), max_shard_size=max_shard_size, metadata=metadata,
+                views.model.specs(), max_shard_size=options.shard_bytes(), metadata=metadata,
                 group=qview.group if qview is not None else None,  # quantize: a module's parts stay together
             )
         if views.adapter is not None:
-            adapter_plan = plan_shards(
-                # PEFT loads one adapter file: never shard it.
-                views.adapter.specs(), max_shard_size=2**62, metadata=metadata, filename_pattern=ADAPTER_PATTERN
-            )
-        check_free_space(target, sum(f.file_size for plan in (model_plan, adapter_plan) if plan for f in plan.files))
+            adapter = PeftAdapter(views.adapter, views.adapter_config, metadata)
+            if model_plan is None:
+                adapter.side_files = config_dir
+        planned = [f for f in (model_plan.files if model_plan else []) + (adapter.plan() if adapter else [])]
+        check_free_space(target, sum(f.file_size for f in planned))
     except BaseException:
         ckpt.close()
         raise
-    return Prepared(
-        ckpt, config_dir, cfg, views, provenance, model_plan, adapter_plan, written, warnings,
-        quantize.mode if qview is not None else None, into_side_files, target,
+    return HfFolder(
+        ckpt, config_dir, cfg, views, provenance, model_plan, adapter, written, warnings,
+        quantize.mode if qview is not None else None, into_side_files, target, options,
     )
-
-
-def _finish(p: Prepared, tmp: Path, digests: "dict[str, str | None] | None", *, verify, backend, config, lora_alpha,
-            use_rslora, base_model, push_to_hub, source_options) -> None:
-    """Everything but the model's weight files: index, config, side files, provenance, card, adapter."""
-    views, provenance = p.views, p.provenance
-    if p.into_side_files:
-        copy_side_files(p.target, tmp)  # the target's own files, refreshed below from the config folder
-    if p.model_plan is not None:
-        write_config(p.config, tmp, dtype=p.written)
-        copy_side_files(p.config_dir, tmp)
-        missing = missing_side_files(p.config, sorted(f.name for f in tmp.iterdir()))
-        if missing:
-            provenance["missing_files"] = missing
-            p.warnings.append(_missing_message(missing, p.config_dir))
-            logger.warning(p.warnings[-1])
-        if digests is not None and any(v is not None for v in digests.values()):
-            provenance["files"] = digests
-    adapter_dir = None
-    if p.adapter_plan is not None:
-        adapter_dir = tmp if p.model_plan is None else tmp / ADAPTER_SUBDIR
-        write_shards(views.adapter, p.adapter_plan, adapter_dir, workers=1, desc="Adapter")
-        (adapter_dir / "adapter_config.json").write_text(json.dumps(views.adapter_config, indent=2, sort_keys=True) + "\n")
-        if p.model_plan is None:
-            copy_side_files(p.config_dir, adapter_dir, skip=("generation_config.json",))
-    if verify:  # the model and/or the adapter, before the folder is moved into place
-        _write_provenance(tmp, provenance)
-        report = verify_or_raise(
-            tmp, p.ckpt.info.path, backend=backend, config=config, lora_alpha=lora_alpha,
-            use_rslora=use_rslora, base_model=base_model, source_options=source_options, distributed=False,
-        )
-        provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
-    _write_provenance(tmp, provenance)
-    if p.model_plan is not None:
-        write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
-    if adapter_dir is not None:
-        write_card(adapter_dir, provenance, kind="adapter", repo_id=push_to_hub if p.model_plan is None else None)
-
-
-def _result(p: Prepared, target: Path, push_to_hub: str | None, private: bool | None) -> MergeResult:
-    main_plan = p.model_plan or p.adapter_plan
-    adapter = None
-    if p.adapter_plan is not None and p.model_plan is not None:
-        adapter = {
-            "path": target / ADAPTER_SUBDIR, "tensors": sum(len(f.specs) for f in p.adapter_plan.files),
-            "bytes": p.adapter_plan.total_size, "dtype": p.provenance["lora"]["adapter_dtype"],
-        }
-    result = MergeResult(
-        target=target,
-        files=[f.name for f in main_plan.files],
-        dtype=p.provenance["dtype"],
-        num_tensors=sum(len(f.specs) for f in main_plan.files),
-        total_bytes=main_plan.total_size,
-        notes=p.ckpt.info.notes + p.views.notes + p.warnings,
-        provenance=p.provenance,
-        quantization=p.quantization,
-        adapter=adapter,
-    )
-    if push_to_hub:
-        try:
-            result.url = push(target, push_to_hub, private=private)
-        except HfMergeError as e:
-            raise HubError(
-                f"{e} -- the merged folder {target} was written; retry the upload with: hf-merge push {target} {push_to_hub}"
-            ) from e
-    return result
-
-
-def _write_provenance(folder: Path, provenance: dict[str, Any]) -> None:
-    (folder / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
-
-
-def _framework(info: Any) -> str | None:
-    """The training framework of the format that read the source (the registry says)."""
-    fmt = registry().get(info.reader or "")
-    return fmt.framework if fmt is not None else None
 
 
 def _dtype_notes(ckpt: LazyCheckpoint, written, counts, *, requested) -> list[str]:
@@ -544,54 +389,9 @@ def _dtype_notes(ckpt: LazyCheckpoint, written, counts, *, requested) -> list[st
     return notes
 
 
-def _dtype_option(requested: "str | torch.dtype | None") -> str:
-    if requested is None or requested == "config":
-        return "config"
-    return "auto" if requested == "auto" else dtype_name(parse_dtype(requested))
-
-
 def _missing_message(missing: list[str], config_dir: Path) -> str:
     what = " and ".join("no tokenizer" if m == "tokenizer" else f"no {m}" for m in missing)
     return (
         f"{config_dir} has {what}, so the output has none either (AutoTokenizer would not give the model's "
         "tokenizer); pass --config DIR with the base model's config and tokenizer files"
     )
-
-
-def _provenance(
-    ckpt: LazyCheckpoint, config: dict[str, Any], views: Views, base_model_name: str | None, written: torch.dtype | None,
-    *, requested: "str | torch.dtype | None" = None,
-) -> dict[str, Any]:
-    """The :class:`~hf_merge.provenance.Provenance` record, as the JSON object merge() completes."""
-    from .provenance import Provenance, SourceRecord
-
-    info = ckpt.info
-    out_dtype = views.out_dtype
-    lora = views.lora
-    if lora is not None and views.adapter is not None:
-        adapter_dtype, _ = written_dtype(views.adapter.specs())
-        lora = {**lora, "adapter_dtype": dtype_name(adapter_dtype) if adapter_dtype else None}
-        if views.model is not None:
-            lora["adapter_subfolder"] = ADAPTER_SUBDIR
-    if views.model is not None:
-        shown = dtype_name(written) if written is not None else (dtype_name(out_dtype) if out_dtype else "auto")
-    else:  # an adapter folder alone
-        shown = lora["adapter_dtype"] if lora and lora.get("adapter_dtype") else "auto"
-    source = SourceRecord(
-        format=info.format,
-        framework=_framework(info),
-        path="/".join(Path(info.path).parts[-3:]),  # no local home paths in uploaded files
-        world_size=info.world_size,
-        step=info.step,
-        details={k: v for k, v in info.details.items() if k in ("mesh", "mesh_dim_names", "fsdp_version", "placements")},
-    )
-    return Provenance(
-        hf_merge_version=__version__,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        source=source,
-        dtype=shown,
-        dtype_option=_dtype_option(requested),
-        architecture=(config.get("architectures") or [None])[0],
-        base_model=base_model_name or config.get("_name_or_path") or None,
-        lora=lora,
-    ).to_dict()

@@ -2,7 +2,7 @@
 
 ``from_sharded_pretrained(source)`` does what ``from_pretrained`` does for a merged folder, without
 the folder: it opens the source as a lazy checkpoint, takes the same transform stack ``merge``
-writes (:func:`hf_merge.merging.model_view`: tied alias dropped, LoRA folded, dtype cast), builds the
+writes (:func:`hf_merge.views.model_view`: tied alias dropped, LoRA folded, dtype cast), builds the
 model on the meta device and fills it tensor by tensor. Each parameter or buffer is allocated on
 its target device in its target dtype and ``read_into`` it, so peak memory is the model plus the
 tensors in flight; no state dict, no temporary files.
@@ -47,7 +47,8 @@ from .hf_files import find_config_dir, load_config
 from .mapped import Mapper
 from .device_fill import StagerPool, stages
 from .readers import contained, record_crc
-from .merging import build_views, model_view
+from .pipeline import Fill, run_in_process
+from .views import build_views, model_view
 from . import transformers_compat as compat
 
 if TYPE_CHECKING:
@@ -586,7 +587,9 @@ def _load_model(
             offload_buffers=offload_buffers,
             name=name,
         )
-    _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype, map_weights=map_weights)
+    fill = Fill(lambda: _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype,
+                              map_weights=map_weights))
+    run_in_process(fill, None)  # the in-memory output of the merge pipeline (hf_merge.pipeline)
     _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
         compat.dispatch(model, resolved_map, offload_folder, offload_buffers)

@@ -35,25 +35,23 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from . import settings
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["cache_dir", "digest", "get", "put", "runtime", "source_fingerprint"]
 
-ENV = "HF_MERGE_CACHE"
+ENV = settings.CACHE_VAR
 
 
 def cache_dir() -> Path | None:
-    """The cache folder, or None when ``HF_MERGE_CACHE=off``."""
-    value = os.environ.get(ENV)
-    if value is not None:
-        return None if value.strip().lower() in ("off", "0", "false", "no", "") else Path(value)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hf_merge"
+    """The cache folder, or None when ``HF_MERGE_CACHE=off`` (see :mod:`hf_merge.settings`)."""
+    return settings.cache_dir()
 
 
 def library_versions() -> dict[str, str | None]:
     """Versions a plan depends on, read from package metadata (no import of the packages)."""
-    from . import __version__
+    from .version import __version__
 
     out: dict[str, str | None] = {"hf_merge": __version__}
     for name in ("transformers", "torch"):

@@ -86,3 +86,69 @@ class Provenance:
     @classmethod
     def read(cls, folder: Path) -> "Provenance":
         return cls.from_dict(json.loads((Path(folder) / PROVENANCE_FILE).read_text()))
+
+
+# -- the record a merge writes ----------------------------------------------------------------
+def write_record(folder: Path, provenance: dict[str, Any]) -> None:
+    """``hf_merge.json`` from the JSON object (what :func:`merge_record` returns, completed)."""
+    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def framework(info: Any) -> str | None:
+    """The training framework of the format that read the source (the registry says)."""
+    from .formats import registry
+
+    fmt = registry().get(info.reader or "")
+    return fmt.framework if fmt is not None else None
+
+
+def dtype_option(requested: Any) -> str:
+    """How ``--dtype`` was given: ``config``, ``auto`` or the dtype's name."""
+    from .spec import dtype_name, parse_dtype
+
+    if requested is None or requested == "config":
+        return "config"
+    return "auto" if requested == "auto" else dtype_name(parse_dtype(requested))
+
+
+def merge_record(
+    ckpt: Any, config: dict[str, Any], views: Any, base_model_name: str | None, written: Any, *, requested: Any = None,
+) -> dict[str, Any]:
+    """The :class:`Provenance` record of a merge, as the JSON object each output completes."""
+    import datetime as _dt
+
+    from .version import __version__
+    from .hf_files import written_dtype
+    from .spec import dtype_name
+    from .views import ADAPTER_SUBDIR
+
+    info = ckpt.info
+    out_dtype = views.out_dtype
+    lora = views.lora
+    if lora is not None and views.adapter is not None:
+        adapter_dtype, _ = written_dtype(views.adapter.specs())
+        lora = {**lora, "adapter_dtype": dtype_name(adapter_dtype) if adapter_dtype else None}
+        if views.model is not None:
+            lora["adapter_subfolder"] = ADAPTER_SUBDIR
+    if views.model is not None:
+        shown = dtype_name(written) if written is not None else (dtype_name(out_dtype) if out_dtype else "auto")
+    else:  # an adapter folder alone
+        shown = lora["adapter_dtype"] if lora and lora.get("adapter_dtype") else "auto"
+    source = SourceRecord(
+        format=info.format,
+        framework=framework(info),
+        path="/".join(Path(info.path).parts[-3:]),  # no local home paths in uploaded files
+        world_size=info.world_size,
+        step=info.step,
+        details={k: v for k, v in info.details.items() if k in ("mesh", "mesh_dim_names", "fsdp_version", "placements")},
+    )
+    return Provenance(
+        hf_merge_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        source=source,
+        dtype=shown,
+        dtype_option=dtype_option(requested),
+        architecture=(config.get("architectures") or [None])[0],
+        base_model=base_model_name or config.get("_name_or_path") or None,
+        lora=lora,
+    ).to_dict()

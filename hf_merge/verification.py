@@ -271,7 +271,7 @@ def _compare_with_source(
 ) -> None:
     """Exact check: the expected tensors are rebuilt through the merge's own transform stack."""
     from .hf_files import checkpoint_config
-    from .merging import build_views
+    from .views import build_views
     from .readers import record_crc
 
     source = open_checkpoint(against, backend=kind, config=config, **(source_options or {}))
@@ -363,7 +363,7 @@ def check_source(
     HF folder. Each source tensor is read in the reference's dtype (one rounding, as verl casts
     both sides), then compared within ``atol``/``rtol``; names and shapes must match."""
     from .hf_files import checkpoint_config
-    from .merging import model_view
+    from .views import model_view
     from .readers.hf_dir import open_hf_dir
 
     report = VerifyReport(Path(source), str(reference))

@@ -7,6 +7,7 @@ merge of the same checkpoint (hf_merge.json aside: its time stamp and the "distr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -316,14 +317,16 @@ def test_torchrun_verify_cli_exits_non_zero_on_every_rank(qwen2_fp32_ws2, fsdp_s
 
 
 def test_gguf_under_torchrun_has_one_writer(qwen2_fp32_ws2, tmp_path):
-    """GGUF is one stream: rank 0 writes it while rank 1 waits; both exit 0 with one report, and the
-    file equals a single-process one. A failure on rank 0 fails rank 1 too, naming rank 0."""
+    """GGUF is one stream: the distributed executor gives it to one writer (rank 0, the node's writer)
+    while rank 1 waits; both exit 0 with one report, the file equals a single-process one and its
+    sha256 is recorded. A failure on rank 0 fails rank 1 too, naming rank 0."""
     pytest.importorskip("gguf")
     src = str(qwen2_fp32_ws2.actor)
     single = tmp_path / "single"
     merge(src, single, gguf="q8_0", gguf_pre_tokenizer="gpt-2")
     out = tmp_path / "dist"
-    gguf_args = ["--gguf", "q8_0", "--gguf-pre-tokenizer", "gpt-2"]
+    # every rank joins (--dist-writers rank), so the distributed executor itself hands the one file out
+    gguf_args = ["--gguf", "q8_0", "--gguf-pre-tokenizer", "gpt-2", "--dist-writers", "rank"]
     jobs = [{"argv": ["merge", src, str(out / "ok"), *gguf_args]},
             {"argv": ["merge", src, str(out / "blind"), *gguf_args], "missing_source_on_rank": 0}]
     outcome = _run_jobs(jobs, tmp_path, ranks=2)
@@ -333,6 +336,10 @@ def test_gguf_under_torchrun_has_one_writer(qwen2_fp32_ws2, tmp_path):
     assert files == sorted(p.name for p in single.iterdir()) and sum(f.endswith(".gguf") for f in files) == 1
     name = next(f for f in files if f.endswith(".gguf"))
     assert (out / "ok" / name).read_bytes() == (single / name).read_bytes()
+    record = json.loads((out / "ok" / "hf_merge.json").read_text())  # the distributed executor ran it
+    assert record["distributed"]["files_per_rank"] == [1, 0], record
+    assert record["files"] == json.loads((single / "hf_merge.json").read_text())["files"]
+    assert record["files"][name] == hashlib.sha256((single / name).read_bytes()).hexdigest()
     assert no_leftovers(out / "ok")
     for r in range(2):
         assert outcome[1, r]["code"] == 2, outcome[1, r]

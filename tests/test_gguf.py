@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -196,6 +197,10 @@ def test_lora_fused_and_gguf_lora_file(lora_ckpt, gguf_dir):
     assert main(["-q", "merge", str(lora_ckpt.root), str(target), "--gguf", "f32", "--gguf-pre-tokenizer", "gpt-2"]) == 0
     fused, adapter = target / "qwen2-base-f32.gguf", target / "qwen2-base-lora-f32.gguf"
     assert sorted(p.name for p in target.glob("*.gguf")) == sorted([fused.name, adapter.name])
+    from hf_merge.verification import file_checksums
+
+    recorded = json.loads((target / "hf_merge.json").read_text())["files"]  # hashed as each file was written
+    assert recorded == file_checksums(target, [fused.name, adapter.name])
     ids, _ = reference_logits(lora_ckpt)
     assert torch.equal(gguf_logits(fused, ids), model_logits(lora_ckpt.reference, ids, dtype=torch.float32))
 

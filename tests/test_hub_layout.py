@@ -21,7 +21,7 @@ import make_hub_checkpoints as mh
 from hf_merge.checkpoint import open_checkpoint
 from hf_merge.errors import MappingError
 from hf_merge.hf_files import checkpoint_config
-from hf_merge.merging import build_views
+from hf_merge.views import build_views
 from hf_merge.transforms.hub_layout import HubLayout, hub_layout
 from hf_merge.transformers_compat import has_weight_conversions
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import errno
-import os
 import sys
 import traceback
 import zipfile
 
 from ..errors import HfMergeError, redact_credentials
 
-DEBUG_VAR = "HF_MERGE_DEBUG"
+from ..settings import DEBUG_VAR, debug
 
 
 def _os_error(e: OSError) -> str:
@@ -45,7 +44,7 @@ CLI_ERROR_MAPPINGS = [
 
 def report(e: BaseException) -> int:
     """Print one line for ``e`` on stderr and return the exit code."""
-    if os.environ.get(DEBUG_VAR, "") not in ("", "0"):
+    if debug():
         traceback.print_exception(e, file=sys.stderr)
     for cls, message, code in CLI_ERROR_MAPPINGS:
         if isinstance(e, cls):

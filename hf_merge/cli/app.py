@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from .. import __version__
+from ..version import __version__
 from ..errors import redact_credentials
 from . import _errors
 

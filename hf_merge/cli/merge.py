@@ -117,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
+    options = merge_options(args)
     with _head_start(args, source, target) as head:  # the first file written while torch is imported
-        result = _merge(args, source, target, head)
+        from ..merging import run as merge
+
+        result = merge(source, target, options, head=head)
     if result.rank != 0:  # a distributed merge reports once, from rank 0
         return 0
     if args.json:
@@ -169,12 +172,11 @@ def _quantize_options(args: argparse.Namespace):
     return QuantizeOptions(args.quantize, double_quant=args.double_quant, compute_dtype=args.quant_compute_dtype, skip_modules=skip)
 
 
-def _merge(args: argparse.Namespace, source: str, target: str, head):
-    from ..merging import merge
+def merge_options(args: argparse.Namespace):
+    """The command line's :class:`~hf_merge.options.MergeOptions` (built once per run)."""
+    from ..options import MergeOptions
 
-    return merge(
-        source,
-        target,
+    return MergeOptions(
         backend=args.backend,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
@@ -197,7 +199,6 @@ def _merge(args: argparse.Namespace, source: str, target: str, head):
         source_options=source_options(args),
         gguf=args.gguf,
         gguf_pre_tokenizer=args.gguf_pre_tokenizer,
-        head_start=head,
     )
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MappingError
-from .tokenizer import Vocab, _looks_special, check_text, ids_hash, known_pre_tokenizer, pre_tokenizer_name
+from .vocab import Vocab, _looks_special, check_text, ids_hash, known_pre_tokenizer, pre_tokenizer_name
 from .tokenizer_files import TokenizerFiles, gguf_merges, special_vocab
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -1,8 +1,10 @@
-"""``merge(..., gguf=TYPE)``: any source -> (LoRA fused) -> one GGUF file in an atomic folder.
+"""``merge(..., gguf=TYPE)``: the GGUF output (:class:`GgufFile`) of the merge pipeline.
 
-The same stack as the safetensors merge (open -> transforms -> writer): the model view keeps each
-tensor's stored dtype (the GGUF type decides what is written), the tied alias is dropped (no
-``output.weight``), and the folder gets the ``.gguf``, the model card and ``hf_merge.json``.
+The same stack as the safetensors merge (open -> views -> an executor of :mod:`hf_merge.pipeline`):
+the model view keeps each tensor's stored dtype (the GGUF type decides what is written), the tied
+alias is dropped (no ``output.weight``), and the folder gets the ``.gguf`` (and the GGUF LoRA file),
+the model card and ``hf_merge.json`` with each file's sha256. Each GGUF file is one stream: one
+writer, on one rank of a torchrun job.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import HfMergeError, LoraError, QuantizationError
 from ..formats import is_hf_folder
+from ..options import MergeOptions
+from ..pipeline import MergeResult, Unit, Writing
 
 logger = logging.getLogger(__name__)
 
@@ -41,124 +45,166 @@ def model_name(config: dict[str, Any], base_model_name: str | None, source_dir: 
     return Path(target).name
 
 
-def merge_gguf(
-    source: "str | Path",
-    target: "str | Path",
-    gguf_type: str,
-    *,
-    backend: str = "auto",
-    dtype: Any = None,
-    config: "str | Path | None" = None,
-    overwrite: bool = False,
-    lora: str = "both",
-    lora_alpha: float | None = None,
-    use_rslora: bool | None = None,
-    base_model: "str | Path | None" = None,
-    source_options: "dict[str, Any] | None" = None,
-    base_model_name: str | None = None,
-    pre_tokenizer: str | None = None,
-    push_to_hub: str | None = None,
-    private: bool | None = None,
-    is_value_model: bool | None = None,
-):
-    """Write ``TARGET/<name>-<type>.gguf`` (+ README.md, hf_merge.json); see :func:`hf_merge.merge`.
+class GgufFile:
+    """Output: ``TARGET/<name>-<type>.gguf`` (+ README.md, hf_merge.json); see :func:`hf_merge.merge`.
 
     PEFT checkpoints: ``lora="fuse"`` writes the fused model, ``"adapter"`` a GGUF LoRA file
     (``<name>-lora-<type>.gguf``, for llama.cpp's ``--lora``), ``"both"`` (default) both files.
     """
-    from .. import merging
-    from ..checkpoint import open_checkpoint
-    from ..hf_files import checkpoint_config
-    from ..hub import push, write_card
-    from ..output import check_free_space, check_target, committed, stage
-    from . import quant
-    from .arch import arch_for
-    from .tokenizer import load_vocab
-    from .writer import plan_tensors, total_bytes, write_gguf
 
-    target = Path(target)
-    check_target(target, overwrite=overwrite)
-    ftype = quant.file_type(gguf_type)
-    require_gguf()
-    if dtype not in (None, "auto"):
-        raise HfMergeError(f"--dtype {dtype} does not apply to GGUF output; the --gguf type ({ftype.name}) decides what is written")
-    staged = stage(target, overwrite=overwrite)  # locked before the source is read
-    try:
-        ckpt = open_checkpoint(source, backend=backend, config=config, is_value_model=is_value_model, **(source_options or {}))
-    except BaseException:
-        staged.discard()
-        raise
-    try:
-        config_dir, cfg = checkpoint_config(ckpt.info)
-        arch_for(cfg)  # unsupported architectures are refused before anything is read
-        views = merging.build_views(
-            ckpt, cfg, dtype="auto", lora=lora, lora_alpha=lora_alpha, use_rslora=use_rslora,
-            base_model=base_model, base_model_name=base_model_name,
-        )
-        if views.adapter is not None:  # lora: the layout and settings the adapter view was built from
-            from ..lora import find_lora, resolve_settings
+    @staticmethod
+    def check(target: Path, options: MergeOptions) -> bool:
+        """Refuse what can be refused before reading; the ``overwrite`` the target is staged with."""
+        from ..output import check_target
+        from . import quant
 
-            layout = find_lora(ckpt.specs())
-            settings = resolve_settings(
-                layout, ckpt.info.path, cfg, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model_name=base_model_name
-            )
+        if options.quantize is not None or options.verify:
+            raise HfMergeError("--gguf writes its own quantized types; it does not combine with --quantize or --verify")
+        check_target(target, overwrite=options.overwrite)
+        ftype = quant.file_type(options.gguf)
+        require_gguf()
+        if options.dtype not in (None, "auto"):
+            raise HfMergeError(f"--dtype {options.dtype} does not apply to GGUF output; the --gguf type ({ftype.name}) decides what is written")
+        return options.overwrite
+
+    @classmethod
+    def prepare(cls, source: "str | Path", target: Path, options: MergeOptions, *, overwrite: bool) -> "GgufFile":
+        from ..checkpoint import open_checkpoint
+
+        ckpt = open_checkpoint(source, **options.open_kwargs())
+        try:
+            return cls(ckpt, target, options)
+        except BaseException:
+            ckpt.close()
+            raise
+
+    def __init__(self, ckpt: Any, target: Path, options: MergeOptions):
+        """Views, vocabulary, provenance and every planned GGUF tensor (specs only, nothing read)."""
+        from ..hf_files import checkpoint_config
+        from ..output import check_free_space
+        from ..provenance import merge_record
+        from ..views import build_views
+        from . import quant
+        from .arch import arch_for
+        from .tokenizer import load_vocab
+        from .writer import plan_tensors, total_bytes
+
+        self.ckpt, self.options = ckpt, options
+        self.ftype = ftype = quant.file_type(options.gguf)
+        lora, lora_kwargs = options.lora, options.lora_kwargs()
+        self.config_dir, cfg = checkpoint_config(ckpt.info)
+        self.config = cfg
+        self.arch = arch_for(cfg)  # unsupported architectures are refused before anything is read
+        self.views = views = build_views(ckpt, cfg, dtype="auto", lora=lora, **lora_kwargs)
+        self.layout, self.settings = views.layout, views.settings  # lora: what the adapter view was built from
+        if views.adapter is not None:
             try:
                 from .lora import lora_alpha as gguf_alpha
 
-                gguf_alpha(layout, settings)  # refused before anything is written
+                gguf_alpha(self.layout, self.settings)  # refused before anything is written
             except LoraError as e:
                 if lora == "adapter":
                     raise
                 logger.warning("no GGUF LoRA file: %s", e)  # --lora both: the fused model alone
                 views.adapter = None
-        vocab = load_vocab(config_dir, cfg["vocab_size"], pre_tokenizer=pre_tokenizer) if views.model is not None else None
+        self.vocab = load_vocab(self.config_dir, cfg["vocab_size"], pre_tokenizer=options.gguf_pre_tokenizer) if views.model is not None else None
         for note in ckpt.info.notes + views.notes:
             logger.info(note)
         for warning in ckpt.info.warnings:
             logger.warning(warning)
-        name = model_name(cfg, base_model_name, ckpt.info.path if is_hf_folder(ckpt.info.format) else None, target)
-        provenance = merging._provenance(ckpt, cfg, views, base_model_name, views.out_dtype, requested=dtype)
-        if views.model is not None:  # k-quants: the BF16 file and the quantized one exist together for a while
-            planned_bytes = total_bytes(plan_tensors(views.model, cfg, arch_for(cfg), ftype))
-            check_free_space(target, planned_bytes * (2 if ftype.k_quant else 1))
-        record: dict[str, Any] = {"type": ftype.name, "architecture": arch_for(cfg).name}
-        files: list[str] = []
-        planned = []
-        with committed(staged) as tmp:
-            if views.model is not None:
-                fname = file_name(name, ftype.name)
-                if ftype.k_quant:  # BF16 first, then llama.cpp's C quantizer (kquant.py)
-                    from .kquant import quantize_file
-                    from .pipeline import interruptible
+        self.name = model_name(cfg, options.base_model_name, ckpt.info.path if is_hf_folder(ckpt.info.format) else None, target)
+        self.provenance = merge_record(ckpt, cfg, views, options.base_model_name, views.out_dtype, requested=options.dtype)
+        self.planned: dict[str, list] = {}  # file name -> its GGUF tensors, in file order
+        self.model_file = self.lora_file = None
+        if views.model is not None:
+            self.model_file = file_name(self.name, ftype.name)
+            self.planned[self.model_file] = plan_tensors(views.model, cfg, self.arch, ftype)
+        if views.adapter is not None:
+            from .lora import plan_lora
 
-                    bf16 = tmp / f".{fname}.bf16"
-                    planned = write_gguf(views.model, cfg, bf16, ftype, vocab=vocab, name=name)
-                    interruptible(lambda: quantize_file(bf16, tmp / fname, ftype.name))  # minutes of C
-                    bf16.unlink()
-                else:
-                    planned = write_gguf(views.model, cfg, tmp / fname, ftype, vocab=vocab, name=name)
-                files.append(fname)
-                record.update(file=fname, tensor_types=sorted({t.type_name for t in planned}),
-                              tokenizer={"model": vocab.model, "pre": vocab.pre})
-            if views.adapter is not None:
+            self.lora_file = file_name(self.name, ftype.name, lora=True)
+            self.planned[self.lora_file] = plan_lora(views.adapter, self.layout, cfg, self.arch, ftype)
+        if self.model_file is not None:  # k-quants: the BF16 file and the quantized one exist together for a while
+            check_free_space(target, total_bytes(self.planned[self.model_file]) * (2 if ftype.k_quant else 1))
+
+    @property
+    def notes(self) -> list[str]:
+        return self.views.notes
+
+    # -- the Output protocol --------------------------------------------------------------------
+    def plan(self) -> list[Unit]:
+        from .writer import total_bytes
+
+        units = []
+        for name, planned in self.planned.items():
+            tensors = "".join(f"{t.gguf_name}:{t.type_name}:{t.shape}\n" for t in planned)
+            units.append(Unit(name, total_bytes(planned), tensors.encode()))
+        return units
+
+    def write(self, folder: Path, units: Sequence[Unit], how: Writing) -> dict[str, str | None]:
+        """Each GGUF file in ``units`` (one stream each, written here), hashed as it is written when asked."""
+        digests: dict[str, str | None] = {}
+        for unit in units:
+            path = folder / unit.name
+            if unit.name == self.model_file:
+                digests[unit.name] = self._write_model(path, how.sha256)
+            else:
                 from .lora import write_lora_gguf
 
-                lname = file_name(name, ftype.name, lora=True)
-                lplanned = write_lora_gguf(views.adapter, layout, settings, cfg, tmp / lname, ftype, name=f"{name}-lora")
-                files.append(lname)
-                record["lora_file"] = lname
-                record.setdefault("file", lname)
-                planned = planned or lplanned
-            provenance["dtype"] = ftype.name
-            provenance["quantization"] = {"method": "gguf", "mode": ftype.name}  # the card's tags and row
-            provenance["gguf"] = record
-            merging._write_provenance(tmp, provenance)
-            write_card(tmp, provenance, kind="model", repo_id=push_to_hub)
-        return merging.MergeResult(
-            target=target, files=files, dtype=ftype.name, num_tensors=len(planned),
-            total_bytes=sum((target / f).stat().st_size for f in files), notes=ckpt.info.notes + views.notes + ckpt.info.warnings,
-            provenance=provenance, url=push(target, push_to_hub, private=private) if push_to_hub else None,
+                digests[unit.name] = write_lora_gguf(self.views.adapter, self.layout, self.settings, self.config, path,
+                                                     self.ftype, name=f"{self.name}-lora", sha256=how.sha256)
+            if how.progress is not None:
+                how.progress(unit.data_size)
+        return digests
+
+    def _write_model(self, path: Path, sha256: bool) -> str | None:
+        from .writer import write_gguf
+
+        view, cfg, ftype = self.views.model, self.config, self.ftype
+        if not ftype.k_quant:
+            return write_gguf(view, cfg, path, ftype, vocab=self.vocab, name=self.name, sha256=sha256)
+        # k-quants: BF16 first, then llama.cpp's C quantizer (kquant.py) writes the file; hashed after
+        from ..verification import file_checksums
+        from .kquant import quantize_file
+        from .pipeline import interruptible
+
+        bf16 = path.with_name(f".{path.name}.bf16")
+        write_gguf(view, cfg, bf16, ftype, vocab=self.vocab, name=self.name)
+        interruptible(lambda: quantize_file(bf16, path, ftype.name))  # minutes of C
+        bf16.unlink()
+        return file_checksums(path.parent, [path.name])[path.name] if sha256 else None
+
+    def finish(self, tmp: Path, digests: dict[str, str | None]) -> None:
+        """``hf_merge.json`` (the GGUF record, each file's sha256) and the model card."""
+        from ..hub import write_card
+        from ..provenance import write_record
+
+        provenance, ftype = self.provenance, self.ftype
+        record: dict[str, Any] = {"type": ftype.name, "architecture": self.arch.name}
+        if self.model_file is not None:
+            record.update(file=self.model_file, tensor_types=sorted({t.type_name for t in self.planned[self.model_file]}),
+                          tokenizer={"model": self.vocab.model, "pre": self.vocab.pre})
+        if self.lora_file is not None:
+            record["lora_file"] = self.lora_file
+            record.setdefault("file", self.lora_file)
+        provenance["dtype"] = ftype.name
+        provenance["quantization"] = {"method": "gguf", "mode": ftype.name}  # the card's tags and row
+        provenance["gguf"] = record
+        if any(v is not None for v in digests.values()):
+            provenance["files"] = digests
+        write_record(tmp, provenance)
+        write_card(tmp, provenance, kind="model", repo_id=self.options.push_to_hub)
+
+    # -- after the executor -------------------------------------------------------------------
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def result(self, target: Path) -> MergeResult:
+        files = list(self.planned)
+        first = self.planned[self.model_file or self.lora_file]
+        return MergeResult(
+            target=target, files=files, dtype=self.ftype.name, num_tensors=len(first),
+            total_bytes=sum((target / f).stat().st_size for f in files),
+            notes=self.ckpt.info.notes + self.views.notes + self.ckpt.info.warnings, provenance=self.provenance,
         )
-    finally:
-        staged.discard()  # nothing once committed
-        ckpt.close()
+

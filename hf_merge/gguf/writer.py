@@ -10,6 +10,7 @@ chunk. Memory in use is one row chunk (at most 16 MB as float32) plus its encode
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -138,7 +139,7 @@ class _StreamedTensor:
     def tofile(self, fout) -> None:
         written = 0
         for encoded in prefetched(self._chunks(), one_thread=self._planned.type_name == "Q8_0"):
-            encoded.tofile(fout)
+            fout.write(memoryview(np.ascontiguousarray(encoded)).cast("B"))  # through fout: a _HashingFile sees it
             written += encoded.nbytes
         if written != self.nbytes:
             raise RuntimeError(f"{self._planned.gguf_name}: wrote {written} bytes, planned {self.nbytes}")
@@ -157,6 +158,32 @@ def _encoded(view: LazyCheckpoint, t: PlannedTensor) -> Iterator[np.ndarray]:
         yield encoded
 
 
+class _HashingFile:
+    """The output file as ``GGUFWriter`` uses it (``write``, ``tell``, ``flush``, ``close``), hashing
+    every byte on its way (the file is written front to back, so the digest is the file's)."""
+
+    def __init__(self, raw):
+        self._raw, self._hash, self._at = raw, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self._hash.update(data)  # releases the GIL: the next chunk is encoded meanwhile
+        n = self._raw.write(data)
+        self._at += n
+        return n
+
+    def tell(self) -> int:
+        return self._at
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
 def write_file(
     view: LazyCheckpoint,
     path: Path,
@@ -164,21 +191,27 @@ def write_file(
     planned: list[PlannedTensor],
     add_keys: Callable[[Any], None],
     computed: dict[str, np.ndarray] | None = None,
-) -> None:
+    *,
+    sha256: bool = False,
+) -> str | None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
-    then each tensor's data in order (``computed`` holds the few tensors with no pieces). The
-    folder's commit fsyncs it (:mod:`hf_merge.durable`)."""
+    then each tensor's data in order (``computed`` holds the few tensors with no pieces); its sha256
+    (hashed as it is written) with ``sha256``. The folder's commit fsyncs it (:mod:`hf_merge.durable`)."""
     import gguf
 
     from .kv import writer_class
 
     writer = writer_class()(path, arch_name)
+    hashing = None
     try:
         add_keys(writer)
         for t in planned:
             writer.add_tensor_info(
                 t.gguf_name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=gguf.GGMLQuantizationType[t.type_name]
             )
+        if sha256:  # opened here (after the tensor infos, before the header) to hash what is written
+            writer.open_output_file()
+            writer.fout = [hashing := _HashingFile(f) for f in writer.fout]
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -193,12 +226,14 @@ def write_file(
     finally:
         writer.close()
     logger.debug("wrote %s: %d tensors, %d bytes of tensor data", path, len(planned), total_bytes(planned))
+    return hashing.hexdigest() if hashing is not None else None
 
 
 def write_gguf(
     view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str,
-) -> list[PlannedTensor]:
-    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; return the plan."""
+    sha256: bool = False,
+) -> str | None:
+    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; its sha256 with ``sha256``."""
     arch = arch_for(config)
     planned = plan_tensors(view, config, arch, ftype)
     freqs = rope_freqs(config)
@@ -209,8 +244,8 @@ def write_gguf(
         add_hparams(writer, arch, config, ftype)
         add_to_writer(writer, vocab)
 
-    write_file(view, path, arch.name, planned, add_keys, {"rope_freqs.weight": freqs} if freqs is not None else None)
-    return planned
+    computed = {"rope_freqs.weight": freqs} if freqs is not None else None
+    return write_file(view, path, arch.name, planned, add_keys, computed, sha256=sha256)
 
 
 def total_bytes(planned: list[PlannedTensor]) -> int:
