@@ -107,9 +107,9 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, devi
     t_import = time.perf_counter()
     import torch
     import transformers
-    import hf_merge.auto
+    import hf_merge.load.auto
 
-    hf_merge.auto.install()
+    hf_merge.load.auto.install()
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()

@@ -77,7 +77,7 @@ class Tracer:
             by_import = frame.f_back is not None and frame.f_back.f_code.co_filename.startswith("<frozen importlib")
             with self.lock:
                 self.entered[mod] += 1
-                if by_import:  # an import hook (hf_merge.auto's finder): called by the import system, not a move
+                if by_import:  # an import hook (hf_merge.load.auto's finder): called by the import system, not a move
                     self.hooks[mod] += 1
                 elif mods and mods[-1] != mod:
                     edge = (mods[-1], mod)

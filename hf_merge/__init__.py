@@ -23,9 +23,9 @@ _EXPORTS = {
     "TensorSpec": "spec",
     "verify": "verification",
     "VerifyReport": "verification",
-    "push": "hub",
-    "from_sharded_pretrained": "model",
-    "load_tokenizer": "model",
+    "push": "publish.hub",
+    "from_sharded_pretrained": "load.model",
+    "load_tokenizer": "load.model",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -33,18 +33,18 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import CheckpointInfo, LazyCheckpoint, open_checkpoint
     from .errors import HfMergeError
-    from .hub import push
+    from .publish.hub import push
     from .merging import merge
     from .options import MergeOptions
     from .pipeline import MergeResult
-    from .model import from_sharded_pretrained, load_tokenizer
+    from .load.model import from_sharded_pretrained, load_tokenizer
     from .spec import TensorSpec
     from .verification import VerifyReport, verify
 
 
 # Every transformers Auto model class gets ``from_sharded_pretrained`` (now, or when transformers'
 # Auto module is first imported: a one-shot import hook keeps ``import hf_merge`` light).
-from . import auto as _auto  # noqa: E402
+from .load import auto as _auto  # noqa: E402
 
 _auto.install()
 

@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .config_overrides import ConfigOverrides
-from .filemap import FileRun, MappedFile, Piece, read_into, values
+from .readers.config_overrides import ConfigOverrides
+from .readers.file_runs import FileRun, MappedFile, Piece, read_into, values
 from .spec import TensorSpec
 
 ROW_CHUNK_BYTES = 32 << 20  # converted / computed runs of rows are at most about this big
@@ -35,7 +35,7 @@ class CheckpointInfo:
 
     format: str
     path: Path
-    reader: str | None = None  # the registry name of the format that opened it (hf_merge.formats)
+    reader: str | None = None  # the registry name of the format that opened it (hf_merge.readers.formats)
     hf_dir: Path | None = None
     world_size: int | None = None
     step: int | None = None
@@ -82,11 +82,11 @@ class LazyCheckpoint:
         Returns None when not supported (the caller then uses :meth:`read_into`), else an iterator
         of ``(first_row, piece)`` where ``piece`` holds the rows ``first_row .. first_row + n`` of
         the full tensor in ``dtype``, in order, covering it exactly. A piece that is a source
-        file's bytes unchanged is a :class:`~hf_merge.filemap.FileRun` (descriptor, offset, byte
+        file's bytes unchanged is a :class:`~hf_merge.readers.file_runs.FileRun` (descriptor, offset, byte
         count, and the rows as a view of the file's mapping): it must not be modified. Any other
         piece is a contiguous tensor; a converted or computed one holds at most about ``max_bytes``
         and is only valid until the next run is requested (a buffer may be reused): consume it, or
-        clone it to keep it. :func:`~hf_merge.filemap.values` gives either as a tensor; values are
+        clone it to keep it. :func:`~hf_merge.readers.file_runs.values` gives either as a tensor; values are
         identical to what :meth:`read_into` produces.
 
         The default serves checkpoints that can read a box of a tensor (``read_region_into``:
@@ -137,8 +137,8 @@ def check_out(spec: TensorSpec, out: torch.Tensor) -> None:
 
 
 def detect_backend(path: Path) -> str:
-    """The name of the format that reads ``path`` (see :func:`hf_merge.formats.detect`)."""
-    from .formats import detect
+    """The name of the format that reads ``path`` (see :func:`hf_merge.readers.formats.detect`)."""
+    from .readers.formats import detect
 
     return detect(path).chosen.name
 
@@ -158,11 +158,11 @@ def open_checkpoint(
             verl FSDP ``actor/`` / ``global_step_N`` / checkpoints root, Megatron, a Hugging Face
             safetensors folder, ...).
         backend: ``auto`` (detect from file names) or a format name from
-            :func:`hf_merge.formats.format_names`.
+            :func:`hf_merge.readers.formats.format_names`.
         config: a folder with config.json (and tokenizer) to use instead of the checkpoint's own.
         is_value_model, options: format-specific options; each format receives the ones it declares.
     """
-    from .formats import open_source
+    from .readers.formats import open_source
 
     config_dir = Path(config) if config is not None else None
     return open_source(Path(source), backend, config_dir, {"is_value_model": is_value_model, **options})
@@ -173,7 +173,7 @@ def row_runs(
 ) -> Iterator[tuple[int, Piece]]:
     """``tensor`` (rows ``first_row..``) as :meth:`LazyCheckpoint.read_rows` runs in ``dtype``.
 
-    Same dtype and contiguous: one zero-copy run, a :class:`~hf_merge.filemap.FileRun` where it is
+    Same dtype and contiguous: one zero-copy run, a :class:`~hf_merge.readers.file_runs.FileRun` where it is
     bytes of ``source`` (the file the reader mapped it from, or a run it is a view of). Otherwise runs of about ``max_bytes``
     each, converted by ``copy_`` (round to nearest even, as ``Tensor.to``) into one reused buffer.
     """

@@ -18,7 +18,7 @@ from typing import Any, Collection
 import torch
 
 from .errors import MissingConfigError, UnsafeCheckpointError
-from .output import WEIGHT_INDEXES, WEIGHT_SUFFIXES, holds_side_files_only  # noqa: F401 - holds_side_files_only re-exported
+from .write.atomic import WEIGHT_INDEXES, WEIGHT_SUFFIXES, holds_side_files_only  # noqa: F401 - holds_side_files_only re-exported
 from .spec import config_dtype_name, dtype_name, parse_dtype
 from . import config_fields
 from .transformers_compat import tied_weights
@@ -113,31 +113,31 @@ def tied_pairs(config: dict[str, Any], names: "Collection[str] | None" = None) -
     skeleton of the model. Falls back to ``lm_head.weight -> model.embed_tokens.weight`` when
     transformers does not know the class.
 
-    The answer is kept in the plan cache (:mod:`hf_merge.plan_cache`, keyed by its
+    The answer is kept in the plan cache (:mod:`hf_merge.transforms.layout_cache`, keyed by its
     ``runtime()``, config.json and ``names``): asking transformers imports it and the model's code (seconds of
     CPU, on every merge of a tied model otherwise); a cached answer imports neither.
     """
     if not ties_word_embeddings(config):
         return {}
-    from . import plan_cache
+    from .transforms import layout_cache
 
     key = None
-    if plan_cache.cache_dir() is not None:
-        key = plan_cache.digest({"plan": "tied", "format": 1, "versions": plan_cache.runtime(), "config": config,
+    if layout_cache.cache_dir() is not None:
+        key = layout_cache.digest({"plan": "tied", "format": 1, "versions": layout_cache.runtime(), "config": config,
                                  "names": sorted(names) if names is not None else None})
-        stored = plan_cache.get("tied", key)
+        stored = layout_cache.get("tied", key)
         if isinstance(stored, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in stored.items()):
             return stored
     pairs = _ask_transformers(config, names)
     if key is not None:
-        plan_cache.put("tied", key, pairs)
+        layout_cache.put("tied", key, pairs)
     return pairs
 
 
 def _ask_transformers(config: dict[str, Any], names: "Collection[str] | None") -> dict[str, str]:
     """:func:`tied_pairs`, computed: the class's declaration, else its meta-device skeleton."""
     try:
-        from .skeleton import model_class_for, skeleton
+        from .transforms.skeleton import model_class_for, skeleton
 
         cls = model_class_for(config)
     except ImportError:

@@ -19,19 +19,19 @@ import torch
 
 from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
-from .formats import registry, weights_label
+from .readers.formats import registry, weights_label
 from .hf_files import checkpoint_config, copy_side_files, holds_side_files_only, missing_side_files, write_config, written_dtype
-from .hub import write_card
+from .publish.hub import write_card
 from .options import MergeOptions
-from .output import check_free_space, check_target
+from .write.atomic import check_free_space, check_target
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
-from .plan import ShardPlan, plan_shards
+from .write.plan import ShardPlan, plan_shards
 from .provenance import merge_record, write_record
 from .readers import record_crc
 from .spec import dtype_name
 from .verification import verify_or_raise
-from .views import ADAPTER_SUBDIR, build_views
-from .writer import write_index, write_shards
+from .transforms.views import ADAPTER_SUBDIR, build_views
+from .write.shards import write_index, write_shards
 
 __all__ = ["ADAPTER_SUBDIR", "HfFolder", "MergeOptions", "MergeResult", "PeftAdapter", "merge", "run"]
 
@@ -73,14 +73,14 @@ def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None,
             llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`); its sha256 is
             recorded like a safetensors file's. In a distributed job one writing rank writes it.
         distributed: this process is one rank of a merge shared by every rank of a torch.distributed
-            job (see :mod:`hf_merge.distributed`). None: yes when launched by torchrun (``RANK``,
+            job (see :mod:`hf_merge.write.distributed`). None: yes when launched by torchrun (``RANK``,
             ``WORLD_SIZE`` > 1, ``MASTER_ADDR``/``PORT`` set) and no process group exists yet; a
             program that already runs torch.distributed passes True on every rank (False, or None,
             when only one rank merges).
         dist_writers: in a distributed merge, which ranks write the files: ``"node"`` (default: the
             first rank of each node, with forked writers on all its CPUs) or ``"rank"`` (every rank
             writes a share; for file systems where more writing processes help).
-        head_start: internal, from the CLI: a :class:`~hf_merge.head_start.HeadStart` whose first
+        head_start: internal, from the CLI: a :class:`~hf_merge.write.head_start.HeadStart` whose first
             file is taken when it is byte for byte the one planned here (else it is stopped).
         source_crc: check the CRC-32 of every zip record of the source that is read (rank files,
             ``.distcp``, DeepSpeed and legacy Megatron ``.pt``); a damaged record raises
@@ -92,7 +92,7 @@ def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None,
 
 def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, head: Any = None) -> MergeResult:
     """The merge ``options`` ask for, by the executor this process is in: the ranks of a torchrun job
-    (:meth:`hf_merge.distributed.Job.merge`) or this process (:func:`hf_merge.pipeline.run_staged`)."""
+    (:meth:`hf_merge.write.distributed.Job.merge`) or this process (:func:`hf_merge.pipeline.run_staged`)."""
     if not options.source_crc:
         with record_crc.skipping():
             return run(source, target, dataclasses.replace(options, source_crc=True), head=head)
@@ -109,7 +109,7 @@ def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, he
     def result(output, main: bool) -> MergeResult:
         return pushed(output.result(target), options.push_to_hub if main else None, options.private)
 
-    from .distributed import join_job
+    from .write.distributed import join_job
 
     job = join_job(options.distributed)  # under torchrun: this process is one rank of a distributed merge
     if job is not None:
@@ -122,10 +122,10 @@ def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, he
 
 def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) -> dict[str, str | None]:
     """The model's weight files (and index) in ``tmp``; the first one from the CLI's head start
-    when that child wrote exactly this file (:mod:`hf_merge.head_start`)."""
+    when that child wrote exactly this file (:mod:`hf_merge.write.head_start`)."""
     plan, view = p.model_plan, p.views.model
     if head is not None:
-        from .sequential import byte_recipe
+        from .write.engine import byte_recipe
 
         first = plan.files[0]
 
@@ -137,7 +137,7 @@ def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) 
 
         if head.adopt(first.name, first.header, recipe, tmp):
             from .progress import progress_bar
-            from .writer import write_index
+            from .write.shards import write_index
 
             lock = threading.Lock()
             with progress_bar(total=plan.total_size, unit="B", desc="Merging") as bar:
@@ -149,7 +149,7 @@ def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) 
                 rest = plan.files[1:]
                 digests = {}
                 if rest:  # the child is one of the writers: the others share the rest of the CPUs
-                    from .writer import default_workers
+                    from .write.shards import default_workers
 
                     n = workers or max(1, default_workers(len(plan.files)) - 1)
                     digests = write_shards(view, plan, tmp, workers=n, sha256=sha256, files=rest, progress=update,
@@ -207,7 +207,7 @@ class HfFolder:
     ckpt: LazyCheckpoint
     config_dir: Path | None
     config: dict[str, Any]
-    views: Any  # hf_merge.views.Views
+    views: Any  # hf_merge.transforms.views.Views
     provenance: dict[str, Any]
     model_plan: ShardPlan | None
     adapter: PeftAdapter | None

@@ -56,6 +56,6 @@ class MergeOptions:
                     **(self.source_options or {}))
 
     def lora_kwargs(self) -> dict[str, Any]:
-        """What :func:`~hf_merge.views.build_views` takes besides ``dtype`` and ``lora``."""
+        """What :func:`~hf_merge.transforms.views.build_views` takes besides ``dtype`` and ``lora``."""
         return dict(lora_alpha=self.lora_alpha, use_rslora=self.use_rslora, base_model=self.base_model,
                     base_model_name=self.base_model_name)

@@ -1,6 +1,6 @@
 """The merge pipeline: one ``Output`` protocol (plan -> write -> finish), driven by any executor.
 
-An output is what a merge produces from the views of a source (:mod:`hf_merge.views`):
+An output is what a merge produces from the views of a source (:mod:`hf_merge.transforms.views`):
 
 - :class:`hf_merge.merging.HfFolder`: a Hugging Face model folder (safetensors, index, config, side
   files, card), with the PEFT adapter in ``lora_adapter/`` for ``--lora both``;
@@ -14,9 +14,9 @@ returns ``{name: sha256 or None}``; ``finish(folder, digests)`` writes the rest 
 provenance with the digests, card), once. Executors:
 
 - :func:`run_in_process`: plan, write every unit here, finish (the fill; the nested adapter);
-- :func:`run_staged`: the same inside an atomic target folder (:mod:`hf_merge.output`), where a
-  safetensors output's ``write`` forks writers (:func:`hf_merge.writer.write_shards`);
-- :meth:`hf_merge.distributed.Job.merge`: every rank plans, the writing ranks write a share of the
+- :func:`run_staged`: the same inside an atomic target folder (:mod:`hf_merge.write.atomic`), where a
+  safetensors output's ``write`` forks writers (:func:`hf_merge.write.shards.write_shards`);
+- :meth:`hf_merge.write.distributed.Job.merge`: every rank plans, the writing ranks write a share of the
   units, rank 0 finishes and commits.
 """
 
@@ -33,7 +33,7 @@ ProgressFn = Callable[[int], None]
 
 @dataclass(frozen=True)
 class Unit:
-    """One file an output writes that has no safetensors :class:`~hf_merge.plan.FilePlan`: its name,
+    """One file an output writes that has no safetensors :class:`~hf_merge.write.plan.FilePlan`: its name,
     the bytes it holds (how executors balance shares) and what fingerprints it across ranks."""
 
     name: str
@@ -49,7 +49,7 @@ class Writing:
     sha256: bool = False  # return each file's digest
     progress: ProgressFn | None = None  # bytes written, reported here (None: the output shows its own bar)
     processes_here: int = 1  # writing processes of this job on this machine (they share its CPUs)
-    head: Any = None  # the CLI's head start (hf_merge.head_start), for the first safetensors file
+    head: Any = None  # the CLI's head start (hf_merge.write.head_start), for the first safetensors file
 
 
 class Output(Protocol):
@@ -87,8 +87,8 @@ def run_staged(prepare: Callable[[], Any], target: Path, options: MergeOptions, 
     source is read, so a second run on the same target is refused before it reads anything),
     ``prepare()`` the output, write and finish it there (``options``: the merge's
     :class:`~hf_merge.options.MergeOptions`), move the folder into place; the output."""
-    from .output import atomic_folder
-    from .preload import preload
+    from .write.atomic import atomic_folder
+    from .publish.preload import preload
 
     how = Writing(workers=options.workers, sha256=options.checksums, head=head)
 
@@ -108,7 +108,7 @@ def pushed(result: MergeResult, push_to_hub: str | None, private: bool | None) -
     """``result`` with the finished folder uploaded to ``push_to_hub`` (when given)."""
     if push_to_hub:
         from .errors import HfMergeError, HubError
-        from .hub import push
+        from .publish.hub import push
 
         try:
             result.url = push(result.target, push_to_hub, private=private)
@@ -122,7 +122,7 @@ def pushed(result: MergeResult, push_to_hub: str | None, private: bool | None) -
 
 class Fill:
     """The in-memory output of ``from_sharded_pretrained``: one unit, the model's tensors, read into
-    place by ``fill`` (:func:`hf_merge.model._fill`); nothing to finish, no folder."""
+    place by ``fill`` (:func:`hf_merge.load.model._fill`); nothing to finish, no folder."""
 
     def __init__(self, fill: Callable[[], None], nbytes: int = 0):
         self._fill, self._nbytes = fill, nbytes

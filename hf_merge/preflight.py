@@ -11,8 +11,8 @@ import importlib.util
 from pathlib import Path
 
 from .errors import QuantizationError, SourceNotFoundError
-from .formats import check_name
-from .output import check_target, holds_side_files_only
+from .readers.formats import check_name
+from .write.atomic import check_target, holds_side_files_only
 
 QUANTIZE_MODES = ("nf4", "fp4", "int8")
 INSTALL_HINT = "pip install 'hf-merge[quantize]' (or: pip install bitsandbytes)"

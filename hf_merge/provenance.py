@@ -1,8 +1,8 @@
 """The provenance record every merge writes (``hf_merge.json``), as typed data.
 
 :class:`Provenance` is what :func:`hf_merge.merge` records and what the model card
-(:mod:`hf_merge.card`), ``verify`` and ``push`` read back; its JSON form (:meth:`Provenance.to_dict`)
-is the schema documented in :mod:`hf_merge.card`. Format-specific source details (mesh,
+(:mod:`hf_merge.publish.card`), ``verify`` and ``push`` read back; its JSON form (:meth:`Provenance.to_dict`)
+is the schema documented in :mod:`hf_merge.publish.card`. Format-specific source details (mesh,
 placements, ...) ride in :attr:`SourceRecord.details` and are written beside the common keys.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .output import PROVENANCE_FILE
+from .write.atomic import PROVENANCE_FILE
 
 
 @dataclass
@@ -96,7 +96,7 @@ def write_record(folder: Path, provenance: dict[str, Any]) -> None:
 
 def framework(info: Any) -> str | None:
     """The training framework of the format that read the source (the registry says)."""
-    from .formats import registry
+    from .readers.formats import registry
 
     fmt = registry().get(info.reader or "")
     return fmt.framework if fmt is not None else None
@@ -120,7 +120,7 @@ def merge_record(
     from .version import __version__
     from .hf_files import written_dtype
     from .spec import dtype_name
-    from .views import ADAPTER_SUBDIR
+    from .transforms.views import ADAPTER_SUBDIR
 
     info = ckpt.info
     out_dtype = views.out_dtype

@@ -2,7 +2,7 @@
 
 This module imports torch only when a torch dtype is asked for (:data:`SAFETENSORS_DTYPES`,
 :data:`SAFETENSORS_TO_TORCH`, :data:`DTYPE_NAMES`, :func:`parse_dtype`), so a file can be planned
-without it from :class:`DTypeName`\\ s (see :mod:`hf_merge.head_start`).
+without it from :class:`DTypeName`\\ s (see :mod:`hf_merge.write.head_start`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _DTYPE_ALIASES: dict[str, str] = {
 @dataclass(frozen=True)
 class DTypeName:
     """A dtype known by its torch name only, for plans made without importing torch: what a
-    :class:`TensorSpec` and :mod:`hf_merge.plan` ask of a dtype (``itemsize``, ``str``)."""
+    :class:`TensorSpec` and :mod:`hf_merge.write.plan` ask of a dtype (``itemsize``, ``str``)."""
 
     name: str
 

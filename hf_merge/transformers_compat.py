@@ -13,7 +13,7 @@ Everything else in hf-merge asks this module, never the version number itself.
 
 It is also the one place that reaches into transformers' internals (``_``-prefixed functions and
 attributes, ``modeling_utils`` / ``core_model_loading`` / ``conversion_mapping`` /
-``integrations.accelerate`` helpers): :mod:`hf_merge.model` replays ``from_pretrained`` through the
+``integrations.accelerate`` helpers): :mod:`hf_merge.load.model` replays ``from_pretrained`` through the
 functions below and uses only transformers' public API otherwise, so a release that moves one of
 these is fixed here. Nothing here imports transformers until it is called.
 """
@@ -126,7 +126,7 @@ def legacy_saved_names(model_class: Any, names: list[str]) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# from_pretrained's steps, for hf_merge.model (transformers >= 5 unless said otherwise)
+# from_pretrained's steps, for hf_merge.load.model (transformers >= 5 unless said otherwise)
 # --------------------------------------------------------------------------------------------
 
 

@@ -21,8 +21,8 @@ import torch
 
 from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
 from .errors import HfMergeError, VerificationError
-from .formats import is_hf_folder
-from .output import PROVENANCE_FILE
+from .readers.formats import is_hf_folder
+from .write.atomic import PROVENANCE_FILE
 
 CHUNK = 16 << 20
 ADAPTER_CONFIG = "adapter_config.json"
@@ -68,7 +68,7 @@ class VerifyReport:
 
 class OneProcess:
     """The sharing of a plain verification: this process does every item. (A distributed one shares
-    them with :meth:`hf_merge.distributed.Job.share`, which has the same signature.)"""
+    them with :meth:`hf_merge.write.distributed.Job.share`, which has the same signature.)"""
 
     rank = 0
 
@@ -199,7 +199,7 @@ def verify(
     archives' CRCs; the results are gathered over gloo, and every rank returns the same report
     (``report.rank`` says which rank this is; rank 0 prints it). A rank's error fails every rank.
     """
-    from .distributed import join_job
+    from .write.distributed import join_job
 
     job = join_job(distributed)
     if job is None:
@@ -271,7 +271,7 @@ def _compare_with_source(
 ) -> None:
     """Exact check: the expected tensors are rebuilt through the merge's own transform stack."""
     from .hf_files import checkpoint_config
-    from .views import build_views
+    from .transforms.views import build_views
     from .readers import record_crc
 
     source = open_checkpoint(against, backend=kind, config=config, **(source_options or {}))
@@ -363,7 +363,7 @@ def check_source(
     HF folder. Each source tensor is read in the reference's dtype (one rounding, as verl casts
     both sides), then compared within ``atol``/``rtol``; names and shapes must match."""
     from .hf_files import checkpoint_config
-    from .views import model_view
+    from .transforms.views import model_view
     from .readers.hf_dir import open_hf_dir
 
     report = VerifyReport(Path(source), str(reference))

@@ -46,12 +46,12 @@ def main() -> int:
         if job.get("missing_source_on_rank") == rank:
             argv[1] = argv[1] + "-not-mounted-here"
         if job.get("die_on_rank") == rank:
-            import hf_merge.writer
+            import hf_merge.write.shards
 
             def dying_write_file(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            hf_merge.writer.write_file = dying_write_file
+            hf_merge.write.shards.write_file = dying_write_file
         err, std = io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
             try:

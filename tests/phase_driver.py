@@ -45,10 +45,10 @@ def main() -> int:
 
         setattr(module, name, held)
 
-    import hf_merge.durable as durable
+    import hf_merge.write.durable as durable
     import hf_merge.gguf.quant as quant
     import hf_merge.merging as merging
-    import hf_merge.writer as writer
+    import hf_merge.write.shards as writer
 
     calls = []
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard, RepoCard
 
-from hf_merge.card import SECTION_BEGIN, SECTION_END, render_adapter_card, render_model_card
+from hf_merge.publish.card import SECTION_BEGIN, SECTION_END, render_adapter_card, render_model_card
 
 SHA = "0" * 64
 INFO = {

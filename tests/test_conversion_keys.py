@@ -1,4 +1,4 @@
-"""hf_merge.conversion_keys: the keys transformers declares weight conversions for, read from its
+"""hf_merge.transforms.conversion_keys: the keys transformers declares weight conversions for, read from its
 source without importing it, equal what transformers itself builds; any unknown shape is "unknown"."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from helpers import folder_tensors
 
 import hf_merge
-from hf_merge.conversion_keys import keys_from_source
+from hf_merge.transforms.conversion_keys import keys_from_source
 
 
 def _source() -> str:

@@ -246,7 +246,7 @@ def test_row_chunks_are_runs_copied_from_the_file(sample):
     """Chunks that split dim 0 only are zero-copy runs located in their .distcp file (the writer
     copies them with copy_file_range); chunks cut along another dimension, or stored transposed,
     are read by box. Every run set equals the tensor, in its own dtype and cast."""
-    from hf_merge import filemap
+    from hf_merge.readers import file_runs
 
     path, tensors = sample
     ck = DcpCheckpoint(path)
@@ -256,8 +256,8 @@ def test_row_chunks_are_runs_copied_from_the_file(sample):
             assert ck.read_rows(name, t.dtype) is None
             continue
         pieces = list(ck.read_rows(name, t.dtype))
-        located = [filemap.run_of(piece) for _, piece in pieces]
-        runs = [(first, filemap.values(piece)) for first, piece in pieces]
+        located = [file_runs.run_of(piece) for _, piece in pieces]
+        runs = [(first, file_runs.values(piece)) for first, piece in pieces]
         backed[name] = all(located)
         for (first, rows), where in zip(runs, located):
             assert torch.equal(rows, t[first : first + len(rows)]), name
@@ -265,7 +265,7 @@ def test_row_chunks_are_runs_copied_from_the_file(sample):
                 assert os.pread(where.fd, where.nbytes, where.offset) == rows.reshape(-1).view(torch.uint8).numpy().tobytes(), name
         assert sum(len(rows) for _, rows in runs) == len(t), name
         if t.is_floating_point():
-            cast = torch.cat([filemap.values(p).clone() for _, p in ck.read_rows(name, torch.float64, max_bytes=64)])
+            cast = torch.cat([file_runs.values(p).clone() for _, p in ck.read_rows(name, torch.float64, max_bytes=64)])
             assert torch.equal(cast, t.double()), name
     # emb: three row chunks at unaligned byte offsets; half, ids (cut on dim 1 -> boxes), flag: whole
     assert backed == {"stacked.qkv": False, "stacked.proj": False, "emb": True, "half": True, "ids": False,

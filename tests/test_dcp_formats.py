@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import hf_merge
-from hf_merge.filemap import values
-from hf_merge import formats
+from hf_merge.readers.file_runs import values
+from hf_merge.readers import formats
 from hf_merge.cli.app import main as cli_main
 from hf_merge.errors import MappingError, MissingConfigError
 from hf_merge.provenance import Provenance
@@ -222,7 +222,7 @@ def test_name_rules_are_validated():
 def test_unknown_source_tensor_is_named(dcp_root):
     tt = dcp_root / "torchtitan"
     with hf_merge.open_checkpoint(dcp_root / "dcp_nested" / "ckpt", config=tt / "config") as ckpt:
-        from hf_merge.name_tables.torchtitan import TABLES
+        from hf_merge.transforms.name_tables.torchtitan import TABLES
 
         with pytest.raises(MappingError, match=r"model\.embed_tokens\.weight.*no rule of name table 'torchtitan-llama3'"):
             NameTableView(ckpt, TABLES[0], read_json(tt / "config" / "config.json"))
@@ -271,7 +271,7 @@ def test_quantized_passes_the_row_path_through(dcp_root):
 
 
 def test_lora_adapter_passes_the_row_path_through(lora_ckpt):
-    from hf_merge.lora import find_lora
+    from hf_merge.transforms.lora_layout import find_lora
     from hf_merge.transforms.lora import LoraAdapter
 
     with hf_merge.open_checkpoint(lora_ckpt.root) as ckpt:

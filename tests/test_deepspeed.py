@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_merge.filemap import values
+from hf_merge.readers.file_runs import values
 from hf_merge import open_checkpoint
 from hf_merge.cli.app import main
 from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError, UnsupportedCheckpointError
-from hf_merge.formats import detect
+from hf_merge.readers.formats import detect
 from hf_merge.readers.deepspeed import load_deepspeed_file
 
 from helpers import assert_tensors_equal, folder_tensors, model_logits

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from hf_merge import open_checkpoint
 from hf_merge.cli.app import main
 from hf_merge.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
-from hf_merge.formats import detect
+from hf_merge.readers.formats import detect
 
 from helpers import assert_tensors_equal, folder_tensors, model_logits
 

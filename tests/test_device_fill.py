@@ -13,9 +13,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import hf_merge
 from hf_merge.checkpoint import open_checkpoint
-from hf_merge.device_fill import DeviceStager, stages
+from hf_merge.load.device_fill import DeviceStager, stages
 from hf_merge.hf_files import load_config
-from hf_merge.views import build_views
+from hf_merge.transforms.views import build_views
 from hf_merge.readers.dcp import DcpCheckpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hf_merge import merge
-from hf_merge.distributed import Launch, assign_by_bytes, launched_by_torchrun, torchrun_launch, writing_ranks
+from hf_merge.write.distributed import Launch, assign_by_bytes, launched_by_torchrun, torchrun_launch, writing_ranks
 from helpers import no_leftovers
 
 REPO = Path(__file__).resolve().parents[1]

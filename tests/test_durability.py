@@ -22,7 +22,7 @@ import torch
 from helpers import assert_tensors_equal, folder_tensors, no_leftovers
 
 import hf_merge
-from hf_merge import output
+from hf_merge.write import atomic
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 
@@ -101,7 +101,7 @@ def disk_order(monkeypatch):
 
         monkeypatch.setattr(os, name, renamed)
     try:  # the atomic swap of an overwrite (absent from code that has none)
-        durable = importlib.import_module("hf_merge.durable")
+        durable = importlib.import_module("hf_merge.write.durable")
     except ImportError:
         durable = None
     if durable is not None:
@@ -169,7 +169,7 @@ def test_overwrite_keeps_the_old_target_until_the_new_one_is_durable(swap, qwen2
 
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     if swap == "rename aside":
-        monkeypatch.setattr("hf_merge.durable._renameat2", lambda: None)
+        monkeypatch.setattr("hf_merge.write.durable._renameat2", lambda: None)
     hf_merge.merge(qwen2_fp32_ws2.actor, target, overwrite=True)
     disk_order.check()
     place = disk_order.placed[0]
@@ -187,7 +187,7 @@ def test_an_old_target_left_aside_is_put_back_by_the_next_run(qwen2_fp32_ws2, tm
     target = tmp_path / "out"
     hf_merge.merge(qwen2_fp32_ws2.actor, target)
     before = folder_tensors(target)
-    aside = tmp_path / f".out{output._OLD_TAG}999999999"  # a pid that cannot be running
+    aside = tmp_path / f".out{atomic._OLD_TAG}999999999"  # a pid that cannot be running
     os.rename(target, aside)
     with pytest.raises(hf_merge.errors.TargetExistsError):  # put back: not replaced without --overwrite
         hf_merge.merge(qwen2_fp32_ws2.actor, target)
@@ -225,7 +225,7 @@ def test_free_space_is_checked_before_writing(gguf, qwen2_fp32_ws2, tmp_path, mo
     proc = run_cli("merge", args[0], sizing, *args[1:])
     assert proc.returncode == 0, proc.stderr
     weights = sum(p.stat().st_size for p in sizing.iterdir() if p.suffix in (".safetensors", ".gguf"))
-    needed = weights + output.SIDE_FILES_ROOM
+    needed = weights + atomic.SIDE_FILES_ROOM
     target = tmp_path / "space" / "out"
     _statvfs_with(needed - 1 if gguf is None else weights // 2, tmp_path / "space", monkeypatch)
     proc = run_cli("merge", args[0], target, *args[1:])

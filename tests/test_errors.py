@@ -136,7 +136,7 @@ def test_debug_variable_shows_traceback(tmp_path):
 def test_interrupt_removes_temporary(qwen2_fp32_ws2, tmp_path, monkeypatch):
     """An error while writing (here: an interrupt from inside the writer) leaves nothing behind."""
     import hf_merge
-    import hf_merge.writer as writer
+    import hf_merge.write.shards as writer
 
     calls = {"n": 0}
     real = writer.write_file

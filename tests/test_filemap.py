@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_merge import filemap
+from hf_merge.readers import file_runs
 from hf_merge.checkpoint import open_checkpoint
-from hf_merge.filemap import FileRun, MappedFile
+from hf_merge.readers.file_runs import FileRun, MappedFile
 from hf_merge.readers.safe_pickle import load_rank_file
 from hf_merge.readers.torch_zip import read_records
 from hf_merge.transforms.cast import Cast
@@ -72,10 +72,10 @@ def test_read_through_the_file(saved):
     rows = source.run(state["a"][10:20])
     assert os.pread(rows.fd, rows.nbytes, rows.offset) == _bytes(rows.tensor)
     dst = torch.empty(10, 32)
-    filemap.read_into(rows, dst)  # preadv
+    file_runs.read_into(rows, dst)  # preadv
     assert torch.equal(dst, rows.tensor)
     cast = torch.empty(10, 32, dtype=torch.float64)
-    filemap.read_into(rows, cast)  # a cast: copied from the values
+    file_runs.read_into(rows, cast)  # a cast: copied from the values
     assert torch.equal(cast, rows.tensor.double())
 
 

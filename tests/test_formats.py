@@ -7,7 +7,7 @@ import json
 import pytest
 
 import hf_merge
-from hf_merge import formats
+from hf_merge.readers import formats
 from hf_merge.errors import SourceNotFoundError, UnsupportedCheckpointError
 
 
@@ -94,7 +94,7 @@ def test_declared_literals_equal_the_registry_and_import_no_reader():
     fields = ("name", "description", "priority", "aliases", "cli", "hf_folder", "weights_label")
     declared = [tuple(getattr(d, k) for k in fields) for d in formats.declared()]
     assert declared == [tuple(getattr(f, k) for k in fields) for f in formats.registry().values()]
-    code = "import sys, hf_merge.formats as f; f.format_names(); f.declared(); print('torch' in sys.modules)"
+    code = "import sys, hf_merge.readers.formats as f; f.format_names(); f.declared(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -534,7 +534,7 @@ def test_push_gguf_folder(inproc, qwen2_q8, tmp_path):
     and the type, a llama.cpp / llama-cpp-python snippet naming the file."""
     from huggingface_hub import ModelCard
 
-    from hf_merge.hub import push
+    from hf_merge.publish.hub import push
 
     folder = Path(shutil.copytree(qwen2_q8.parent, tmp_path / "up"))
     push(folder, "tester/tiny-gguf", private=False)

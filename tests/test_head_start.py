@@ -1,4 +1,4 @@
-"""The CLI's head start (``hf_merge.head_start``): a forked child writes the first output file
+"""The CLI's head start (``hf_merge.write.head_start``): a forked child writes the first output file
 while the merge imports torch, and the merge takes that file only when it is byte for byte the
 one it planned. With or without it the output folder is the same; whatever the child does, the
 merge's own checks decide."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_merge import head_start
+from hf_merge.write import head_start
 from hf_merge.readers import rank_records
 from hf_merge.readers.safe_pickle import DTENSOR_FILE, torch_names
 
@@ -184,7 +184,7 @@ def test_the_child_imports_no_torch(qwen2_fp32_ws2, tmp_path):
     """What the child runs, in a fresh interpreter: plan and write without torch."""
     code = f"""
 import hashlib, json, os, sys
-from hf_merge import head_start as hs
+from hf_merge.write import head_start as hs
 request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, None, "auto", 5 * 10**9, True)
 planned, sources = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)

@@ -1,4 +1,4 @@
-"""``hf-merge push`` / :func:`hf_merge.hub.push` against a loopback stand-in of the Hub.
+"""``hf-merge push`` / :func:`hf_merge.publish.hub.push` against a loopback stand-in of the Hub.
 
 Nothing here can reach the real Hub: the CLI runs in subprocesses whose environment points
 huggingface_hub at the stand-in before it is imported; in-process tests patch huggingface_hub's
@@ -20,7 +20,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from hf_merge.errors import HubError
-from hf_merge.hub import push
+from hf_merge.publish.hub import push
 
 try:
     from .hub_server import HubStandIn
@@ -398,7 +398,7 @@ def test_push_reuses_the_merge_digests(model_dir):
 
     from huggingface_hub import CommitOperationAdd
 
-    from hf_merge.hub import _read_provenance, reuse_digests
+    from hf_merge.publish.hub import _read_provenance, reuse_digests
 
     folder = model_dir
     info = _read_provenance(folder)

@@ -21,7 +21,7 @@ import make_hub_checkpoints as mh
 from hf_merge.checkpoint import open_checkpoint
 from hf_merge.errors import MappingError
 from hf_merge.hf_files import checkpoint_config
-from hf_merge.views import build_views
+from hf_merge.transforms.views import build_views
 from hf_merge.transforms.hub_layout import HubLayout, hub_layout
 from hf_merge.transformers_compat import has_weight_conversions
 
@@ -70,7 +70,7 @@ def test_merge_equals_save_pretrained(hub_root, tmp_path, name):
 @needs_conversions
 def test_expert_splits_are_file_ranges_of_the_rank_files(hub_root):
     """A per-expert tensor is a run of rows of the fused rank-file tensor: zero-copy, file-backed."""
-    from hf_merge import filemap
+    from hf_merge.readers import file_runs
 
     ckpt = open_checkpoint(hub_root / "qwen3_moe")
     try:
@@ -81,7 +81,7 @@ def test_expert_splits_are_file_ranges_of_the_rank_files(hub_root):
         assert view.source_names(name) == ["model.layers.1.mlp.experts.gate_up_proj"]
         runs = list(view.read_rows(name, torch.float32))
         assert len(runs) == 1 and runs[0][0] == 0
-        run = filemap.run_of(runs[0][1])  # bytes the writer can copy_file_range
+        run = file_runs.run_of(runs[0][1])  # bytes the writer can copy_file_range
         assert run is not None and os.pread(run.fd, run.nbytes, run.offset) == run.tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
         fused = ckpt.read("model.layers.1.mlp.experts.gate_up_proj")
         assert torch.equal(run.tensor, fused[3, 16:])
@@ -182,7 +182,7 @@ def test_lora_on_expert_parameters_reads_one_expert_at_a_time(hub_root, monkeypa
 
 @needs_conversions
 def test_inspect_names_the_adapted_expert_parameters(hub_root):
-    from hf_merge.inspect import describe
+    from hf_merge.describe import describe
 
     lora = describe(hub_root / "qwen3_moe_lora_experts")["lora"]
     assert lora["target_modules"] == ["q_proj"]
@@ -270,7 +270,7 @@ def test_fixture_record(hub_root):
      ("gemma3", "VLM", "Gemma3ForConditionalGeneration.save_pretrained layout: 62 tensors from 62")],
 )
 def test_inspect_shows_family_and_output_layout(hub_root, name, family, layout):
-    from hf_merge.inspect import describe
+    from hf_merge.describe import describe
 
     report = describe(hub_root / name)
     assert report["model_kind"] == family
@@ -278,7 +278,7 @@ def test_inspect_shows_family_and_output_layout(hub_root, name, family, layout):
 
 
 def test_inspect_dense(qwen2_fp32_ws2):
-    from hf_merge.inspect import describe
+    from hf_merge.describe import describe
 
     report = describe(qwen2_fp32_ws2.actor)
     assert report["model_kind"] == "dense"
@@ -292,7 +292,7 @@ def test_plan_cache_first_run_then_cached_run_without_transformers(hub_root, tmp
     A damaged entry is a miss: recomputed, still correct."""
     import transformers.core_model_loading as cml
 
-    from hf_merge import plan_cache
+    from hf_merge.transforms import layout_cache
 
     monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
     src = hub_root / "qwen3_moe"
@@ -313,7 +313,7 @@ def test_plan_cache_first_run_then_cached_run_without_transformers(hub_root, tmp
     entries[0].write_text('{"architecture": "X", "outputs": [["a", [1], "float32", {"call": "exec", "args": []}]]}')
     hf_merge.merge(src, tmp_path / "recomputed")
     assert_bytes_equal(folder_tensors(tmp_path / "recomputed"), want)
-    assert plan_cache.get("hub_layout", entries[0].stem)["architecture"] == "Qwen3MoeForCausalLM"  # rewritten
+    assert layout_cache.get("hub_layout", entries[0].stem)["architecture"] == "Qwen3MoeForCausalLM"  # rewritten
 
 
 @needs_conversions
@@ -321,12 +321,12 @@ def test_plan_cache_dense_passthrough(qwen2_fp32_ws2, tmp_path, monkeypatch):
     """A dense model's plan is "as stored"; the cached run does not ask transformers' mapping."""
     import transformers.conversion_mapping as cm
 
-    from hf_merge import plan_cache
+    from hf_merge.transforms import layout_cache
 
     monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
     hf_merge.merge(qwen2_fp32_ws2.actor, tmp_path / "first")
     (entry,) = (tmp_path / "cache" / "hub_layout").glob("*.json")
-    assert plan_cache.get("hub_layout", entry.stem) == {"passthrough": True}
+    assert layout_cache.get("hub_layout", entry.stem) == {"passthrough": True}
 
     def refuse(*args, **kwargs):
         raise AssertionError("the cached plan should have been used")
@@ -337,12 +337,12 @@ def test_plan_cache_dense_passthrough(qwen2_fp32_ws2, tmp_path, monkeypatch):
 
 
 def test_plan_cache_off(tmp_path, monkeypatch):
-    from hf_merge import plan_cache
+    from hf_merge.transforms import layout_cache
 
     monkeypatch.setenv("HF_MERGE_CACHE", "off")
-    assert plan_cache.cache_dir() is None
-    plan_cache.put("hub_layout", "k", {"passthrough": True})
-    assert plan_cache.get("hub_layout", "k") is None
+    assert layout_cache.cache_dir() is None
+    layout_cache.put("hub_layout", "k", {"passthrough": True})
+    assert layout_cache.get("hub_layout", "k") is None
 
 
 def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_path, monkeypatch):
@@ -352,14 +352,14 @@ def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_pat
     import subprocess
     import sys
 
-    from hf_merge import plan_cache
+    from hf_merge.transforms import layout_cache
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("HF_MERGE_CACHE", str(cache))
     src = llama_tied_bf16_ws4.actor
     hf_merge.merge(src, tmp_path / "first")
     (entry,) = (cache / "tied").glob("*.json")
-    assert plan_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert layout_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}
     code = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2]); "
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'); assert not loaded, loaded[:5]")
     repo = str(Path(hf_merge.__file__).resolve().parents[1])
@@ -371,4 +371,4 @@ def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_pat
     entry.write_text('{"lm_head.weight": 3}')
     hf_merge.merge(src, tmp_path / "recomputed")
     assert_bytes_equal(folder_tensors(tmp_path / "recomputed"), want)
-    assert plan_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}  # rewritten
+    assert layout_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}  # rewritten

@@ -20,7 +20,7 @@ import torch
 
 from hf_merge.checkpoint import CheckpointInfo, LazyCheckpoint
 from hf_merge.errors import MappingError
-from hf_merge.views import build_views
+from hf_merge.transforms.views import build_views
 from hf_merge.spec import TensorSpec
 from hf_merge.transformers_compat import has_weight_conversions
 

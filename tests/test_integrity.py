@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 import hf_merge
 from hf_merge.cli.app import main as cli
 from hf_merge.errors import CorruptCheckpointError, UnsafeCheckpointError
-from hf_merge import filemap
+from hf_merge.readers import file_runs
 from hf_merge.readers import record_crc
 from hf_merge.readers.torch_zip import read_records
 
@@ -385,7 +385,7 @@ def test_a_flipped_byte_in_a_deepspeed_partition_stops_the_merge(tmp_path, capsy
     optim = ckpt / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     with hf_merge.open_checkpoint(ckpt) as ck:  # where rank 1's fp32 partition of group 0 lies
         part = ck._files[("group", 1, 0)]
-        _, offset, _ = filemap.source_of(part, ck._mapped).storage_span(part)
+        _, offset, _ = file_runs.source_of(part, ck._mapped).storage_span(part)
     with open(optim, "rb") as f:
         records = read_records(f, optim.name)
     record = next(r for r in records.values() if r.data_start == offset)
@@ -416,7 +416,7 @@ def test_the_head_start_file_is_not_taken_from_a_damaged_rank_file(fsdp_copy, tm
     """The CLI's head start child writes the first output file from rank-file bytes; the merge
     takes it only after the records it copies pass their CRC-32 (checked while the merge works out
     the child's byte ranges). Before: exit 0, the child's file with the flipped byte taken."""
-    from hf_merge import head_start
+    from hf_merge.write import head_start
 
     asked: list[str] = []
     real = head_start.HeadStart.adopt

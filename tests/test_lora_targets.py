@@ -18,7 +18,7 @@ from helpers import assert_tensors_equal, folder_tensors, read_json
 
 import hf_merge
 import make_hub_checkpoints as mh
-from hf_merge.inspect import describe
+from hf_merge.describe import describe
 
 VLM_LORA = ["qwen2_5_vl_lora", "qwen2_5_vl_merger_lora"]
 

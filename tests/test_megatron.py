@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from helpers import run_cli
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from hf_merge import filemap
-from hf_merge.config_overrides import ConfigOverrides
+from hf_merge.readers import file_runs
+from hf_merge.readers.config_overrides import ConfigOverrides
 from hf_merge.errors import (
     CorruptCheckpointError,
     MappingError,
@@ -302,8 +302,8 @@ def test_row_chunks_equal_whole_reads(tmp_path, dtype):
         # a run is valid until the next is requested (the reader reuses its buffer): keep copies
         runs, file_backed = [], []
         for first, piece in ckpt.read_rows(name, dtype, max_bytes=3 * H * dtype.itemsize):
-            runs.append((first, filemap.values(piece).clone()))
-            file_backed.append(filemap.run_of(piece) is not None)
+            runs.append((first, file_runs.values(piece).clone()))
+            file_backed.append(file_runs.run_of(piece) is not None)
         width = spec.shape[1] if len(spec.shape) == 2 else 1
         step = max(1, 3 * H // width)  # chunks of at most max_bytes: [*, H] matrices 3 rows, vectors whole
         firsts = [first for first, _ in runs]

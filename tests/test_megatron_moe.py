@@ -188,7 +188,7 @@ def test_mla_tensors_are_megatron_tensors(megatron_moe_root, merged):
 
 def test_inspect_says_moe(megatron_moe_root, capsys):
     from hf_merge.cli.app import main
-    from hf_merge.inspect import describe
+    from hf_merge.describe import describe
 
     report = describe(megatron_moe_root / "deepseek_v3" / "actor")
     assert report["moe"].startswith("MoE with 4 experts (top-2) in 1 of 2 layers")

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import hf_merge
-import hf_merge.auto
+import hf_merge.load.auto
 from hf_merge.errors import HfMergeError, LoraError, MappingError, MissingConfigError, SourceNotFoundError
-from hf_merge.model import from_sharded_pretrained, load_tokenizer
+from hf_merge.load.model import from_sharded_pretrained, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,15 +60,15 @@ def loaded(qwen2_fp32_ws2):
 
 
 def test_every_auto_model_class_gets_the_classmethod():
-    classes = hf_merge.auto.auto_model_classes()
+    classes = hf_merge.load.auto.auto_model_classes()
     names = {c.__name__ for c in classes}
     assert {"AutoModel", "AutoModelForCausalLM", "AutoModelForTokenClassification", "AutoModelForImageTextToText"} <= names
     assert len(classes) > 30  # enumerated from transformers, not a hand-made list
     for cls in classes:
         assert isinstance(cls.__dict__.get("from_sharded_pretrained"), classmethod), cls.__name__
-    assert hf_merge.auto.patch_auto_classes() == []  # idempotent: nothing left to patch
-    hf_merge.auto.install()
-    assert hf_merge.auto.patch_auto_classes() == []
+    assert hf_merge.load.auto.patch_auto_classes() == []  # idempotent: nothing left to patch
+    hf_merge.load.auto.install()
+    assert hf_merge.load.auto.patch_auto_classes() == []
 
 
 def test_patch_applies_when_transformers_auto_loads_later():
@@ -76,7 +76,7 @@ def test_patch_applies_when_transformers_auto_loads_later():
     code = textwrap.dedent(
         """
         import sys
-        import hf_merge.auto as auto
+        import hf_merge.load.auto as auto
         auto.install(); auto.install()
         assert auto.AUTO_MODULE not in sys.modules, "install imported transformers' Auto module"
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -129,7 +129,7 @@ def test_every_tensor_equals_from_pretrained(ref, loaded):
 def test_each_tensor_is_read_once_straight_into_the_model(qwen2_fp32_ws2, monkeypatch):
     """No state dict, no second copy: every parameter IS the buffer read_into filled, in its
     final dtype; the from_pretrained fallback is not used for a plain load."""
-    import hf_merge.model as loader
+    import hf_merge.load.model as loader
     from hf_merge.checkpoint import LazyCheckpoint
 
     calls = []
@@ -179,19 +179,19 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
     mapper too, and the partial pages and pieces whose file offset does not line up are read."""
     import gc
 
-    import hf_merge.mapped
+    import hf_merge.load.page_mapper
 
     ck = qwen2_vocab2k_ws2
     if min_pages is not None:
-        monkeypatch.setattr(hf_merge.mapped, "MIN_MAPPED_PAGES", min_pages)
+        monkeypatch.setattr(hf_merge.load.page_mapper, "MIN_MAPPED_PAGES", min_pages)
     mappers = []
-    real_init = hf_merge.mapped.Mapper.__init__
+    real_init = hf_merge.load.page_mapper.Mapper.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         mappers.append(self)
 
-    monkeypatch.setattr(hf_merge.mapped.Mapper, "__init__", init)
+    monkeypatch.setattr(hf_merge.load.page_mapper.Mapper, "__init__", init)
     before = [f.read_bytes() for f in ck.rank_files]
     model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep")  # fp32, as trained
     assert mappers and mappers[0].mapped_bytes > 0
@@ -226,16 +226,16 @@ def test_a_piece_the_kernel_refuses_to_map_is_read(qwen2_vocab2k_ws2, monkeypatc
     anonymous and reads them: same weights, none backed by the file."""
     import errno
 
-    import hf_merge.mapped
+    import hf_merge.load.page_mapper
 
-    real = hf_merge.mapped._mmap
+    real = hf_merge.load.page_mapper._mmap
 
     def refuse_files(addr, length, flags, fd=-1, offset=0):
         if fd != -1:
             raise OSError(errno.ENOMEM, "refused by the test")
         return real(addr, length, flags, fd, offset)
 
-    monkeypatch.setattr(hf_merge.mapped, "_mmap", refuse_files)
+    monkeypatch.setattr(hf_merge.load.page_mapper, "_mmap", refuse_files)
     ck = qwen2_vocab2k_ws2
     ours = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep").state_dict()
     rank_files = {str(f.resolve()) for f in ck.rank_files}
@@ -285,7 +285,7 @@ def test_auto_model_builds_the_base_model(qwen2_fp32_ws2):
 
 @pytest.mark.compat
 def test_default_class_is_the_configs_architecture(qwen2_fp32_ws2):
-    model = hf_merge.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
+    model = hf_merge.load.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
     assert type(model) is Qwen2ForCausalLM
     assert type(from_sharded_pretrained(qwen2_fp32_ws2.actor, auto_class="AutoModel")) is Qwen2Model
 
@@ -316,7 +316,7 @@ def test_device_map_with_disk_offload(qwen2_fp32_ws2, tmp_path):
 
 
 def test_concrete_model_class(qwen2_fp32_ws2):
-    model = hf_merge.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, auto_class=Qwen2ForCausalLM, dtype="float32")
+    model = hf_merge.load.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, auto_class=Qwen2ForCausalLM, dtype="float32")
     ref = torch.load(qwen2_fp32_ws2.logits)
     assert type(model) is Qwen2ForCausalLM
     assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
@@ -408,7 +408,7 @@ def test_attn_implementation_and_config_object(qwen2_fp32_ws2):
 
 
 def test_load_tokenizer(qwen2_fp32_ws2):
-    tok = hf_merge.model.load_tokenizer(qwen2_fp32_ws2.actor)
+    tok = hf_merge.load.model.load_tokenizer(qwen2_fp32_ws2.actor)
     ref = load_tokenizer(qwen2_fp32_ws2.root, config=qwen2_fp32_ws2.reference)
     assert tok("the water was good")["input_ids"] == ref("the water was good")["input_ids"]
 

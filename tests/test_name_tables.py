@@ -1,4 +1,4 @@
-"""Name tables: typed data found in hf_merge/name_tables/, applied by the one interpreter
+"""Name tables: typed data found in hf_merge/transforms/name_tables/, applied by the one interpreter
 (hf_merge/transforms/name_table.py, name_table_view.py) for every format that renames (Megatron, torchtitan)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hf_merge.filemap import values
-from hf_merge import name_tables
+from hf_merge.readers.file_runs import values
+from hf_merge.transforms import name_tables
 from hf_merge.errors import MappingError, MissingConfigError
 from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.transforms import Renamed
@@ -20,13 +20,13 @@ from hf_merge.transforms.name_table_view import NameTableView
 
 
 def test_every_table_file_is_found_and_valid():
-    """Each module of hf_merge/name_tables/ declares TABLES; all of them are discovered, every
+    """Each module of hf_merge/transforms/name_tables/ declares TABLES; all of them are discovered, every
     (source, model_type) has exactly one table, and each is reachable through find_table."""
     modules = [m.name for m in pkgutil.iter_modules(name_tables.__path__)]
     assert {"megatron_gpt", "megatron_moe", "torchtitan"} <= set(modules)
     declared = []
     for name in modules:
-        tables = importlib.import_module(f"hf_merge.name_tables.{name}").TABLES
+        tables = importlib.import_module(f"hf_merge.transforms.name_tables.{name}").TABLES
         assert tables and all(isinstance(t, NameTable) for t in tables), name
         declared += tables
     assert [t.name for t in all_tables()] == [t.name for t in declared]

@@ -7,7 +7,7 @@ import struct
 
 import torch
 
-from hf_merge.plan import plan_shards
+from hf_merge.write.plan import plan_shards
 from hf_merge.spec import TensorSpec
 
 
@@ -55,7 +55,7 @@ def test_written_file_round_trips_through_safetensors(tmp_path):
     from safetensors.torch import load_file
 
     from hf_merge.checkpoint import LazyCheckpoint
-    from hf_merge.writer import write_shards
+    from hf_merge.write.shards import write_shards
 
     values = {s.name: (torch.arange(s.numel) % 7).to(s.dtype).reshape(s.shape) for s in _specs()}
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import assert_tensors_equal, folder_tensors
 
 import hf_merge
-from hf_merge import plan_cache
+from hf_merge.transforms import layout_cache
 
 
 def _outputs(plan: dict) -> dict[str, list]:
@@ -43,7 +43,7 @@ def tamper(entry: Path, change, *, reseal: bool) -> None:
     plan = data.get("value", data)
     change(plan)
     if reseal:
-        plan_cache.put("hub_layout", entry.stem, plan)
+        layout_cache.put("hub_layout", entry.stem, plan)
     else:
         entry.write_text(json.dumps(data))
 
@@ -103,9 +103,9 @@ def test_key_covers_transformers_sources(tmp_path):
     package = tmp_path / "transformers"
     package.mkdir()
     shutil.copy(cm.__file__, package / "conversion_mapping.py")
-    before = plan_cache.source_fingerprint(str(package))
+    before = layout_cache.source_fingerprint(str(package))
     with open(package / "conversion_mapping.py", "a") as f:
         f.write("\n# an edit of a dev build\n")
-    plan_cache.source_fingerprint.cache_clear()
-    assert plan_cache.source_fingerprint(str(package)) != before
-    assert plan_cache.runtime()["transformers_files"] == plan_cache.source_fingerprint(str(Path(cm.__file__).parent))
+    layout_cache.source_fingerprint.cache_clear()
+    assert layout_cache.source_fingerprint(str(package)) != before
+    assert layout_cache.runtime()["transformers_files"] == layout_cache.source_fingerprint(str(Path(cm.__file__).parent))

@@ -23,9 +23,9 @@ from hf_merge.checkpoint import open_checkpoint
 from hf_merge.errors import QuantizationError
 from hf_merge.hf_files import copy_side_files, find_config_dir, load_config, write_config
 from hf_merge.merging import merge
-from hf_merge.views import model_view
-from hf_merge.plan import plan_shards
-from hf_merge.writer import write_shards
+from hf_merge.transforms.views import model_view
+from hf_merge.write.plan import plan_shards
+from hf_merge.write.shards import write_shards
 
 from hf_merge.transforms import quantize as qmod
 from hf_merge.transforms.quantize import QuantizeOptions, Quantized

@@ -467,7 +467,7 @@ def _leftovers(target: Path) -> list[str]:
 
 
 def test_second_run_on_a_locked_target_is_refused(fsdp_copy, tmp_path, capsys):
-    from hf_merge.output import target_lock
+    from hf_merge.write.atomic import target_lock
 
     target = tmp_path / "out"
     with target_lock(target):
@@ -516,7 +516,7 @@ def test_target_is_locked_while_the_first_run_still_reads(fsdp_copy, tmp_path, m
 
 def test_final_rename_never_replaces_a_target_that_appeared(tmp_path):
     from hf_merge.errors import TargetExistsError
-    from hf_merge.output import atomic_folder
+    from hf_merge.write.atomic import atomic_folder
 
     target = tmp_path / "out"
     with pytest.raises(TargetExistsError, match="appeared while merging"):
@@ -531,7 +531,7 @@ def test_final_rename_never_replaces_a_target_that_appeared(tmp_path):
 
 
 def test_parent_folders_created_for_a_failed_target_are_removed(tmp_path):
-    from hf_merge.output import atomic_folder
+    from hf_merge.write.atomic import atomic_folder
 
     target = tmp_path / "a" / "b" / "out"
     with pytest.raises(RuntimeError):
@@ -696,12 +696,12 @@ def test_lora_meta_with_wrong_types_or_nan(lora_ckpt, tmp_path, capsys):
 def test_disk_full_in_a_writer_process_reaches_the_user(fsdp_copy, tmp_path, capsys, monkeypatch):
     import errno
 
-    from hf_merge import writer
+    from hf_merge.write import shards
 
     def full(ckpt, plan, folder, **kw):
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / plan.name))
 
-    monkeypatch.setattr(writer, "write_file", full)  # inherited by the forked writers
+    monkeypatch.setattr(shards, "write_file", full)  # inherited by the forked writers
     line = _cli_error(["merge", str(fsdp_copy), str(tmp_path / "out"), "--workers", "2", "--max-shard-size", "100KB"], capsys)
     assert "no space left on the device" in line and "model-0000" in line, line
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path / "out") == []
@@ -711,7 +711,7 @@ def test_model_card_is_world_readable_and_endpoint_token_never_echoed(fsdp_copy,
     import stat
 
     from hf_merge.errors import HubError
-    from hf_merge.hub import _hub_errors
+    from hf_merge.publish.hub import _hub_errors
 
     target = tmp_path / "out"
     assert cli(["merge", str(fsdp_copy), str(target)]) == 0
@@ -819,12 +819,12 @@ def test_rank_file_shard_that_reads_other_bytes_is_refused(qwen2_fp32_ws2, tmp_p
 def test_rank_file_storage_that_torch_cannot_use_is_a_typed_error(qwen2_fp32_ws2, monkeypatch):
     # fuzzing found a data.pkl whose storage record torch loads but then refuses to point at
     # ("invalid python storage"): that must be the rank file's typed error, not an unexpected one
-    from hf_merge import filemap
+    from hf_merge.readers import file_runs
 
     def refuse(self, tensor):
         raise RuntimeError("Attempted to access the data pointer on an invalid python storage.")
 
-    monkeypatch.setattr(filemap.MappedFile, "storage_span", refuse)
+    monkeypatch.setattr(file_runs.MappedFile, "storage_span", refuse)
     with pytest.raises(CorruptCheckpointError, match=r"model_world_size_2_rank_0\.pt: inconsistent tensor metadata"):
         hf_merge.open_checkpoint(qwen2_fp32_ws2.actor)
 

@@ -1,4 +1,4 @@
-"""The file-writing engine (``hf_merge.sequential``, driven by ``hf_merge.writer``).
+"""The file-writing engine (``hf_merge.write.engine``, driven by ``hf_merge.write.shards``).
 
 Whatever way the bytes reach the output file (``preadv`` from the rank files or copied from memory;
 ``O_DIRECT`` or the page cache; buffers or a mapped region for a large tensor without row runs;
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import hf_merge
-from hf_merge import filemap, sequential, writer
+from hf_merge.readers import file_runs
+from hf_merge.write import engine, shards
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
 
@@ -39,23 +40,23 @@ def _digests(files: dict[str, bytes]) -> dict[str, str]:
 def small_buffers(monkeypatch):
     """Small buffers and pieces, so that tensors cross many buffer boundaries; returns the sizes of
     the regions the engine mapped (large tensors without row runs)."""
-    monkeypatch.setattr(sequential, "CHUNK", 16 << 10)
-    monkeypatch.setattr(sequential, "PIECE", 4 << 10)
+    monkeypatch.setattr(engine, "CHUNK", 16 << 10)
+    monkeypatch.setattr(engine, "PIECE", 4 << 10)
     regions: list[int] = []
-    real = sequential.Sink.add_region
+    real = engine.Sink.add_region
 
     def counting(self, n, fill):
         regions.append(n)
         return real(self, n, fill)
 
-    monkeypatch.setattr(sequential.Sink, "add_region", counting)
+    monkeypatch.setattr(engine.Sink, "add_region", counting)
     return regions
 
 
 def _hash_on(monkeypatch, apart: bool) -> list[int]:
     """Hash apart (or inline) whatever the CPUs; returns a list that grows with each sha256 thread."""
-    monkeypatch.setattr(sequential, "hash_apart", lambda cores: apart)
-    monkeypatch.setattr(sequential, "HASH_BACKLOG", 16 << 10)  # computed bytes wait for the hasher
+    monkeypatch.setattr(engine, "hash_apart", lambda cores: apart)
+    monkeypatch.setattr(engine, "HASH_BACKLOG", 16 << 10)  # computed bytes wait for the hasher
     threads: list[int] = []
     real = threading.Thread.start
 
@@ -83,13 +84,13 @@ def test_bytes_from_the_files_and_from_memory_are_the_same_file(fixture, kw, apa
     ck = request.getfixturevalue(fixture)
     threads = _hash_on(monkeypatch, apart)
     preads = []
-    real = sequential.file_bytes
-    monkeypatch.setattr(sequential, "file_bytes", lambda t: preads.append(1) or real(t))
+    real = engine.file_bytes
+    monkeypatch.setattr(engine, "file_bytes", lambda t: preads.append(1) or real(t))
     files, recorded = _merge(ck.actor, tmp_path / "files", max_shard_size="40KB", **kw)
     assert files and recorded == _digests(files)
     assert len(threads) >= (len(files) if apart else 0) and (apart or not threads)
     assert preads
-    monkeypatch.setattr(sequential, "file_bytes", lambda t: None)  # every byte copied from memory
+    monkeypatch.setattr(engine, "file_bytes", lambda t: None)  # every byte copied from memory
     memory, recorded_memory = _merge(ck.actor, tmp_path / "memory", max_shard_size="40KB", **kw)
     assert files == memory and recorded == recorded_memory
 
@@ -120,34 +121,34 @@ def _one_error_line_and_no_target(source, tmp_path, capsys) -> str:
 
 
 def test_a_full_disk_on_a_writer_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, small_buffers):
-    _fails_after(monkeypatch, filemap, "pwrite_exact", 1, OSError(errno.ENOSPC, "No space left on device"))
+    _fails_after(monkeypatch, file_runs, "pwrite_exact", 1, OSError(errno.ENOSPC, "No space left on device"))
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
     assert "no space left on the device" in line, line
 
 
 def test_a_read_error_while_gathering_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, small_buffers):
-    _fails_after(monkeypatch, filemap, "pread_exact", 5, OSError(errno.EIO, "Input/output error"))
+    _fails_after(monkeypatch, file_runs, "pread_exact", 5, OSError(errno.EIO, "Input/output error"))
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
     assert "unexpected" not in line, line
 
 
 def test_a_read_error_on_the_hashing_thread_is_one_line_and_no_target(llama_tied_bf16_ws4, tmp_path, capsys, monkeypatch, small_buffers):
     _hash_on(monkeypatch, True)
-    real = filemap.pread_exact
+    real = file_runs.pread_exact
 
     def failing_on_the_hasher(*args):
         if threading.current_thread().name == "sha256":
             raise OSError(errno.EIO, "Input/output error")
         return real(*args)
 
-    monkeypatch.setattr(filemap, "pread_exact", failing_on_the_hasher)
+    monkeypatch.setattr(file_runs, "pread_exact", failing_on_the_hasher)
     line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
     assert "unexpected" not in line and "input/output error" in line.lower(), line
 
 
 def _direct_writes(monkeypatch) -> list[int]:
     """Offsets written through an ``O_DIRECT`` descriptor."""
-    real = filemap.pwrite_exact
+    real = file_runs.pwrite_exact
     seen = []
 
     def spying(fd, data, offset):
@@ -155,7 +156,7 @@ def _direct_writes(monkeypatch) -> list[int]:
             seen.append(offset)
         real(fd, data, offset)
 
-    monkeypatch.setattr(filemap, "pwrite_exact", spying)
+    monkeypatch.setattr(file_runs, "pwrite_exact", spying)
     return seen
 
 
@@ -175,7 +176,7 @@ def test_a_file_system_that_refuses_o_direct_at_open_is_written_through_the_page
 
 
 def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied_bf16_ws4, tmp_path, monkeypatch, small_buffers):
-    real = filemap.pwrite_exact
+    real = file_runs.pwrite_exact
     refused = []
 
     def einval_on_direct(fd, data, offset):
@@ -184,7 +185,7 @@ def test_o_direct_writes_refused_after_open_go_through_the_page_cache(llama_tied
             raise OSError(errno.EINVAL, "Invalid argument")
         real(fd, data, offset)
 
-    monkeypatch.setattr(filemap, "pwrite_exact", einval_on_direct)
+    monkeypatch.setattr(file_runs, "pwrite_exact", einval_on_direct)
     files, recorded = _merge(llama_tied_bf16_ws4.actor, tmp_path / "out")
     assert refused == [0]  # the first O_DIRECT write was refused, and no other was tried
     assert recorded == _digests(files)
@@ -196,7 +197,7 @@ def test_full_buffers_are_written_with_o_direct(llama_tied_bf16_ws4, tmp_path, m
     direct = _direct_writes(monkeypatch)
     files, _ = _merge(llama_tied_bf16_ws4.actor, tmp_path / "out")
     size = sum(len(b) for b in files.values())
-    assert len(direct) >= size // sequential.CHUNK - len(files) and all(o % sequential.BLOCK == 0 for o in direct)
+    assert len(direct) >= size // engine.CHUNK - len(files) and all(o % engine.BLOCK == 0 for o in direct)
 
 
 @pytest.mark.parametrize("apart", [True, False], ids=["hash-thread", "hash-inline"])
@@ -207,10 +208,10 @@ def test_large_tensors_without_row_runs_are_read_into_the_mapped_output(shard1_d
     reference, _ = _merge(shard1_dtensor_ckpt.actor, tmp_path / "default")
     assert small_buffers == []
     _hash_on(monkeypatch, apart)
-    monkeypatch.setattr(writer, "WHOLE_TENSOR_LIMIT", 1024)
+    monkeypatch.setattr(shards, "WHOLE_TENSOR_LIMIT", 1024)
     direct = _direct_writes(monkeypatch)
     files, recorded = _merge(shard1_dtensor_ckpt.actor, tmp_path / "out")
-    assert len(small_buffers) > 1 and direct and all(o % sequential.BLOCK == 0 for o in direct)
+    assert len(small_buffers) > 1 and direct and all(o % engine.BLOCK == 0 for o in direct)
     assert files == reference and recorded == _digests(files)
 
 
@@ -223,29 +224,29 @@ def test_colossalai_tp2_weights_go_through_mapped_regions(tmp_path, monkeypatch,
     source = Path(__file__).parent / "data" / "colossalai" / "hybrid_tp2_pp2_ws4"
     reference, _ = _merge(source, tmp_path / "default", dtype="float32")
     assert small_buffers == []
-    monkeypatch.setattr(writer, "WHOLE_TENSOR_LIMIT", 1024)
+    monkeypatch.setattr(shards, "WHOLE_TENSOR_LIMIT", 1024)
     files, recorded = _merge(source, tmp_path / "out", dtype="float32")
     assert len(small_buffers) > 1 and files == reference and recorded == _digests(files)
 
 
 def test_a_region_on_a_file_system_without_o_direct(shard1_dtensor_ckpt, tmp_path, monkeypatch, small_buffers):
-    monkeypatch.setattr(writer, "WHOLE_TENSOR_LIMIT", 1024)
+    monkeypatch.setattr(shards, "WHOLE_TENSOR_LIMIT", 1024)
     reference, _ = _merge(shard1_dtensor_ckpt.actor, tmp_path / "direct")
-    monkeypatch.setattr(sequential, "open_output", lambda path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+    monkeypatch.setattr(engine, "open_output", lambda path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
     direct = _direct_writes(monkeypatch)
     files, recorded = _merge(shard1_dtensor_ckpt.actor, tmp_path / "out")
     assert direct == [] and small_buffers and files == reference and recorded == _digests(files)
 
 
 def test_hash_apart_where_the_writer_has_a_second_core():
-    assert not sequential.hash_apart(1) and sequential.hash_apart(2) and sequential.hash_apart(8)
+    assert not engine.hash_apart(1) and engine.hash_apart(2) and engine.hash_apart(8)
 
 
 def test_buffers_are_page_aligned_and_chunks_block_aligned():
     import mmap
 
-    assert sequential.CHUNK % sequential.BLOCK == 0 and sequential.PIECE <= sequential.CHUNK
-    buf = mmap.mmap(-1, sequential.CHUNK)
+    assert engine.CHUNK % engine.BLOCK == 0 and engine.PIECE <= engine.CHUNK
+    buf = mmap.mmap(-1, engine.CHUNK)
     try:
         addr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
         assert addr % 4096 == 0
@@ -258,6 +259,6 @@ def test_the_sink_imports_without_torch(tmp_path):
     import subprocess
     import sys
 
-    code = "import sys, hf_merge.sequential; assert 'torch' not in sys.modules"
+    code = "import sys, hf_merge.write.engine; assert 'torch' not in sys.modules"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)

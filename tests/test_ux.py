@@ -292,7 +292,7 @@ def test_sizes_and_dtype_aliases_are_parsed_before_anything_is_read(qwen2_fp32_w
     assert rc == 0, err
     index = read_json(target / "model.safetensors.index.json")
     assert len(set(index["weight_map"].values())) > 1 and file_dtypes(target) == {"F32"}
-    from hf_merge.plan import parse_size
+    from hf_merge.write.plan import parse_size
 
     assert [parse_size(s) for s in ("2G", "2GB", "2gb", "1.5GB", "4GiB", "500M", "123")] == [
         2 * 10**9, 2 * 10**9, 2 * 10**9, 1_500_000_000, 4 * 2**30, 500 * 10**6, 123]

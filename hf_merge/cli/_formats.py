@@ -8,14 +8,14 @@ import argparse
 
 def _format_name(value: str) -> str:
     """``--backend``'s type: an alias becomes its format's name; anything else is left for ``choices`` to refuse."""
-    from ..formats import find_declared
+    from ..readers.formats import find_declared
 
     found = find_declared(value)
     return found.name if found is not None else value
 
 
 def add_backend_argument(parser: argparse.ArgumentParser, help_prefix: str = "source format") -> None:
-    from ..formats import declared
+    from ..readers.formats import declared
 
     formats = declared()  # from the readers' source: no torch import for --help
     listing = "; ".join(
@@ -32,7 +32,7 @@ def add_backend_argument(parser: argparse.ArgumentParser, help_prefix: str = "so
 
 def _cli_options():
     """Every format's declared CLI options, once each (by ``dest``), in the registry's order."""
-    from ..formats import declared
+    from ..readers.formats import declared
 
     seen: dict[str, object] = {}
     for fmt in declared():

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.quiet)
     try:
         if getattr(args, "dist_writers", None) is not None:  # merge: under torchrun, once per node
-            from ..distributed import enter_torchrun_merge
+            from ..write.distributed import enter_torchrun_merge
 
             if not enter_torchrun_merge(args.dist_writers):
                 return 0

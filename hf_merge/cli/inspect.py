@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspect import describe
+    from ..describe import describe
 
     report = describe(args.source, backend=args.backend, config=args.config, tensors=args.tensors,
                       source_names=args.source_names, source_options=source_options(args))

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from ..errors import HfMergeError
-    from ..distributed import launched_by_torchrun
+    from ..write.distributed import launched_by_torchrun
     from ..preflight import check_merge
 
     source = args.source or args.local_dir
@@ -215,17 +215,17 @@ def _is_verl_fsdp(source: str) -> bool:
 
 
 def _head_start(args: argparse.Namespace, source: str, target: str):
-    """The merge's head start (:mod:`hf_merge.head_start`) where it may apply, else a no-op context."""
+    """The merge's head start (:mod:`hf_merge.write.head_start`) where it may apply, else a no-op context."""
     import contextlib
 
-    from ..distributed import launched_by_torchrun
+    from ..write.distributed import launched_by_torchrun
 
     plain = (
         args.gguf is None and args.quantize is None and args.backend in ("auto", "fsdp") and args.base_model is None
         and not any(source_options(args).values()) and not launched_by_torchrun() and _is_verl_fsdp(source)
     )
     if plain:
-        from ..head_start import Request, begin
+        from ..write.head_start import Request, begin
 
         head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums, args.source_crc))
         if head is not None:

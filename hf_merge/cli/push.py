@@ -1,6 +1,6 @@
 """``hf-merge push TARGET REPO_ID``: upload a merged folder, with its model card, to the Hub.
 
-A thin layer over :func:`hf_merge.hub.push`; errors are :class:`~hf_merge.errors.HubError`,
+A thin layer over :func:`hf_merge.publish.hub.push`; errors are :class:`~hf_merge.errors.HubError`,
 which ``hf_merge.cli.app`` prints as one ``error: ...`` line.
 """
 
@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Push ``args.target`` to ``args.repo_id``; print the URL; return the exit status (0)."""
-    from ..hub import push
+    from ..publish.hub import push
 
     url = push(
         args.target,

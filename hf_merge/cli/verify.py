@@ -66,7 +66,7 @@ def _source_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import launched_by_torchrun
+    from ..write.distributed import launched_by_torchrun
     from ..preflight import check_verify
 
     if not launched_by_torchrun():  # a rank of a distributed verification reports to the others instead

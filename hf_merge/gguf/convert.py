@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HfMergeError, LoraError, QuantizationError
-from ..formats import is_hf_folder
+from ..readers.formats import is_hf_folder
 from ..options import MergeOptions
 from ..pipeline import MergeResult, Unit, Writing
 
@@ -55,7 +55,7 @@ class GgufFile:
     @staticmethod
     def check(target: Path, options: MergeOptions) -> bool:
         """Refuse what can be refused before reading; the ``overwrite`` the target is staged with."""
-        from ..output import check_target
+        from ..write.atomic import check_target
         from . import quant
 
         if options.quantize is not None or options.verify:
@@ -81,9 +81,9 @@ class GgufFile:
     def __init__(self, ckpt: Any, target: Path, options: MergeOptions):
         """Views, vocabulary, provenance and every planned GGUF tensor (specs only, nothing read)."""
         from ..hf_files import checkpoint_config
-        from ..output import check_free_space
+        from ..write.atomic import check_free_space
         from ..provenance import merge_record
-        from ..views import build_views
+        from ..transforms.views import build_views
         from . import quant
         from .arch import arch_for
         from .tokenizer import load_vocab
@@ -176,7 +176,7 @@ class GgufFile:
 
     def finish(self, tmp: Path, digests: dict[str, str | None]) -> None:
         """``hf_merge.json`` (the GGUF record, each file's sha256) and the model card."""
-        from ..hub import write_card
+        from ..publish.hub import write_card
         from ..provenance import write_record
 
         provenance, ftype = self.provenance, self.ftype

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..checkpoint import LazyCheckpoint
 from ..errors import LoraError
-from ..lora import PEFT_PREFIX, LoraLayout, LoraSettings
+from ..transforms.lora_layout import PEFT_PREFIX, LoraLayout, LoraSettings
 from . import quant
 from .arch import GgufArch, Piece, arch_for, map_names
 from .hparams import head_counts

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import LazyCheckpoint
-from ..filemap import values
+from ..readers.file_runs import values
 from ..errors import MappingError
 from . import quant
 from .pipeline import prefetched
@@ -196,7 +196,7 @@ def write_file(
 ) -> str | None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
     then each tensor's data in order (``computed`` holds the few tensors with no pieces); its sha256
-    (hashed as it is written) with ``sha256``. The folder's commit fsyncs it (:mod:`hf_merge.durable`)."""
+    (hashed as it is written) with ``sha256``. The folder's commit fsyncs it (:mod:`hf_merge.write.durable`)."""
     import gguf
 
     from .kv import writer_class

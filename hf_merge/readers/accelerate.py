@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from ..checkpoint import CheckpointInfo, LazyCheckpoint
-from ..formats import SourceFormat
+from .formats import SourceFormat
 from .dcp import is_dcp_dir
 from .dcp_sources import config_beside, newest_step, open_dcp_model
 

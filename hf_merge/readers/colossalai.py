@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from ..filemap import MappedFile, Piece, read_into
+from .file_runs import MappedFile, Piece, read_into
 from . import contained, record_crc
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
-from ..formats import SourceFormat
+from .formats import SourceFormat
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
 from .safe_pickle import TENSOR_FILE, torch_load
 

@@ -4,7 +4,7 @@ A checkpoint folder is data someone else may have prepared. A symlink in it coul
 read (and print, merge, push) any file this user can read: another local checkpoint's weights,
 ``/proc/self/environ``, a key file. So every file a reader opens goes through :func:`check`, with
 the checkpoint folder the user named as the root (:func:`reading`, set by
-:func:`hf_merge.formats.open_source` around detection and opening):
+:func:`hf_merge.readers.formats.open_source` around detection and opening):
 
 - a path under the root whose real path stays under the root's real path is fine (a symlink
   *inside* the checkpoint, e.g. ``latest -> global_step_9``, a folder the user named through a

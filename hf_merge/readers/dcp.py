@@ -46,7 +46,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..filemap import MappedFile
+from .file_runs import MappedFile
 from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
@@ -122,7 +122,7 @@ class _Chunk:
 @dataclass(frozen=True)
 class _Mapped:
     """A ``.distcp`` file mapped copy-on-write, as one uint8 tensor; ``source`` says where its views'
-    bytes are in the file (:class:`~hf_merge.filemap.MappedFile`, open until ``close()``)."""
+    bytes are in the file (:class:`~hf_merge.readers.file_runs.MappedFile`, open until ``close()``)."""
 
     buffer: mmap.mmap
     whole: torch.Tensor
@@ -441,7 +441,7 @@ class DcpCheckpoint(LazyCheckpoint):
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         """Chunks that split dim 0 only (FSDP's ``Shard(0)``, as accelerate and torchtitan save) are
         runs of whole rows: views of the ``.distcp`` file mapped copy-on-write, handed out as
-        :class:`~hf_merge.filemap.FileRun`\\ s, so the writer copies them file to file (``copy_file_range``)
+        :class:`~hf_merge.readers.file_runs.FileRun`\\ s, so the writer copies them file to file (``copy_file_range``)
         instead of reading them into a buffer and writing it out. Other layouts (a chunk cut along
         another dimension, a file that cannot be mapped) are read box by box (the default)."""
         spec = self._spec(name)

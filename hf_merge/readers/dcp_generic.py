@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import CheckpointInfo, LazyCheckpoint
-from ..formats import SourceFormat
+from .formats import SourceFormat
 from .dcp import is_dcp_dir
 from .dcp_sources import config_beside, is_training_state, open_dcp_model
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from ..filemap import MappedFile, read_into, source_of
+from .file_runs import MappedFile, read_into, source_of
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
-from ..formats import CliOption, SourceFormat
+from .formats import CliOption, SourceFormat
 from ..spec import TensorSpec
 from .deepspeed_universal import LATEST as LATEST_UNIVERSAL
 from .deepspeed_universal import UniversalCheckpoint, is_universal_tag_dir

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
-from ..filemap import MappedFile, Piece, read_into, values
+from .file_runs import MappedFile, Piece, read_into, values
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
-from ..formats import SourceFormat
+from .formats import SourceFormat
 from ..spec import TensorSpec
 from ..hf_files import checkpoint_side_dir
 from .fsdp_files import (  # noqa: F401 - the folder helpers, re-exported

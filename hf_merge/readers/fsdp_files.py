@@ -1,6 +1,6 @@
 """verl FSDP rank-file folders: names, world size and step, found from the file names alone.
 
-Torch-free (used before torch is imported: :mod:`hf_merge.head_start`, the CLI's checks);
+Torch-free (used before torch is imported: :mod:`hf_merge.write.head_start`, the CLI's checks);
 :mod:`hf_merge.readers.fsdp` reads the files.
 """
 

@@ -11,8 +11,8 @@ import torch
 from . import contained
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
-from ..formats import SourceFormat
-from ..plan import INDEX_NAME
+from .formats import SourceFormat
+from ..write.plan import INDEX_NAME
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
 
 

@@ -24,7 +24,7 @@ renaming: the ``torch_dist`` entries as the folder's ``.metadata`` lists them, t
 ``decoder.layers.<i>.…``, when saved with ``singleton_local_shards``), and the legacy rank files as
 the model's ``state_dict()`` (``decoder.layers.<i>.…`` with global layer numbers: the only layout
 work the reader does is joining TP shards and placing PP / virtual stages). Everything else is the
-family's name table (:mod:`hf_merge.name_tables.megatron_gpt`, :mod:`hf_merge.name_tables.megatron_moe`)
+family's name table (:mod:`hf_merge.transforms.name_tables.megatron_gpt`, :mod:`hf_merge.transforms.name_tables.megatron_moe`)
 applied by the one interpreter, :class:`~hf_merge.transforms.name_table_view.NameTableView`: stacked layer
 and expert axes unstacked, fused QKV and gate/up tensors split by role (lazily, as row regions),
 1:1 renames, and a tensor the table does not know is a :class:`~hf_merge.errors.MappingError`
@@ -34,7 +34,7 @@ under its Megatron names; ``hf-merge inspect --tensors`` shows the source of eve
 
 Critic / value model: a ``[1, H]`` output layer (or ``is_value_model=True``) is written as
 ``score.weight`` of ``<Family>ForTokenClassification`` with ``num_labels=1``; the config changes
-the writer must apply are in ``info.config_overrides`` (a :class:`~hf_merge.config_overrides.ConfigOverrides`),
+the writer must apply are in ``info.config_overrides`` (a :class:`~hf_merge.readers.config_overrides.ConfigOverrides`),
 which also carries
 ``tie_word_embeddings`` when the checkpoint's structure disagrees with config.json.
 """
@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 from . import contained, megatron_legacy
 from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from .. import config_fields
-from ..config_overrides import ConfigOverrides
+from .config_overrides import ConfigOverrides
 from ..errors import (
     CorruptCheckpointError,
     MappingError,
@@ -60,9 +60,9 @@ from ..errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
-from ..formats import SourceFormat
+from .formats import SourceFormat
 from ..spec import TensorSpec
-from ..name_tables.megatron_gpt import HF_LAYER, LAYER_INDEX, NOT_MODEL, OUTPUT_BIAS, OUTPUT_LAYER
+from ..transforms.name_tables.megatron_gpt import HF_LAYER, LAYER_INDEX, NOT_MODEL, OUTPUT_BIAS, OUTPUT_LAYER
 from ..transforms.name_table import NameTable, find_table
 from ..transforms.name_table_view import NameTableView, attention_heads
 from .dcp import DcpCheckpoint, is_dcp_dir
@@ -253,7 +253,7 @@ def _hf_weight_files(hf_dir: Path) -> list[Path]:
 
 
 # --------------------------------------------------------------------------------------------
-# From Megatron names to HF names: the name table (hf_merge.name_tables.megatron_*), plus what
+# From Megatron names to HF names: the name table (hf_merge.transforms.name_tables.megatron_*), plus what
 # only the checkpoint's structure can say (critic or actor, tied output layer, homogeneous layers)
 # --------------------------------------------------------------------------------------------
 

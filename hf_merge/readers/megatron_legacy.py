@@ -19,11 +19,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .. import config_fields
-from ..filemap import MappedFile, source_of
+from .file_runs import MappedFile, source_of
 from . import contained, record_crc
 from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, MappingError, UnsupportedCheckpointError
-from ..name_tables.megatron_gpt import EMBEDDING, LAYER, LAYER_INDEX, OUTPUT_BIAS, OUTPUT_LAYER
+from ..transforms.name_tables.megatron_gpt import EMBEDDING, LAYER, LAYER_INDEX, OUTPUT_BIAS, OUTPUT_LAYER
 from ..spec import TensorSpec
 from ..transforms.name_table import NameTable
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..filemap import MappedFile
+from .file_runs import MappedFile
 from ..spec import DTypeName, c_contiguous
 from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
 from . import contained, record_crc
@@ -569,7 +569,7 @@ def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
 
     Stricter than :func:`load_rank_records` (fewer names allowed); the device mesh is read by the
     same :func:`mesh_ranks`. A caller that must be sure of the bytes checks them against the torch
-    reader's (see :mod:`hf_merge.head_start`). Raises what :func:`load_rank_records` raises.
+    reader's (see :mod:`hf_merge.write.head_start`). Raises what :func:`load_rank_records` raises.
     """
     path = Path(path)
     where = path.name

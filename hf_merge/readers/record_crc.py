@@ -8,7 +8,7 @@ How a record is checked, once per process (cached per record: file device, inode
 record's offset):
 
 - **as its bytes stream past**: where a writer copies a record whole and in order through its own
-  buffer (the ``O_DIRECT`` path, :class:`Stream` in :mod:`hf_merge.sequential`'s sink, also in
+  buffer (the ``O_DIRECT`` path, :class:`Stream` in :mod:`hf_merge.write.engine`'s sink, also in
   the CLI's head-start child), ``zlib.crc32`` runs over the bytes already in the buffer: no extra
   read. The reader only notes the record (:func:`deferred`); a record the stream did not see whole
   is checked in full when the file's bytes are all appended, before the file is finished;
@@ -22,7 +22,7 @@ output folder is renamed into place.
 
 Readers call :func:`add_archive` (or :func:`mapped_file`) when they open a file, and
 :func:`check_tensor` / :func:`check_record` before handing out bytes. A tensor is mapped to its
-record through the reader's :class:`~hf_merge.filemap.MappedFile` (where its storage lies in its
+record through the reader's :class:`~hf_merge.readers.file_runs.MappedFile` (where its storage lies in its
 file); a tensor that is not file-backed (copied into memory) is not checked here.
 
 :func:`skipping` turns the checks off (``--no-source-crc``, ``source_crc=False``).
@@ -45,7 +45,7 @@ from ..errors import CorruptCheckpointError
 if TYPE_CHECKING:
     import torch
 
-    from ..filemap import MappedFile
+    from .file_runs import MappedFile
     from .torch_zip import Record
 
 #: bytes per ``pread`` of a record being checked
@@ -116,7 +116,7 @@ def mapped_file(
     """The file ``tensors`` were memory-mapped from (``torch.load(mmap=True)``), open by descriptor,
     its records (read from its zip directory when not given) made checkable; None when the tensors
     are not views of its mapping."""
-    from ..filemap import MappedFile
+    from .file_runs import MappedFile
     from .torch_zip import read_records
 
     where = where or Path(path).name

@@ -3,7 +3,7 @@
 ``CheckpointManager`` flattens the model's state dict to the top level (``tok_embeddings.weight``,
 ``layers.0.attention.qkv_linear.wq.weight`` ...) beside ``optimizer.…``, ``lr_scheduler.…``,
 ``dataloader.…`` and ``train_state`` entries, which are skipped. Names become Hugging Face names
-through a name table chosen by the config's ``model_type`` (:mod:`hf_merge.name_tables.torchtitan`;
+through a name table chosen by the config's ``model_type`` (:mod:`hf_merge.transforms.name_tables.torchtitan`;
 Llama 3's q/k rotary permutation is undone there). The config comes from ``--config`` (torchtitan's
 ``hf_assets_path``), else a config.json beside the step folder. Given ``checkpoint/`` or the dump
 folder, the highest step is used.
@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from ..checkpoint import CheckpointInfo, LazyCheckpoint
-from ..formats import SourceFormat
+from .formats import SourceFormat
 from ..hf_files import load_config
 from ..transforms.name_table import find_table
 from ..transforms.name_table_view import NameTableView

@@ -34,9 +34,9 @@ from typing import Any, Iterator
 import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
-from ..filemap import read_into, run_of, values
+from ..readers.file_runs import read_into, run_of, values
 from ..errors import MappingError
-from ..skeleton import model_class_for, skeleton
+from .skeleton import model_class_for, skeleton
 from ..spec import TensorSpec, c_contiguous, dtype_name, parse_dtype
 from ..transformers_compat import has_weight_conversions, legacy_saved_names
 
@@ -175,8 +175,8 @@ def _reverse_conversions(model) -> list:
 
 
 def _may_convert(config: dict[str, Any], arch: str) -> bool:
-    """See :func:`hf_merge.conversion_keys.may_convert` (transformers asked when its source does not say)."""
-    from ..conversion_keys import may_convert
+    """See :func:`hf_merge.transforms.conversion_keys.may_convert` (transformers asked when its source does not say)."""
+    from .conversion_keys import may_convert
 
     return bool(may_convert(config, arch))
 
@@ -422,26 +422,26 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
 
     Returns ``base`` itself when transformers saves the model as it holds it in memory (dense
     models, custom code, no architectures in config.json). The plan is computed once per
-    (:func:`hf_merge.plan_cache.runtime`, config.json, source names / shapes / dtypes) and kept in
-    the plan cache (:mod:`hf_merge.plan_cache`): a cached plan needs neither transformers nor the
+    (:func:`hf_merge.transforms.layout_cache.runtime`, config.json, source names / shapes / dtypes) and kept in
+    the plan cache (:mod:`hf_merge.transforms.layout_cache`): a cached plan needs neither transformers nor the
     model skeleton, and is used only if it passes :func:`_check_plan` on this model.
     """
-    from .. import plan_cache
+    from . import layout_cache
 
     specs = base.specs()
     key = None
-    if plan_cache.cache_dir() is not None:
-        key = plan_cache.digest({
-            "plan": PLAN_FORMAT, "versions": plan_cache.runtime(), "config": config,
+    if layout_cache.cache_dir() is not None:
+        key = layout_cache.digest({
+            "plan": PLAN_FORMAT, "versions": layout_cache.runtime(), "config": config,
             "specs": [[n, list(s.shape), dtype_name(s.dtype)] for n, s in specs.items()],
         })
-        stored = _decode_plan(plan_cache.get("hub_layout", key), specs)
+        stored = _decode_plan(layout_cache.get("hub_layout", key), specs)
         if stored is not None:
             return _view(base, *stored) if stored is not _PASSTHROUGH else (base, [])
     plan = _plan(specs, config)
     if plan is _PASSTHROUGH:
         if key is not None:
-            plan_cache.put("hub_layout", key, {"passthrough": True})
+            layout_cache.put("hub_layout", key, {"passthrough": True})
         return base, []
     view, notes = _view(base, *plan)
     if key is not None:
@@ -450,7 +450,7 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
         if problem is not None:
             logger.debug("%s: plan not cached (%s)", plan[0], problem)
         elif encoded is not None:
-            plan_cache.put("hub_layout", key, encoded)
+            layout_cache.put("hub_layout", key, encoded)
     return view, notes
 
 

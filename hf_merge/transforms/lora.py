@@ -7,8 +7,8 @@ import torch
 from typing import Iterator
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out
-from ..filemap import values
-from ..lora import PEFT_PREFIX, LoraLayout, LoraSettings
+from ..readers.file_runs import values
+from .lora_layout import PEFT_PREFIX, LoraLayout, LoraSettings
 from ..spec import TensorSpec
 
 

@@ -26,7 +26,7 @@ experts of a layer), ``config_checks`` (a present tensor needs these config.json
 ``value_rules`` (the rules of a critic / value model's head, :meth:`NameTable.for_value_model`).
 
 Tables are validated when they are built and found by :func:`find_table` among the modules of
-:mod:`hf_merge.name_tables` (each module defines ``TABLES``). This module is the table language:
+:mod:`hf_merge.transforms.name_tables` (each module defines ``TABLES``). This module is the table language:
 the types, their validation, matching a source name to its rule and finding a family's table.
 :class:`~hf_merge.transforms.name_table_view.NameTableView` applies one to a checkpoint.
 """
@@ -287,8 +287,8 @@ class NameTable:
 
 @functools.cache
 def all_tables() -> tuple[NameTable, ...]:
-    """Every table in :mod:`hf_merge.name_tables` (each module's ``TABLES``)."""
-    from .. import name_tables
+    """Every table in :mod:`hf_merge.transforms.name_tables` (each module's ``TABLES``)."""
+    from . import name_tables
 
     found: list[NameTable] = []
     for mod in pkgutil.iter_modules(name_tables.__path__):
@@ -313,5 +313,5 @@ def find_table(source: str, config: Mapping[str, Any]) -> NameTable:
     known = sorted({m for t in candidates for m in t.model_types})
     raise MappingError(
         f"no {source} name table for model_type {model_type!r} (config.json); supported: {', '.join(known) or 'none'}; "
-        "pass --config with the matching Hugging Face config, or add a table in hf_merge/name_tables/"
+        "pass --config with the matching Hugging Face config, or add a table in hf_merge/transforms/name_tables/"
     )

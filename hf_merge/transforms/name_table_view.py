@@ -160,7 +160,7 @@ class NameTableView(LazyCheckpoint):
                 f"{self._where}{', '.join(unknown[:_MAX_NAMED])}{more}: no rule of name table {table.name!r} "
                 f"(model_type {config.get('model_type')!r}) maps {'it' if len(unknown) == 1 else 'them'} to a Hugging Face "
                 "name. Nothing was dropped; is the config's model_type right (pass --config), or does the table in "
-                "hf_merge/name_tables/ need a rule?"
+                "hf_merge/transforms/name_tables/ need a rule?"
             )
         if table.order == "table":
             found.sort(key=lambda f: f[0])

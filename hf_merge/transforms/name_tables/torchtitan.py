@@ -11,7 +11,7 @@ config says ``tie_word_embeddings``), as the adapter drops it.
 
 from __future__ import annotations
 
-from ..transforms.name_table import NameRule, NameTable
+from ..name_table import NameRule, NameTable
 
 # Entries of a torchtitan training checkpoint that are not model weights (CheckpointManager keys).
 NOT_MODEL = ("optimizer", "optimizer.*", "lr_scheduler", "lr_scheduler.*", "train_state*", "dataloader", "dataloader.*")

@@ -2,7 +2,7 @@
 
 ``from_sharded_pretrained(source)`` does what ``from_pretrained`` does for a merged folder, without
 the folder: it opens the source as a lazy checkpoint, takes the same transform stack ``merge``
-writes (:func:`hf_merge.views.model_view`: tied alias dropped, LoRA folded, dtype cast), builds the
+writes (:func:`hf_merge.transforms.views.model_view`: tied alias dropped, LoRA folded, dtype cast), builds the
 model on the meta device and fills it tensor by tensor. Each parameter or buffer is allocated on
 its target device in its target dtype and ``read_into`` it, so peak memory is the model plus the
 tensors in flight; no state dict, no temporary files.
@@ -41,15 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import LazyCheckpoint, open_checkpoint
-from .errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
-from .hf_files import find_config_dir, load_config
-from .mapped import Mapper
+from ..checkpoint import LazyCheckpoint, open_checkpoint
+from ..errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
+from ..hf_files import find_config_dir, load_config
+from .page_mapper import Mapper
 from .device_fill import StagerPool, stages
-from .readers import contained, record_crc
-from .pipeline import Fill, run_in_process
-from .views import build_views, model_view
-from . import transformers_compat as compat
+from ..readers import contained, record_crc
+from ..pipeline import Fill, run_in_process
+from ..transforms.views import build_views, model_view
+from .. import transformers_compat as compat
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -600,7 +600,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
           map_weights: bool = True) -> None:
     """Allocate every planned tensor on its device, in its dtype, and read it into place; a CPU
     tensor the checkpoint holds as memory-mapped pieces in that dtype is mapped instead
-    (:mod:`hf_merge.mapped`: the rank files' pages, no copy)."""
+    (:mod:`hf_merge.load.page_mapper`: the rank files' pages, no copy)."""
     meta = model.state_dict()
     specs = view.specs()
     keys = list(plan.assign)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Union
 if TYPE_CHECKING:  # torch is imported by whoever hands tensors in; pread/pwrite need none
     import torch
 
-    from .readers.torch_zip import Record
+    from .torch_zip import Record
 
 
 

@@ -2,7 +2,7 @@
 
 A rename is atomic for readers, not for a power loss: the kernel may write the new directory
 entry to disk before the file data it points at. So, before a temporary folder becomes the
-target (:mod:`hf_merge.output`):
+target (:mod:`hf_merge.write.atomic`):
 
 1. :func:`sync_tree` fsyncs every file in it (on a few threads: fsyncs on one file system are
    batched by its journal, and a file already written with ``O_DIRECT`` costs only its metadata),

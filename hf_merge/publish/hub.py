@@ -1,7 +1,7 @@
 """Push a merged model or adapter folder to the Hugging Face Hub, with its model card.
 
 :func:`push` checks that the folder is complete before touching the network, writes (or
-extends) ``README.md`` from the provenance record ``hf_merge.json`` (see :mod:`hf_merge.card`),
+extends) ``README.md`` from the provenance record ``hf_merge.json`` (see :mod:`hf_merge.publish.card`),
 then calls ``HfApi.create_repo(..., exist_ok=True)`` and ``HfApi.upload_folder``.
 
 Why ``upload_folder`` (and not ``upload_large_folder``):
@@ -37,8 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import HubError, redact_credentials
-from .output import PROVENANCE_FILE
+from ..errors import HubError, redact_credentials
+from ..write.atomic import PROVENANCE_FILE
 
 __all__ = ["push", "check_folder", "write_card", "PROVENANCE_FILE"]
 

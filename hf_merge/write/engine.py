@@ -31,14 +31,14 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import filemap
+from ..readers import file_runs
 from .plan import FilePlan
-from .readers import record_crc
+from ..readers import record_crc
 
 if TYPE_CHECKING:
     import torch
 
-    from .checkpoint import LazyCheckpoint
+    from ..checkpoint import LazyCheckpoint
 
 #: bytes per buffer (a multiple of every block size O_DIRECT asks for)
 CHUNK = 8 << 20
@@ -60,9 +60,9 @@ ProgressFn = Callable[[int], None]
 
 def file_bytes(piece: "filemap.Piece") -> "filemap.FileRun | None":
     """Where a piece of a tensor lives in a file (the reader said so: a
-    :class:`~hf_merge.filemap.FileRun`), or None (then its bytes are copied from memory). The
+    :class:`~hf_merge.readers.file_runs.FileRun`), or None (then its bytes are copied from memory). The
     engine's only question about where bytes live."""
-    return filemap.run_of(piece)
+    return file_runs.run_of(piece)
 
 
 def usable_cpus() -> int:
@@ -102,7 +102,7 @@ def _hash_file(digest: "hashlib._Hash", fd: int, offset: int, n: int, view: memo
     """Hash ``n`` bytes of ``fd`` from ``offset``, read into ``view`` a piece at a time."""
     while n:
         k = min(n, len(view))
-        filemap.pread_exact(fd, view[:k], offset)
+        file_runs.pread_exact(fd, view[:k], offset)
         digest.update(view[:k])
         offset += k
         n -= k
@@ -236,7 +236,7 @@ class Sink:
             self._hash.ahead(fd, offset, n)
         while n:
             k = min(n, PIECE, CHUNK - self._fill)
-            filemap.pread_exact(fd, self._view[self._fill : self._fill + k], offset)
+            file_runs.pread_exact(fd, self._view[self._fill : self._fill + k], offset)
             self._crc.feed(fd, offset, self._view[self._fill : self._fill + k])
             self._landed(k)
             offset += k
@@ -279,7 +279,7 @@ class Sink:
         # with the region's last bytes read back from the page cache
         self._offset = end - end % BLOCK
         self._fill = self._old = end - self._offset
-        filemap.pread_exact(self._mapped, self._view[: self._fill], self._offset)
+        file_runs.pread_exact(self._mapped, self._view[: self._fill], self._offset)
         self.report()
 
     def _landed(self, k: int) -> None:
@@ -307,7 +307,7 @@ class Sink:
     def _write_partial(self) -> None:
         """The current buffer through the page cache (its length need not be aligned); it is then free."""
         if self._fill:
-            filemap.pwrite_exact(self._buffered, self._view[: self._fill], self._offset)
+            file_runs.pwrite_exact(self._buffered, self._view[: self._fill], self._offset)
             with self._lock:
                 self._written += self._fill - self._old
             self._offset += self._fill
@@ -339,13 +339,13 @@ class Sink:
     def _write(self, data: memoryview, offset: int) -> None:
         if self._direct:
             try:
-                filemap.pwrite_exact(self._fd, data, offset)
+                file_runs.pwrite_exact(self._fd, data, offset)
                 return
             except OSError as e:  # a file system that opens O_DIRECT files but refuses the writes
                 if e.errno != errno.EINVAL:
                     raise
                 self._direct = False
-        filemap.pwrite_exact(self._buffered, data, offset)
+        file_runs.pwrite_exact(self._buffered, data, offset)
 
     def report(self) -> None:
         if self._progress is not None:

@@ -1,6 +1,6 @@
 """Streaming safetensors writer: fills planned files tensor by tensor, front to back.
 
-Each file goes through the engine's sink (:mod:`hf_merge.sequential`): runs of rows from
+Each file goes through the engine's sink (:mod:`hf_merge.write.engine`): runs of rows from
 :meth:`LazyCheckpoint.read_rows` (rank-file bytes by ``preadv`` from their files, converted runs
 from memory), small tensors read whole, and larger tensors without row runs read into a mapping of
 their place in the output file (``read_into``). Memory in use is the sink's buffers and the tensor
@@ -8,7 +8,7 @@ in flight, never a shard or the model.
 
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
 (the plan is deterministic and partitions by file). Across machines the same partition is used by
-:mod:`hf_merge.distributed`: each rank calls :func:`write_shards` with its share of the files
+:mod:`hf_merge.write.distributed`: each rank calls :func:`write_shards` with its share of the files
 (``files=``) and no index, reporting bytes through ``progress=``.
 """
 
@@ -26,10 +26,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import filemap, sequential
-from .checkpoint import LazyCheckpoint
+from ..readers import file_runs
+from . import engine
+from ..checkpoint import LazyCheckpoint
 from .plan import INDEX_NAME, FilePlan, ShardPlan
-from .readers import record_crc
+from ..readers import record_crc
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,12 @@ def write_file(
     cores: int = 1,
 ) -> str | None:
     """Write one planned safetensors file into ``folder``; return its sha256 when asked. ``cores``:
-    the CPUs this writer may use (a second one hashes: :func:`hf_merge.sequential.hash_apart`)."""
+    the CPUs this writer may use (a second one hashes: :func:`hf_merge.write.engine.hash_apart`)."""
     path = Path(folder) / plan.name
-    fd = sequential.open_output(path)
+    fd = engine.open_output(path)
     try:
-        sink = sequential.Sink(fd, path, sha256, progress, unreported=plan.data_start,
-                               hash_thread=sequential.hash_apart(cores))
+        sink = engine.Sink(fd, path, sha256, progress, unreported=plan.data_start,
+                               hash_thread=engine.hash_apart(cores))
     except BaseException:
         os.close(fd)
         raise
@@ -61,12 +62,12 @@ def write_file(
             _fill(sink, ckpt, plan)
 
     try:
-        return sequential.fill_and_finish(sink, fill)
+        return engine.fill_and_finish(sink, fill)
     finally:
         os.close(fd)  # after the writer threads stopped (finish or cancel)
 
 
-def _fill(sink: sequential.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
+def _fill(sink: engine.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
     sink.add_memory(memoryview(plan.header))
     for spec, start in plan.placed():
         if spec.nbytes == 0:
@@ -91,14 +92,14 @@ def _fill(sink: sequential.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
         sink.report()
 
 
-def _add_tensor(sink: sequential.Sink, piece: "filemap.Piece") -> int:
+def _add_tensor(sink: engine.Sink, piece: "filemap.Piece") -> int:
     """Append a piece's bytes: from its file when the reader says it is a file's bytes
-    (a :class:`~hf_merge.filemap.FileRun`), else from memory."""
-    run = sequential.file_bytes(piece)
+    (a :class:`~hf_merge.readers.file_runs.FileRun`), else from memory."""
+    run = engine.file_bytes(piece)
     if run is not None:
         sink.add_file(run.fd, run.offset, run.nbytes)
         return run.nbytes
-    tensor = filemap.values(piece)
+    tensor = file_runs.values(piece)
     sink.add_memory(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
     return tensor.numel() * tensor.element_size()
 
@@ -177,7 +178,7 @@ def default_workers(n_files: int, processes_here: int = 1) -> int:
     ``processes_here``: the writing processes on this machine (distributed ranks) share its CPUs.
     Each forked writer also carries an interpreter's worth of memory (~200 MB).
     """
-    return max(1, min(n_files, sequential.usable_cpus() // max(1, processes_here), 8))
+    return max(1, min(n_files, engine.usable_cpus() // max(1, processes_here), 8))
 
 
 def write_shards(
@@ -205,10 +206,10 @@ def write_shards(
     if share:
         n = workers or default_workers(len(share), processes_here)
         n = max(1, min(n, len(share)))
-        cores = sequential.usable_cpus() // (n * max(1, processes_here))  # each writer's share
+        cores = engine.usable_cpus() // (n * max(1, processes_here))  # each writer's share
         with contextlib.ExitStack() as stack:
             if progress is None:
-                from .progress import progress_bar
+                from ..progress import progress_bar
 
                 bar = stack.enter_context(progress_bar(total=sum(f.data_size for f in share), unit="B", desc=desc))
                 progress = bar.update

@@ -11,7 +11,7 @@ is refused at once. The final rename never replaces a target that appeared meanw
 ``overwrite`` is set (a directory is renamed only onto a missing or empty one).
 
 Durability (see ``docs/durability.md``): before the rename every file and folder in the temporary
-folder is fsynced (:func:`hf_merge.durable.sync_tree`), after it the parent folder, so after a
+folder is fsynced (:func:`hf_merge.write.durable.sync_tree`), after it the parent folder, so after a
 power loss the target is either absent (or the old one) or complete. ``overwrite`` keeps the old
 target until the new one is in place: the two folders are swapped in one atomic step
 (``renameat2(RENAME_EXCHANGE)``), the parent is fsynced, then the old one (now under the temporary
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import durable
-from .errors import InsufficientSpaceError, TargetExistsError
+from ..errors import InsufficientSpaceError, TargetExistsError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

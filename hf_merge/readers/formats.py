@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from .checkpoint import LazyCheckpoint
+    from ..checkpoint import LazyCheckpoint
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class SourceFormat:
 @functools.cache
 def registry() -> dict[str, SourceFormat]:
     """Every format, by name, in priority order. Imports each reader module once."""
-    from . import readers
+    from .. import readers
 
     found: list[SourceFormat] = []
     for mod in pkgutil.iter_modules(readers.__path__):
@@ -127,7 +127,7 @@ def _literal(node: ast.AST) -> Any:
 @functools.cache
 def declared() -> tuple[Declared, ...]:
     """Every reader module's ``FORMAT`` literals, in priority order, without importing a reader."""
-    from . import readers
+    from .. import readers
 
     found = []
     for mod in pkgutil.iter_modules(readers.__path__):
@@ -164,7 +164,7 @@ def find_declared(name: str) -> Declared | None:
 def canonical(name: str) -> str:
     """The format's name for ``name`` (itself, or the name it is an alias of; ``auto`` stays).
     Refuses an unknown name with the list of known ones; imports no reader."""
-    from .errors import UnsupportedCheckpointError
+    from ..errors import UnsupportedCheckpointError
 
     if name == "auto":
         return name
@@ -220,7 +220,7 @@ def detect(path: "str | Path") -> Detection:
         SourceNotFoundError: ``path`` does not exist.
         UnsupportedCheckpointError: no format matches; the message says what the folder holds.
     """
-    from .errors import SourceNotFoundError, UnsupportedCheckpointError
+    from ..errors import SourceNotFoundError, UnsupportedCheckpointError
 
     path = Path(path)
     if not path.exists():
@@ -258,7 +258,7 @@ def _what_is_there(path: Path, limit: int = 6) -> str:
 
 def open_source(path: Path, name: str, config_dir: Path | None, options: dict[str, Any]) -> "LazyCheckpoint":
     """Open ``path`` with format ``name`` (``auto``: detect), passing only the options it takes."""
-    from .readers.contained import reading
+    from .contained import reading
 
     notes: list[str] = []
     with reading(path):  # files leaving the checkpoint through a symlink are refused

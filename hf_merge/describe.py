@@ -92,7 +92,7 @@ def model_family(config: dict[str, Any], specs: dict) -> str:
 def _output_layout(ckpt, config: dict[str, Any]) -> str:
     """What a merge writes: the names as stored, or transformers' saved layout (from specs only)."""
     from .errors import HfMergeError
-    from .lora import find_lora
+    from .transforms.lora_layout import find_lora
     from .transforms import Renamed, drop_tied
     from .transforms.hub_layout import HubLayout, hub_layout
 
@@ -117,7 +117,7 @@ def _output_layout(ckpt, config: dict[str, Any]) -> str:
 
 def _lora_summary(ckpt) -> Any:
     try:
-        from .lora import describe_lora
+        from .transforms.lora_layout import describe_lora
     except ImportError:
         return any(".lora_A." in n for n in ckpt.specs())
     return describe_lora(ckpt)

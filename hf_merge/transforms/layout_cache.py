@@ -35,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import settings
+from .. import settings
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def cache_dir() -> Path | None:
 
 def library_versions() -> dict[str, str | None]:
     """Versions a plan depends on, read from package metadata (no import of the packages)."""
-    from .version import __version__
+    from ..version import __version__
 
     out: dict[str, str | None] = {"hf_merge": __version__}
     for name in ("transformers", "torch"):

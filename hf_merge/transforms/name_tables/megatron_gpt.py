@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping
 
-from ..transforms.name_table import NameRule, NameTable, Split, gate_up, pattern_key, qkv
+from ..name_table import NameRule, NameTable, Split, gate_up, pattern_key, qkv
 
 LAYER = "decoder.layers."  # Megatron's layer prefix
 HF_LAYER = "model.layers.{layer}."

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import DistributedError, HfMergeError
-from .settings import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, DIST_TIMEOUT_VAR as TIMEOUT_VAR
-from .settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
-from .settings import dist_timeout_s, distributed as distributed_from_environment
+from ..errors import DistributedError, HfMergeError
+from ..settings import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, DIST_TIMEOUT_VAR as TIMEOUT_VAR
+from ..settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
+from ..settings import dist_timeout_s, distributed as distributed_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def enter_torchrun_merge(writers: str = "node") -> bool:
     if launch is None or launch.role == "every":
         return True
     if launch.rank == 0:
-        from .sequential import usable_cpus
+        from .engine import usable_cpus
 
         logger.info(launch.describe(usable_cpus()))
     os.environ.update(launch.environ())
@@ -378,8 +378,8 @@ class Job:
         rank, write this rank's share of its planned files (:func:`writing_ranks`), let rank 0 finish
         and commit; ``result(output, main)`` on every rank. ``options``: the merge's
         :class:`~hf_merge.options.MergeOptions` (workers, checksums, dist_writers). See the module docstring."""
-        from .output import stage
-        from .pipeline import Writing
+        from .atomic import stage
+        from ..pipeline import Writing
 
         writers = options.dist_writers
 
@@ -387,7 +387,7 @@ class Job:
         output = tmp = staged = None
         error = None
         try:
-            if main:  # locked before the source is read (see hf_merge.output)
+            if main:  # locked before the source is read (see hf_merge.write.atomic)
                 staged = stage(target, overwrite=overwrite)
                 tmp = staged.tmp
             output = prepare()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import MappingError
+from ..errors import MappingError
 
 __all__ = ["experts_transposed", "model_class_for", "skeleton"]
 

@@ -19,8 +19,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from .sizes import parse_size
-from .spec import TensorSpec, safetensors_code
+from ..sizes import parse_size
+from ..spec import TensorSpec, safetensors_code
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"

@@ -6,7 +6,7 @@ the other. A :class:`DeviceStager` streams a tensor as runs of rows (``LazyCheck
 in the checkpoint's own dtype) through a small ring of page-locked buffers:
 
 - a run's bytes are read straight from the rank file into a pinned buffer (``preadv`` through
-  its descriptor where the run is a :class:`~hf_merge.filemap.FileRun`, else one host copy);
+  its descriptor where the run is a :class:`~hf_merge.readers.file_runs.FileRun`, else one host copy);
 - the host-to-device copy of that buffer is queued on the stager's own stream (``non_blocking``),
   and the next run is read while it is in flight; a buffer is reused only once its copy is done
   (an event per buffer);
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .filemap import Piece, read_into, run_of, values
+from ..readers.file_runs import Piece, read_into, run_of, values
 
 if TYPE_CHECKING:
-    from .checkpoint import LazyCheckpoint
+    from ..checkpoint import LazyCheckpoint
 
 SLOT_BYTES = 32 << 20
 SLOTS = 3

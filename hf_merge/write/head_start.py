@@ -10,14 +10,14 @@ imported) a child that:
   (:func:`~hf_merge.readers.rank_records.index_rank_file`, under a subset of the one pickle
   policy; nothing from the file is run), and plans the output as a plain merge would: every
   tensor under its training name and dtype, ``Shard(0)`` pieces or whole plain tensors
-  (:func:`~hf_merge.plan.plan_shards`, the same planner);
+  (:func:`~hf_merge.write.plan.plan_shards`, the same planner);
 - sends the parent its first file's name, header digest and the rank-file byte ranges it copies;
 - writes that file into an anonymous file (``O_TMPFILE``) beside the target, with
-  :mod:`hf_merge.sequential`'s ``O_DIRECT`` sink and its sha256, reporting progress.
+  :mod:`hf_merge.write.engine`'s ``O_DIRECT`` sink and its sha256, reporting progress.
 
 The merge itself (with torch and every check of the full reader and transforms) then plans the
 output and compares: the first file's name, the digest of its header bytes and the exact ranges
-:func:`~hf_merge.sequential.byte_recipe` says the writer would copy, in order. Only when all are
+:func:`~hf_merge.write.engine.byte_recipe` says the writer would copy, in order. Only when all are
 identical is the child's file linked into the merge's temporary folder and its digest used;
 otherwise the child is killed and the merge writes the file as always. The child can change how
 fast a merge is, never what it writes. A child that fails after its file was taken (killed,
@@ -145,7 +145,7 @@ class HeadStart:
     def adopt(self, name: str, header: bytes, recipe: "Callable[[], list[list[int]] | None]", folder: Path) -> bool:
         """Link the child's file into ``folder`` as ``name`` when the child plans exactly this
         file: the same ``name``, header bytes and rank-file ranges (``recipe()``, asked only once
-        the child has a plan: :func:`~hf_merge.sequential.byte_recipe`). Else stop the child; the
+        the child has a plan: :func:`~hf_merge.write.engine.byte_recipe`). Else stop the child; the
         caller writes it."""
         if self._wait(lambda: self._plan is not None, PLAN_WAIT_S):
             plan = self._plan
@@ -229,8 +229,9 @@ class HeadStart:
 
 
 def _load_child_modules() -> None:
-    from . import conversion_keys, output, plan, sequential  # noqa: F401
-    from .readers import fsdp_files, rank_records  # noqa: F401
+    from ..transforms import conversion_keys
+    from . import atomic, plan, engine  # noqa: F401
+    from ..readers import fsdp_files, rank_records  # noqa: F401
 
 
 def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
@@ -246,7 +247,7 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
         die_with_parent(parent)
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C: the parent decides and stops this child
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        from .readers import record_crc
+        from ..readers import record_crc
 
         with record_crc.skipping(not request.source_crc):
             plan, sources = _plan(request)
@@ -284,7 +285,7 @@ class _Planned:
 def _output_dtype(requested: str | None, config: dict[str, Any]) -> str | None:
     """The dtype floating tensors are written in, by name (None: each keeps its own), as
     :func:`hf_merge.hf_files.resolve_dtype` decides it."""
-    from .spec import config_dtype_name, dtype_alias
+    from ..spec import config_dtype_name, dtype_alias
 
     if requested == "auto":
         return None
@@ -294,15 +295,17 @@ def _output_dtype(requested: str | None, config: dict[str, Any]) -> str | None:
 
 
 def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
-    from . import __version__
-    from .conversion_keys import may_convert
+    from .. import __version__
+    from ..transforms.conversion_keys import may_convert
     from .durable import free_bytes
-    from .output import SIDE_FILES_ROOM
+    from .atomic import SIDE_FILES_ROOM
     from .plan import plan_shards
-    from .readers.fsdp_files import check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir
-    from .readers.rank_records import index_rank_file
-    from .sequential import join_range
-    from .spec import TensorSpec
+    from ..readers.fsdp_files import (
+        check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir,
+    )
+    from ..readers.rank_records import index_rank_file
+    from .engine import join_range
+    from ..spec import TensorSpec
 
     folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
     world, _ = detect_world_size(folder)
@@ -376,18 +379,18 @@ def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
 
 def _write(planned: _Planned, sources: dict[tuple[int, int], int], fd: int, sha256: bool,
            progress: Callable[[int], None]) -> str | None:
-    from . import sequential
+    from . import engine
 
     file = planned.file
-    writers = max(1, min(planned.files, sequential.usable_cpus(), 8))  # as writer.default_workers counts them
-    apart = sha256 and sequential.hash_apart(sequential.usable_cpus() // writers)
-    sink = sequential.Sink(fd, Path(f"/proc/self/fd/{fd}"), sha256, progress, unreported=file.data_start,
+    writers = max(1, min(planned.files, engine.usable_cpus(), 8))  # as writer.default_workers counts them
+    apart = sha256 and engine.hash_apart(engine.usable_cpus() // writers)
+    sink = engine.Sink(fd, Path(f"/proc/self/fd/{fd}"), sha256, progress, unreported=file.data_start,
                             hash_thread=apart)
     if apart:  # the sha256 thread is the one that must not wait: it, and torch's import, go first
-        sequential.lower_this_thread(sequential.HASHING_NICE)
+        engine.lower_this_thread(engine.HASHING_NICE)
 
     def fill() -> None:
-        from .readers import record_crc
+        from ..readers import record_crc
 
         sink.add_memory(memoryview(file.header))
         for dev, ino, offset, n in planned.ranges:
@@ -397,4 +400,4 @@ def _write(planned: _Planned, sources: dict[tuple[int, int], int], fd: int, sha2
         # A mismatch fails this child: the merge then writes the file itself, and its reader refuses the record.
         record_crc.check_ranges([(sources[(dev, ino)], offset, n) for dev, ino, offset, n in planned.ranges])
 
-    return sequential.fill_and_finish(sink, fill)
+    return engine.fill_and_finish(sink, fill)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import LazyCheckpoint
-from .hf_files import resolve_dtype, tied_pairs
-from .transforms import Cast, drop_tied
+from ..checkpoint import LazyCheckpoint
+from ..hf_files import resolve_dtype, tied_pairs
+from . import Cast, drop_tied
 
 #: where ``--lora both`` puts the PEFT adapter inside the model folder
 ADAPTER_SUBDIR = "lora_adapter"
@@ -32,8 +32,8 @@ class Views:
     adapter_config: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None
     base: LazyCheckpoint | None = None  # the unfused base model the adapter goes onto (adapter/both)
-    layout: Any = None  # hf_merge.lora.LoraLayout of a PEFT checkpoint (what the GGUF LoRA file is planned from)
-    settings: Any = None  # its hf_merge.lora.LoraSettings (r, alpha, rsLoRA)
+    layout: Any = None  # hf_merge.transforms.lora_layout.LoraLayout of a PEFT checkpoint (what the GGUF LoRA file is planned from)
+    settings: Any = None  # its hf_merge.transforms.lora_layout.LoraSettings (r, alpha, rsLoRA)
 
 
 LORA_MODES = ("fuse", "adapter", "both")
@@ -58,10 +58,10 @@ def build_views(
     names unwrapped, LoRA folded in (``lora`` fuse/both) and/or the adapter on its own
     (adapter/both; it keeps the training dtype unless ``dtype`` names one).
     """
-    from .errors import LoraError
-    from .lora import adapter_config, find_lora, resolve_settings
-    from .transforms import Renamed
-    from .transforms.lora import FusedLora, LoraAdapter
+    from ..errors import LoraError
+    from .lora_layout import adapter_config, find_lora, resolve_settings
+    from . import Renamed
+    from .lora import FusedLora, LoraAdapter
 
     if lora not in LORA_MODES:
         raise LoraError(f"unknown --lora mode {lora!r}; use fuse, adapter or both")
@@ -100,7 +100,7 @@ def build_views(
                     )
                 base = None
             else:
-                from .readers.hf_dir import open_hf_dir
+                from ..readers.hf_dir import open_hf_dir
 
                 base = open_hf_dir(Path(base_model))
                 notes.append(f"base weights from {base_model}")
@@ -122,7 +122,7 @@ def build_views(
         if dropped:
             notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
         if hub:
-            from .transforms.hub_layout import hub_layout
+            from .hub_layout import hub_layout
 
             model, hub_notes = hub_layout(model, config)
             notes.extend(hub_notes)

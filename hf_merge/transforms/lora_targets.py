@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .errors import LoraError
+from ..errors import LoraError
 
 __all__ = ["meta_module_names", "owner_modules", "shortest_suffixes"]
 

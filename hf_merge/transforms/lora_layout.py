@@ -31,9 +31,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import LoraError
+from ..errors import LoraError
 from .lora_targets import meta_module_names, owner_modules, shortest_suffixes
-from .spec import TensorSpec
+from ..spec import TensorSpec
 
 PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -95,7 +95,7 @@ class LoraLayout:
     @cached_property
     def target_modules(self) -> list[str]:
         """``LoraConfig.target_modules`` as PEFT writes it: each wrapped linear's shortest name
-        suffix that matches no other module of the model (see :mod:`hf_merge.lora_targets`)."""
+        suffix that matches no other module of the model (see :mod:`hf_merge.transforms.lora_targets`)."""
         return self.peft_target_modules(strict=False)
 
     def peft_target_modules(self, *, strict: bool = True) -> list[str]:

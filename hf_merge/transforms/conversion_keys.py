@@ -23,7 +23,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from .transformers_compat import major_version
+from ..transformers_compat import major_version
 
 __all__ = ["declared_keys", "keys_from_source", "may_convert"]
 

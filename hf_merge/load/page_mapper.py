@@ -18,7 +18,7 @@ anonymous pages of the range with ``preadv``. Bytes equal the file's either way.
 Like any memory-mapped weight (``from_pretrained``'s too), the pages read the file when first
 touched: truncating or rewriting a rank file while the model lives changes or faults its weights.
 Linux only (``mmap`` with ``MAP_FIXED``); the pieces it maps are the runs a reader hands out as
-:class:`~hf_merge.filemap.FileRun`\\ s. Elsewhere :meth:`Mapper.tensor` returns None and the caller copies.
+:class:`~hf_merge.readers.file_runs.FileRun`\\ s. Elsewhere :meth:`Mapper.tensor` returns None and the caller copies.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Iterable
 
 import torch
 
-from .filemap import FileRun, Piece, pread_exact, run_of, values
+from ..readers.file_runs import FileRun, Piece, pread_exact, run_of, values
 
 PAGE = mmap.PAGESIZE
 MIN_MAPPED_PAGES = 16  # a run of fewer whole pages is read (a mapping per 64 KB is not worth it)

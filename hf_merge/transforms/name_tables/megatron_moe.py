@@ -37,7 +37,7 @@ rename.
 
 from __future__ import annotations
 
-from ..transforms.name_table import Split, gate_up
+from ..name_table import Split, gate_up
 from .megatron_gpt import DENSE_FUSED, GATE_UP, LAYER_TENSORS, QK_NORM, QKV, QKV_BIAS, REQUIRED, arch, megatron_table
 
 _REQUIRED_ATTN = [r for r in REQUIRED if r != "mlp.linear_fc2.weight"]

@@ -208,7 +208,7 @@ def _arch_task(architecture: str | None) -> tuple[str, str | None]:
 
 def _format(source: dict[str, Any]) -> str | None:
     """The source's format name; an older spelling (``verl-fsdp``) read as the format's name."""
-    from .formats import find_declared
+    from ..readers.formats import find_declared
 
     fmt = source.get("format")
     if not isinstance(fmt, str) or not fmt:
@@ -218,7 +218,7 @@ def _format(source: dict[str, Any]) -> str | None:
 
 
 def _from_hf_folder(source: dict[str, Any]) -> bool:
-    from .formats import is_hf_folder
+    from ..readers.formats import is_hf_folder
 
     return is_hf_folder(_format(source))
 
