@@ -9,6 +9,8 @@ left here is what a user sets for every run, or what a program that launches the
 - ``HF_MERGE_DIST_TIMEOUT``: seconds a distributed merge waits for the other ranks (default 1800).
 - ``HF_MERGE_DISTRIBUTED``: ``1`` / ``0`` stand for ``distributed=True`` / ``False`` when the
   option is not given (for the CLI run inside a program that already runs torch.distributed).
+- ``HF_MERGE_HEAD_START``: ``0`` (or ``off``, ``false``, ``no``): the CLI forks no head start for a
+  plain FSDP merge (:mod:`hf_merge.write.head_start`).
 
 Each is read when asked for (not at import), so a test or a program may set it at any time.
 """
@@ -24,6 +26,7 @@ CACHE_VAR = "HF_MERGE_CACHE"
 DEBUG_VAR = "HF_MERGE_DEBUG"
 DIST_TIMEOUT_VAR = "HF_MERGE_DIST_TIMEOUT"
 DISTRIBUTED_VAR = "HF_MERGE_DISTRIBUTED"
+HEAD_START_VAR = "HF_MERGE_HEAD_START"
 DEFAULT_DIST_TIMEOUT_S = 1800.0
 
 _OFF = ("off", "0", "false", "no", "")
@@ -59,3 +62,8 @@ def distributed() -> bool | None:
     """``HF_MERGE_DISTRIBUTED``: ``1`` -> True, ``0`` -> False, anything else -> None (not set)."""
     value = os.environ.get(DISTRIBUTED_VAR, "")
     return {"1": True, "0": False}.get(value)
+
+
+def head_start() -> bool:
+    """False when ``HF_MERGE_HEAD_START`` turns the CLI's head start off (read before torch is imported)."""
+    return os.environ.get(HEAD_START_VAR, "").strip().lower() not in ("0", "off", "false", "no")

@@ -43,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import settings
+
 logger = logging.getLogger(__name__)
 
-ENV = "HF_MERGE_HEAD_START"
+ENV = settings.HEAD_START_VAR
 #: how long the merge waits for the child's plan once it has its own (the child sends it after
 #: reading the pickles, long before torch is imported; this bounds a stuck child)
 PLAN_WAIT_S = 120.0
@@ -70,7 +72,7 @@ class _Skip(Exception):
 
 def begin(request: Request) -> "HeadStart | None":
     """Fork the child for ``request``; None when this platform or environment gives no head start."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    if not settings.head_start():
         return None
     if not hasattr(os, "fork") or not getattr(os, "O_TMPFILE", 0) or not getattr(os, "O_DIRECT", 0):
         return None
