@@ -254,6 +254,7 @@ def test_killed_rank_fails_every_rank_and_leaves_no_target(qwen2_fp32_ws2, tmp_p
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     assert procs[1].returncode == -signal.SIGKILL, logs
+    assert (tmp_path / "0.rank0.json").is_file(), (procs[0].returncode, logs)  # rank 0 ended through the CLI
     rank0 = json.loads((tmp_path / "0.rank0.json").read_text())
     assert rank0["code"] != 0 and "error: lost contact with the other ranks" in rank0["stderr"], rank0
     assert not target.exists() and no_leftovers(target)
