@@ -2,11 +2,17 @@
 """Write a synthetic verl FSDP checkpoint made of real DTensors.
 
     python benchmarks/make_synthetic_checkpoint.py OUT_DIR --layers 2 [--world-size 4] [--lora]
+        [--shape qwen2_7b|qwen2.5_1.5b]
 
 The model is Qwen2-7B shaped (hidden 3584, intermediate 18944, 28 heads / 4 KV heads,
 vocab 152064, q/k/v biases, untied lm_head) with only ``--layers`` decoder layers, in bf16:
 about 2.18 GB of embeddings + lm_head plus 0.47 GB per layer (2 layers ~3.1 GB, 8 layers
 ~5.9 GB).
+
+``--shape qwen2.5_1.5b``: Qwen2.5-1.5B widths instead (hidden 1536, intermediate 8960, 12 heads /
+2 KV heads, vocab 151936, q/k/v biases; untied here so that every tensor is a plain copy): 0.93 GB
+of embeddings + lm_head plus 0.093 GB per layer, so a realistic depth stays small
+(``--layers 28``: 3.55 GB, 339 tensors, most of them a few MB or less).
 
 Like verl's FSDP2 checkpoint manager, ``world_size`` gloo processes (CPU) each save their own
 ``model_world_size_{N}_rank_{r}.pt``: a ``torch.save`` of a state dict whose values are
@@ -52,6 +58,12 @@ HEADS = 28
 KV_HEADS = 4
 VOCAB = 152064
 HEAD_DIM = HIDDEN // HEADS
+# --shape: the widths of a dense Qwen2 model (only the layer count comes from --layers)
+DENSE_SHAPES = {
+    "qwen2_7b": {"hidden": HIDDEN, "intermediate": INTERMEDIATE, "heads": HEADS, "kv_heads": KV_HEADS, "vocab": VOCAB},
+    "qwen2.5_1.5b": {"hidden": 1536, "intermediate": 8960, "heads": 12, "kv_heads": 2, "vocab": 151936},
+}
+DEFAULT_SHAPE = "qwen2_7b"
 LORA_R = 16
 LORA_ALPHA = 32
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -127,24 +139,25 @@ def moe_param_shapes(layers: int, moe: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_config(layers: int, moe: str | None = None) -> dict:
+def hf_config(layers: int, moe: str | None = None, shape: str = DEFAULT_SHAPE) -> dict:
     if moe:
         return moe_hf_config(layers, moe)
+    w = DENSE_SHAPES[shape]
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
         "bos_token_id": 151643,
         "eos_token_id": 151643,
         "hidden_act": "silu",
-        "hidden_size": HIDDEN,
+        "hidden_size": w["hidden"],
         "initializer_range": 0.02,
-        "intermediate_size": INTERMEDIATE,
+        "intermediate_size": w["intermediate"],
         "max_position_embeddings": 131072,
         "max_window_layers": 28,
         "model_type": "qwen2",
-        "num_attention_heads": HEADS,
+        "num_attention_heads": w["heads"],
         "num_hidden_layers": layers,
-        "num_key_value_heads": KV_HEADS,
+        "num_key_value_heads": w["kv_heads"],
         "rms_norm_eps": 1e-06,
         "rope_theta": 1000000.0,
         "sliding_window": 131072,
@@ -152,22 +165,26 @@ def hf_config(layers: int, moe: str | None = None) -> dict:
         "dtype": "bfloat16",
         "use_cache": True,
         "use_sliding_window": False,
-        "vocab_size": VOCAB,
+        "vocab_size": w["vocab"],
     }
 
 
-def param_shapes(layers: int, lora_r: int = 0, moe: str | None = None) -> dict[str, tuple[int, ...]]:
+def param_shapes(layers: int, lora_r: int = 0, moe: str | None = None,
+                 shape: str = DEFAULT_SHAPE) -> dict[str, tuple[int, ...]]:
     """HF parameter names and global shapes, in Qwen2ForCausalLM's state_dict order.
 
     ``lora_r > 0``: the names and shapes of the PEFT-wrapped model (see the module docstring),
-    in PEFT's state_dict order. ``moe``: the MoE model of that shape (MOE_SHAPES) instead."""
+    in PEFT's state_dict order. ``moe``: the MoE model of that shape (MOE_SHAPES) instead.
+    ``shape``: the dense widths (DENSE_SHAPES)."""
     if moe:
         if lora_r:
             raise ValueError("--moe and --lora cannot be combined")
         return moe_param_shapes(layers, moe)
     if lora_r:
-        return peft_shapes(param_shapes(layers), lora_r)
-    kv = KV_HEADS * HEAD_DIM
+        return peft_shapes(param_shapes(layers, shape=shape), lora_r)
+    w = DENSE_SHAPES[shape]
+    HIDDEN, INTERMEDIATE, VOCAB = w["hidden"], w["intermediate"], w["vocab"]  # noqa: N806
+    kv = w["kv_heads"] * (HIDDEN // w["heads"])
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -224,12 +241,12 @@ def hf_name(name: str) -> str:
 
 
 def expected_bytes(layers: int, dtype: torch.dtype = torch.bfloat16, lora_r: int = 0,
-                   moe: str | None = None) -> int:
+                   moe: str | None = None, shape: str = DEFAULT_SHAPE) -> int:
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for shape in param_shapes(layers, lora_r, moe).values():
+    for dims in param_shapes(layers, lora_r, moe, shape).values():
         n = 1
-        for d in shape:
+        for d in dims:
             n *= d
         total += n * item
     return total
@@ -261,7 +278,7 @@ def local_shard(name: str, shape: tuple[int, ...], rank: int, world: int) -> tor
 
 
 def _worker(rank: int, world: int, port: int, out: str, layers: int, lora_r: int = 0,
-            moe: str | None = None) -> None:
+            moe: str | None = None, shape: str = DEFAULT_SHAPE) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -273,10 +290,10 @@ def _worker(rank: int, world: int, port: int, out: str, layers: int, lora_r: int
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         sd = {}
-        for name, shape in param_shapes(layers, lora_r, moe).items():
-            local = local_shard(name, shape, rank, world)
+        for name, dims in param_shapes(layers, lora_r, moe, shape).items():
+            local = local_shard(name, dims, rank, world)
             sd[name] = DTensor.from_local(
-                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
+                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(dims), stride=contiguous_stride(dims)
             )
         path = Path(out) / f"model_world_size_{world}_rank_{rank}.pt"
         tmp = path.with_suffix(".pt.tmp")
@@ -314,7 +331,8 @@ def write_tokenizer(hf_dir: Path) -> None:
     }, indent=2) + "\n")
 
 
-def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0, moe: str | None = None) -> dict:
+def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0, moe: str | None = None,
+                    shape: str = DEFAULT_SHAPE) -> dict:
     """Write the checkpoint into ``out`` (replaced atomically). Returns a summary dict.
 
     ``lora_r > 0``: the PEFT-wrapped model with LoRA of that rank (see the module docstring)."""
@@ -326,10 +344,10 @@ def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0, moe
     t0 = time.perf_counter()
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp), layers, lora_r, moe), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp), layers, lora_r, moe, shape), nprocs=world, join=True)
     (tmp / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
     hf = tmp / "huggingface"
-    (hf / "config.json").write_text(json.dumps(hf_config(layers, moe), indent=2) + "\n")
+    (hf / "config.json").write_text(json.dumps(hf_config(layers, moe, shape), indent=2) + "\n")
     eos = hf_config(layers, moe)["eos_token_id"]
     (hf / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 151643, "eos_token_id": eos, "max_new_tokens": 2048}, indent=2) + "\n")
@@ -342,15 +360,17 @@ def make_checkpoint(out: Path, layers: int, world: int = 4, lora_r: int = 0, moe
     summary = {
         "layers": layers,
         "world_size": world,
-        "param_bytes": expected_bytes(layers, lora_r=lora_r, moe=moe),
+        "param_bytes": expected_bytes(layers, lora_r=lora_r, moe=moe, shape=shape),
         "rank_file_bytes": rank_bytes,
         "create_seconds": round(elapsed, 2),
     }
     if moe:
         summary["moe"] = moe
+    else:
+        summary["shape"] = shape
     if lora_r:
         summary.update(lora_r=lora_r, lora_alpha=LORA_ALPHA, lora_targets=list(LORA_TARGETS),
-                       base_param_bytes=expected_bytes(layers))
+                       base_param_bytes=expected_bytes(layers, shape=shape))
     (tmp / "synthetic.json").write_text(json.dumps(summary, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
@@ -368,15 +388,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe", choices=sorted(MOE_SHAPES), default=None,
                     help="an MoE model of that shape (fused experts, transformers 5 in-memory layout) "
                          "instead of Qwen2-7B; qwen3_30b_a3b: 3 layers ~4.98 GB")
+    ap.add_argument("--shape", choices=sorted(DENSE_SHAPES), default=DEFAULT_SHAPE,
+                    help="dense widths (default qwen2_7b); qwen2.5_1.5b: 28 layers ~3.55 GB, 339 tensors")
     args = ap.parse_args(argv)
     if args.moe and args.lora:
         ap.error("--moe and --lora cannot be combined")
+    if args.moe and args.shape != DEFAULT_SHAPE:
+        ap.error("--moe and --shape cannot be combined")
     lora_r = LORA_R if args.lora else 0
-    shape = f"{args.moe}-shaped" if args.moe else "Qwen2-7B-shaped"
+    shape = f"{args.moe}-shaped" if args.moe else f"{args.shape}-shaped"
+    nbytes = expected_bytes(args.layers, lora_r=lora_r, moe=args.moe, shape=args.shape)
     print(f"writing {args.layers}-layer {shape} {'LoRA (PEFT) ' if lora_r else ''}checkpoint "
-          f"({expected_bytes(args.layers, lora_r=lora_r, moe=args.moe) / 1e9:.2f} GB bf16) with {args.world_size} ranks "
-          f"to {args.out}", file=sys.stderr)
-    summary = make_checkpoint(args.out, args.layers, args.world_size, lora_r, args.moe)
+          f"({nbytes / 1e9:.2f} GB bf16) with {args.world_size} ranks to {args.out}", file=sys.stderr)
+    summary = make_checkpoint(args.out, args.layers, args.world_size, lora_r, args.moe, args.shape)
     print(json.dumps(summary))
     return 0
 

@@ -393,6 +393,25 @@ def test_a_flipped_byte_in_a_deepspeed_partition_stops_the_merge(tmp_path, capsy
     _merge_refused(capsys, ckpt, tmp_path, optim.name, "CRC-32", flags=tuple(_ds_config(name)))
 
 
+def test_the_crc32_in_use_is_zips_crc32():
+    """The CRC-32 the checks run (ISA-L's where ``isal`` is installed, else zlib's) gives zlib's
+    values: from zero and continued from a running value, over bytes, buffers and empty input."""
+    import random
+    import zlib
+
+    from hf_merge.readers.torch_zip import crc32
+
+    rng = random.Random(28)
+    data = rng.randbytes(3 << 20)
+    for n in (0, 1, 7, 4095, 65537, 1 << 20, len(data)):
+        assert crc32(data[:n]) == zlib.crc32(data[:n])
+        assert crc32(memoryview(data)[:n], 0xDEADBEEF) == zlib.crc32(data[:n], 0xDEADBEEF)
+    running = 0
+    for i in range(0, len(data), 262144):  # as the writer's stream feeds it, piece by piece
+        running = crc32(memoryview(data)[i : i + 262144], running)
+    assert running == zlib.crc32(data)
+
+
 def test_each_record_is_checked_once(tmp_path):
     """A DeepSpeed partition holds many parameters: its record is read for the CRC once, however
     many tensors come from it."""

@@ -9,9 +9,10 @@ record's offset):
 
 - **as its bytes stream past**: where a writer copies a record whole and in order through its own
   buffer (the ``O_DIRECT`` path, :class:`Stream` in :mod:`hf_merge.write.engine`'s sink, also in
-  the CLI's head-start child), ``zlib.crc32`` runs over the bytes already in the buffer: no extra
-  read. The reader only notes the record (:func:`deferred`); a record the stream did not see whole
-  is checked in full when the file's bytes are all appended, before the file is finished;
+  the CLI's head-start child), the CRC-32 (:func:`~hf_merge.readers.torch_zip.crc32`) runs over
+  the bytes already in the buffer: no extra read. The reader only notes the record
+  (:func:`deferred`); a record the stream did not see whole is checked in full when the file's
+  bytes are all appended, before the file is finished;
 - otherwise **in full, the first time any of its bytes are used** (a ``Shard(1)`` column piece, a
   DeepSpeed parameter that is a slice of a flat partition, a DCP box, the page-cache copy path,
   ``from_sharded_pretrained``): over a read-only mapping of the record (no copy), then used as
@@ -35,12 +36,12 @@ import contextlib
 import mmap
 import os
 import threading
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from ..errors import CorruptCheckpointError
+from .torch_zip import crc32
 
 if TYPE_CHECKING:
     import torch
@@ -211,7 +212,7 @@ class Stream:
 
     The writer calls :meth:`feed` with each piece of file bytes it has just read into its buffer
     (the descriptor, the file offset, the bytes). A piece that starts a known record (and
-    the pieces that follow it without a gap) are run through ``zlib.crc32``; at the record's last
+    the pieces that follow it without a gap) are run through the CRC-32; at the record's last
     byte its CRC is compared and the record is marked checked, or :class:`SourceCrcError` raised.
     Pieces that start elsewhere are ignored (their records are checked in full instead).
     """
@@ -230,7 +231,7 @@ class Stream:
             self._start(fd, offset)
             if self._rec is None:
                 return
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = crc32(data, self._crc)
         self._next += len(data)
         if self._next >= self._end:
             key, rec, where = self._rec
@@ -314,7 +315,7 @@ def _crc(fd: int, start: int, size: int, where: str) -> int:
         with memoryview(mapped) as view:
             crc = 0
             for i in range(lead, lead + size, CHUNK):
-                crc = zlib.crc32(view[i : min(i + CHUNK, lead + size)], crc)
+                crc = crc32(view[i : min(i + CHUNK, lead + size)], crc)
             return crc
     finally:
         mapped.close()
@@ -328,7 +329,7 @@ def _crc_read(fd: int, start: int, size: int, where: str) -> int:
         n = os.preadv(fd, [view[: min(len(buf), size - done)]], start + done)
         if n <= 0:
             raise CorruptCheckpointError(f"{where}: the file ends inside the record; re-copy it from the training run")
-        crc = zlib.crc32(view[:n], crc)
+        crc = crc32(view[:n], crc)
         done += n
     return crc
 

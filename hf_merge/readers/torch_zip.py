@@ -24,11 +24,15 @@ import io
 import os
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import IO, Any
 
 from ..errors import CorruptCheckpointError
+
+try:  # ISA-L's CRC-32 (carry-less multiply): ~24 GB/s here against zlib 1.2.13's ~1.4-1.9 GB/s
+    from isal.isal_zlib import crc32
+except ImportError:  # no wheel for this platform: zlib's, the same values
+    from zlib import crc32
 
 _LOCAL = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader (30 bytes)
 _DD32 = struct.Struct("<4sLLL")  # data descriptor with signature, 32-bit sizes
@@ -185,7 +189,7 @@ def crc_mismatches(f: IO[bytes], records: dict[str, Record], chunk: int = 16 << 
             data = f.read(min(chunk, rec.size - done))
             if not data:
                 break
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             done += len(data)
         if done != rec.size or crc != rec.crc:
             bad.append(rec.name)
