@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """Benchmark ``from_sharded_pretrained`` against ``from_pretrained`` of the merged folder.
 
-    .venv/bin/python benchmarks/bench_load.py [CKPT] [--repeat 3] [--dtype bfloat16] [--floor] [--code NAME=DIR ...]
+    .venv/bin/python benchmarks/bench_load.py [CKPT] [--config DIR] [--repeat 3] [--dtype bfloat16] [--floor]
+                                              [--breakdown] [--code NAME=DIR ...]
 
-CKPT is a verl FSDP checkpoint folder (default: the synthetic Qwen2-7B-width one that
+CKPT is a checkpoint folder of any format hf_merge reads (verl FSDP, Megatron, DeepSpeed, DCP...;
+``--config DIR`` when it has no Hugging Face config of its own, passed to both ``merge`` and
+``from_sharded_pretrained``). Default: the synthetic Qwen2-7B-width verl FSDP one that
 ``benchmarks/bench_merge.py`` caches under ``bench_out/bench/ckpt/``; if there is none, a 1-layer
 one (~2.6 GB) is written under ``--workdir`` with ``benchmarks/make_synthetic_checkpoint.py``).
 It is merged once with ``hf_merge.merge`` into ``WORKDIR/<ckpt name>/merged`` (reused while the
@@ -11,6 +14,15 @@ source is unchanged), then each load runs in a fresh interpreter, alternating th
 
   from_sharded_pretrained   ``AutoModelForCausalLM.from_sharded_pretrained(CKPT, dtype=...)``
   from_pretrained           ``AutoModelForCausalLM.from_pretrained(WORKDIR/<ckpt name>/merged, dtype=...)``
+
+``--breakdown`` adds one more run of each load (not in the timed rows) that says where the time
+goes: the main thread under cProfile (open and plan, the model's construction on the meta device,
+the fill, transformers' finishing steps) and, in the fill's worker threads, thread-seconds spent in
+each reader's and transform's ``read_into`` (self time: a cast view's own time is the cast) and in
+mapping pages.
+
+``--no-crc-row`` adds ``from_sharded_pretrained(source_crc=False)``: the load without the CRC-32
+check of the zip records (torch.save files), which reads every mapped byte once.
 
 ``--floor`` adds the copy floor: the rank files' bytes ``preadv``-ed into fresh ``torch.empty``
 buffers (page cache to anonymous memory, nothing else), on 1 and on 2 threads, in fresh
@@ -31,6 +43,7 @@ median time, the worst peaks, and the targets: load + first forward <= 1.5x from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,6 +58,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_CKPT = REPO / "bench_out" / "bench" / "ckpt" / "qwen2-7b-shaped-L2-ws4"
 DEFAULT_WORKDIR = REPO / "bench_out" / "load"
 MB = 1e6
+NO_CRC = " (source_crc=False)"
 
 
 # --------------------------------------------------------------------------- the child
@@ -103,7 +117,108 @@ def _sync(device_map: str | None) -> None:
         torch.cuda.synchronize()
 
 
-def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, device_map: str | None = None) -> dict:
+class _ThreadTimes:
+    """Self thread-seconds of every ``read_into`` / ``read_rows`` of the readers and transforms and of
+    ``Mapper.tensor``, summed over the threads that call them (the fill's worker threads, which
+    cProfile does not see). A method's self time excludes the nested calls timed here: a cast view's
+    self time is the cast, a reader's the bytes it reads."""
+
+    def __init__(self):
+        self.self_s: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        fn = vars(owner)[attr]
+        times = self
+
+        def timed(*args, **kwargs):
+            stack = times._local.__dict__.setdefault("stack", [])
+            stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - t0
+                nested = stack.pop()
+                if stack:
+                    stack[-1] += elapsed
+                with times._lock:
+                    times.self_s[label] = times.self_s.get(label, 0.0) + elapsed - nested
+                    times.calls[label] = times.calls.get(label, 0) + 1
+
+        setattr(owner, attr, timed)
+
+    def install(self) -> None:
+        import importlib
+        import pkgutil
+
+        import hf_merge.readers
+        import hf_merge.transforms
+        from hf_merge.checkpoint import LazyCheckpoint
+        from hf_merge.load.page_mapper import Mapper
+
+        for pkg in (hf_merge.readers, hf_merge.transforms):
+            for info in pkgutil.iter_modules(pkg.__path__):
+                with contextlib.suppress(Exception):
+                    importlib.import_module(f"{pkg.__name__}.{info.name}")
+        seen, todo = set(), [LazyCheckpoint]
+        while todo:
+            cls = todo.pop()
+            for sub in cls.__subclasses__():
+                if sub not in seen:
+                    seen.add(sub)
+                    todo.append(sub)
+        for cls in seen:
+            for attr in ("read_into", "read_rows"):
+                if attr in cls.__dict__:
+                    self.wrap(cls, attr, f"{cls.__name__}.{attr}")
+        self.wrap(Mapper, "tensor", "Mapper.tensor (mapping pages)")
+        from hf_merge.readers import record_crc
+
+        self.wrap(record_crc, "_crc", "record_crc._crc (CRC-32 of the zip records)")
+
+
+# main-thread phases, by (file name ending, function name); cumulative seconds under cProfile
+_PHASES = [
+    ("imports (modules first used by the load)", "<frozen importlib._bootstrap>", "_find_and_load"),
+    ("open the checkpoint", "hf_merge/checkpoint.py", "open_checkpoint"),
+    ("config + transform stack", "hf_merge/load/model.py", "_load_config"),
+    ("config + transform stack", "hf_merge/transforms/views.py", "model_view"),
+    ("config + transform stack", "hf_merge/load/model.py", "_resolve_model_class"),
+    ("model on meta (ours)", "hf_merge/load/model.py", "_meta_model"),
+    ("plan + checks", "hf_merge/load/model.py", "plan_load"),
+    ("plan + checks", "hf_merge/load/model.py", "_check_plan"),
+    ("fill (wall)", "hf_merge/load/model.py", "_fill"),
+    ("finish (transformers)", "hf_merge/load/model.py", "_finalize"),
+    ("config (transformers)", "transformers/configuration_utils.py", "from_pretrained"),
+    ("model construction (transformers)", "transformers/modeling_utils.py", "_from_config"),
+    ("weights (transformers)", "transformers/modeling_utils.py", "_load_pretrained_model"),
+    ("finish (transformers)", "transformers/modeling_utils.py", "_finalize_model_loading"),
+    ("safetensors metadata (transformers)", "transformers/modeling_utils.py", "_get_resolved_checkpoint_files"),
+    ("weights (transformers)", "transformers/core_model_loading.py", "convert_and_load_state_dict_in_model"),
+]
+
+
+def _phases(stats) -> dict[str, float]:
+    """Cumulative main-thread seconds per phase (the largest of a phase's functions when several
+    nest), plus the model's construction: the outermost ``__init__`` of a ``modeling_*.py`` class."""
+    out: dict[str, float] = {}
+    construction = 0.0
+    for (filename, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
+        filename = filename.replace(os.sep, "/")
+        for phase, tail, name in _PHASES:
+            if func == name and filename.endswith(tail):
+                out[phase] = out.get(phase, 0.0) + ct
+        if func == "__init__" and "/models/" in filename and Path(filename).name.startswith("modeling_"):
+            construction = max(construction, ct)
+    out["model __init__ (either)"] = construction
+    return out
+
+
+def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, device_map: str | None = None,
+          config: str | None = None, breakdown_path: str | None = None) -> dict:
     t_import = time.perf_counter()
     import torch
     import transformers
@@ -119,6 +234,18 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, devi
         (x @ x).sum().item()
         _sync(device_map)
     kwargs = {"device_map": device_map} if device_map else {}
+    if config and tool.startswith("from_sharded_pretrained"):
+        kwargs["config"] = config
+    if tool.endswith(NO_CRC):
+        kwargs["source_crc"] = False
+    profiler = thread_times = None
+    if breakdown_path:
+        import cProfile
+
+        thread_times = _ThreadTimes()
+        thread_times.install()
+        profiler = cProfile.Profile()
+        profiler.enable()
     baseline_anon, baseline_rss = _Sampler.read()
     sampler = _Sampler()
     sampler.start()
@@ -129,6 +256,16 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, devi
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     _sync(device_map)
     wall, c1 = time.perf_counter() - t0, os.times()
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        profiler.dump_stats(f"{breakdown_path}.prof")  # for a closer look: python -m pstats FILE
+        phases = _phases(pstats.Stats(profiler))
+        Path(breakdown_path).write_text(json.dumps({
+            "tool": tool, "wall_s": wall, "cpu_s": _cpu(c0, c1), "main_thread": phases,
+            "threads_self_s": thread_times.self_s, "threads_calls": thread_times.calls,
+        }))
     load_peak_anon, load_peak_rss = sampler.peak_anon, sampler.peak_rss
     # First use: a forward pass over 8 tokens touches every weight. from_pretrained's weights are
     # memory-mapped file pages that are only read now; ours were read during the load.
@@ -180,7 +317,7 @@ def floor_child(source: str, threads: int) -> dict:
 
     import torch
 
-    files = sorted(Path(source).glob("*.pt"))
+    files = _weight_files(Path(source))
 
     def read(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY)
@@ -230,16 +367,18 @@ def ensure_checkpoint(ckpt: Path | None, workdir: Path) -> Path:
 
 
 def _weight_files(ckpt: Path) -> list[Path]:
-    return [p for p in ckpt.iterdir() if p.suffix in (".pt", ".distcp")]
+    """The files that hold the weights (in subfolders too: Megatron's dist_ckpt, DeepSpeed's global_step)."""
+    return sorted(p for p in ckpt.rglob("*") if p.suffix in (".pt", ".distcp", ".bin", ".safetensors") and p.is_file())
 
 
-def ensure_merged(ckpt: Path, workdir: Path, dtype: str) -> Path:
+def ensure_merged(ckpt: Path, workdir: Path, dtype: str, config: Path | None = None) -> Path:
     import hf_merge
 
     merged = workdir / ckpt.name / "merged"
     stamp = {
         "source": str(ckpt.resolve()),
         "dtype": dtype,
+        "config": str(config.resolve()) if config else None,
         "mtimes": {p.name: p.stat().st_mtime for p in sorted(_weight_files(ckpt))},
     }
     stamp_file = workdir / ckpt.name / "merged.json"
@@ -248,17 +387,21 @@ def ensure_merged(ckpt: Path, workdir: Path, dtype: str) -> Path:
     print(f"merging {ckpt} -> {merged} ...", file=sys.stderr, flush=True)
     merged.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    hf_merge.merge(ckpt, merged, dtype=dtype, overwrite=True)
+    hf_merge.merge(ckpt, merged, dtype=dtype, overwrite=True, **({"config": config} if config else {}))
     print(f"merged in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     stamp_file.write_text(json.dumps(stamp))
     return merged
 
 
 def run_child(tool: str, source: Path, dtype: str, fingerprint: Path | None, code: Path = REPO,
-              device_map: str | None = None) -> dict:
+              device_map: str | None = None, config: Path | None = None, breakdown: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", tool, str(source), "--dtype", dtype]
     if device_map:
         cmd += ["--device-map", device_map]
+    if config:
+        cmd += ["--config", str(config)]
+    if breakdown:
+        cmd += ["--breakdown-out", str(breakdown)]
     if fingerprint:
         cmd += ["--fingerprint", str(fingerprint)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
@@ -314,25 +457,55 @@ def table(rows: list[dict], model_bytes: int, tools: list[str]) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(breakdowns: dict[str, dict]) -> str:
+    """Where the time goes: main-thread phases (cumulative s under cProfile, which slows Python
+    code) and the fill's worker threads (self thread-seconds, summed over threads)."""
+    tools = list(breakdowns)
+    lines = ["| where (profiled run) | " + " | ".join(tools) + " |", "|---" * (len(tools) + 1) + "|"]
+    lines.append("| load wall / CPU s (profiled) | " + " | ".join(
+        f"{b['wall_s']:.2f} / {b['cpu_s']:.2f}" for b in breakdowns.values()) + " |")
+    phases = list(dict.fromkeys(p for p, _, _ in _PHASES)) + ["model __init__ (either)"]
+    for phase in phases:
+        cells = [b["main_thread"].get(phase) for b in breakdowns.values()]
+        if any(cells):
+            lines.append(f"| main thread: {phase} | " + " | ".join(f"{c:.2f}" if c else "" for c in cells) + " |")
+    labels = sorted({k for b in breakdowns.values() for k in b["threads_self_s"]},
+                    key=lambda k: -max(b["threads_self_s"].get(k, 0.0) for b in breakdowns.values()))
+    for label in labels:
+        cells = [(b["threads_self_s"].get(label), b["threads_calls"].get(label)) for b in breakdowns.values()]
+        if max(c[0] or 0.0 for c in cells) >= 0.005:
+            lines.append(f"| threads: {label} | " + " | ".join(
+                f"{s:.2f} ({n} calls)" if s is not None else "" for s, n in cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("ckpt", nargs="?", type=Path, help=f"verl FSDP checkpoint folder (default {DEFAULT_CKPT})")
+    p.add_argument("ckpt", nargs="?", type=Path, help=f"checkpoint folder, any format (default {DEFAULT_CKPT})")
+    p.add_argument("--config", type=Path, default=None,
+                   help="folder with config.json for a checkpoint without one (DeepSpeed): given to merge and to from_sharded_pretrained")
+    p.add_argument("--breakdown", action="store_true",
+                   help="one more run of each load, profiled: where the time goes (not in the timed rows)")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--dtype", default="bfloat16", help="load dtype for both (default bfloat16)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--no-crc-row", action="store_true",
+                   help="also run from_sharded_pretrained(source_crc=False): the load without the CRC-32 check of zip records")
     p.add_argument("--floor", action="store_true", help="also time the preadv copy floor on 1 and 2 threads")
     p.add_argument("--code", action="append", default=[], metavar="NAME=DIR",
                    help="also run from_sharded_pretrained from the hf_merge tree in DIR (repeatable)")
     p.add_argument("--device-map", default=None, help="device_map for both loads, e.g. cuda (default: none, the CPU)")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "SOURCE"), help=argparse.SUPPRESS)
     p.add_argument("--fingerprint", help=argparse.SUPPRESS)
+    p.add_argument("--breakdown-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         tool, source = a.child
         if tool.startswith("floor"):
             print(json.dumps(floor_child(source, int(tool[len("floor"):]))))
         else:
-            print(json.dumps(child(tool, source, a.dtype, a.fingerprint, a.device_map)))
+            print(json.dumps(child(tool, source, a.dtype, a.fingerprint, a.device_map,
+                                   str(a.config) if a.config else None, a.breakdown_out)))
         return 0
 
     codes = {"from_sharded_pretrained": REPO}
@@ -343,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         codes[f"from_sharded_pretrained@{name}"] = Path(folder).resolve()
     a.workdir.mkdir(parents=True, exist_ok=True)
     ckpt = ensure_checkpoint(a.ckpt, a.workdir)
-    merged = ensure_merged(ckpt, a.workdir, a.dtype)
+    merged = ensure_merged(ckpt, a.workdir, a.dtype, a.config)
+    if a.no_crc_row:
+        codes["from_sharded_pretrained" + NO_CRC] = REPO
     tools = list(codes) + ["from_pretrained"] + (["floor1", "floor2"] if a.floor else [])
     loads = [os.getloadavg()[0]]
     if loads[0] > 1.5:
@@ -356,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             source = merged if tool == "from_pretrained" else ckpt
             warm_cache(source)
             fp = merged.parent / f"fingerprint-{tool}.json" if i == 0 and not tool.startswith("floor") else None
-            r = run_child(tool, source, a.dtype, fp, codes.get(tool, REPO), a.device_map)
+            r = run_child(tool, source, a.dtype, fp, codes.get(tool, REPO), a.device_map, a.config)
             if fp:
                 prints[tool] = fp
             rows.append(r)
@@ -383,7 +558,17 @@ def main(argv: list[str] | None = None) -> int:
         r["tool"] = names.get(r["tool"], r["tool"])
     print(table(rows, model_bytes, [names.get(t, t) for t in tools]))
     print(f"\nsame weights: {'yes' if equal else 'NO'} ({'; '.join(d for _, d in details)})")
-    (merged.parent / "results.json").write_text(json.dumps({"ckpt": str(ckpt), "rows": rows, "equal": equal}, indent=2))
+    breakdowns = {}
+    if a.breakdown:
+        for tool in [t for t in tools if not t.startswith("floor")]:
+            source = merged if tool == "from_pretrained" else ckpt
+            warm_cache(source)
+            out = merged.parent / f"breakdown-{tool}.json"
+            run_child(tool, source, a.dtype, None, codes.get(tool, REPO), a.device_map, a.config, out)
+            breakdowns[tool] = json.loads(out.read_text())
+        print("\n" + breakdown_table(breakdowns))
+    (merged.parent / "results.json").write_text(json.dumps(
+        {"ckpt": str(ckpt), "rows": rows, "equal": equal, "breakdown": breakdowns}, indent=2))
     return 0 if equal else 1
 
 
