@@ -18,7 +18,7 @@ from typing import Any, Collection
 import torch
 
 from .errors import MissingConfigError, UnsafeCheckpointError
-from .write.atomic import WEIGHT_INDEXES, WEIGHT_SUFFIXES, holds_side_files_only  # noqa: F401 - holds_side_files_only re-exported
+from .write.atomic import WEIGHT_INDEXES, WEIGHT_SUFFIXES
 from .spec import config_dtype_name, dtype_name, parse_dtype
 from . import config_fields
 from .transformers_compat import tied_weights

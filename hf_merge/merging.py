@@ -20,10 +20,10 @@ import torch
 from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .readers.formats import registry, weights_label
-from .hf_files import checkpoint_config, copy_side_files, holds_side_files_only, missing_side_files, write_config, written_dtype
+from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
 from .publish.hub import write_card
 from .options import MergeOptions
-from .write.atomic import check_free_space, check_target
+from .write.atomic import check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
 from .write.plan import ShardPlan, plan_shards
 from .provenance import merge_record, write_record

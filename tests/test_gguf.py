@@ -482,7 +482,7 @@ def test_pre_tokenizer_hash_rule(tmp_path, qwen2_fp32_ws2):
     hash llama.cpp does not know: an error that says what to pass."""
     from transformers import AutoTokenizer
 
-    from hf_merge.gguf.tokenizer import pre_tokenizer_name
+    from hf_merge.gguf.vocab import pre_tokenizer_name
 
     src = DATA / "gguf_gpt2_tokenizer"
     shutil.copy(src / "tokenizer_config.json", tmp_path)

@@ -23,7 +23,8 @@ gguf = pytest.importorskip("gguf", reason="GGUF output needs pip install 'hf-mer
 
 from hf_merge.gguf import bpe_vocab  # noqa: E402
 from hf_merge.gguf.kv import kv_bytes, writer_class  # noqa: E402
-from hf_merge.gguf.tokenizer import add_to_writer, check_text, load_vocab, sentencepiece_vocab  # noqa: E402
+from hf_merge.gguf.tokenizer import add_to_writer, load_vocab, sentencepiece_vocab  # noqa: E402
+from hf_merge.gguf.vocab import check_text  # noqa: E402
 from hf_merge.gguf.tokenizer_files import TokenizerFiles  # noqa: E402
 from hf_merge.gguf.writer import write_file  # noqa: E402
 from test_gguf import llama_sp_folder  # noqa: E402,F401 - the SentencePiece Llama-2 folder

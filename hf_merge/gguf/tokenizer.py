@@ -30,13 +30,9 @@ from pathlib import Path
 
 from ..errors import MappingError
 from .tokenizer_files import TokenizerFiles, read_json, special_vocab
+from .vocab import Vocab, _looks_special
 
 logger = logging.getLogger(__name__)
-
-from .vocab import (  # noqa: F401 - the vocabulary record and llama.cpp's pre-tokenizer table (re-exported)
-    PRE_TOKENIZERS, Vocab, _looks_special, check_text, ids_hash, known_pre_tokenizer, known_pre_tokenizers,
-    pre_tokenizer_hash, pre_tokenizer_name,
-)
 
 
 def load_vocab(folder: Path, vocab_size: int, *, pre_tokenizer: str | None = None) -> Vocab:

@@ -27,7 +27,8 @@ from . import quant
 from .pipeline import prefetched
 from .arch import GgufArch, Piece, arch_for, map_names
 from .hparams import add_hparams, head_counts, rope_freqs
-from .tokenizer import Vocab, add_to_writer
+from .tokenizer import add_to_writer
+from .vocab import Vocab
 
 logger = logging.getLogger(__name__)
 

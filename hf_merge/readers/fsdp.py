@@ -29,10 +29,7 @@ from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedChe
 from .formats import SourceFormat
 from ..spec import TensorSpec
 from ..hf_files import checkpoint_side_dir
-from .fsdp_files import (  # noqa: F401 - the folder helpers, re-exported
-    RANK_FILE, STEP_DIR, check_rank_files_present, chunk_range, detect_world_size, has_rank_files, rank_file_name,
-    resolve_fsdp_dir,
-)
+from .fsdp_files import check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir
 from . import contained, record_crc
 from .rank_records import LocalDTensor, load_mapped_rank_records
 

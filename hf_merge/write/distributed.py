@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DistributedError, HfMergeError
-from ..settings import DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, DIST_TIMEOUT_VAR as TIMEOUT_VAR
+from ..settings import DIST_TIMEOUT_VAR as TIMEOUT_VAR
 from ..settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
 from ..settings import dist_timeout_s, distributed as distributed_from_environment
 
@@ -154,10 +154,6 @@ def enter_torchrun_merge(writers: str = "node") -> bool:
     return launch.role != "idle"
 
 
-def timeout_seconds() -> float:
-    return dist_timeout_s()
-
-
 def join_job(distributed: bool | None = None) -> "Job | None":
     """The distributed job this process belongs to, or None for a plain single-process merge.
 
@@ -180,7 +176,7 @@ def join_job(distributed: bool | None = None) -> "Job | None":
         return None
     if distributed is None and dist.is_initialized():
         return None  # the program runs its own job: only distributed=True shares the merge
-    timeout = _dt.timedelta(seconds=timeout_seconds())
+    timeout = _dt.timedelta(seconds=dist_timeout_s())
     if dist.is_initialized():
         if dist.get_world_size() == 1:
             return None

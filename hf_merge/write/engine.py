@@ -36,8 +36,6 @@ from .plan import FilePlan
 from ..readers import record_crc
 
 if TYPE_CHECKING:
-    import torch
-
     from ..checkpoint import LazyCheckpoint
 
 #: bytes per buffer (a multiple of every block size O_DIRECT asks for)
@@ -58,7 +56,7 @@ HASHING_NICE = 5
 ProgressFn = Callable[[int], None]
 
 
-def file_bytes(piece: "filemap.Piece") -> "filemap.FileRun | None":
+def file_bytes(piece: "file_runs.Piece") -> "file_runs.FileRun | None":
     """Where a piece of a tensor lives in a file (the reader said so: a
     :class:`~hf_merge.readers.file_runs.FileRun`), or None (then its bytes are copied from memory). The
     engine's only question about where bytes live."""

@@ -92,7 +92,7 @@ def _fill(sink: engine.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
         sink.report()
 
 
-def _add_tensor(sink: engine.Sink, piece: "filemap.Piece") -> int:
+def _add_tensor(sink: engine.Sink, piece: "file_runs.Piece") -> int:
     """Append a piece's bytes: from its file when the reader says it is a file's bytes
     (a :class:`~hf_merge.readers.file_runs.FileRun`), else from memory."""
     run = engine.file_bytes(piece)
