@@ -19,7 +19,7 @@ import torch
 
 from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
-from .readers.formats import registry, weights_label
+from .readers.formats import find_format, weights_label
 from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
 from .publish.hub import write_card
 from .options import MergeOptions
@@ -329,7 +329,7 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
         warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
-        if options.is_value_model and "is_value_model" not in getattr(registry().get(ckpt.info.format), "options", ()):
+        if options.is_value_model and "is_value_model" not in getattr(find_format(ckpt.info.format), "options", ()):
             views.notes.append("--is-value-model changes nothing here: FSDP critics are saved under their HF names already")
         written = None
         if views.model is not None:
