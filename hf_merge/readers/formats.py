@@ -46,6 +46,7 @@ import functools
 import importlib
 import os
 import pkgutil
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -119,6 +120,21 @@ def _literal(node: ast.AST) -> Any:
     return ast.literal_eval(node)
 
 
+_FORMAT_LINE = re.compile(r"^FORMAT\s*=", re.MULTILINE)
+
+
+def _top_level_from_format(text: str) -> list[ast.stmt]:
+    """The module's top-level statements from its last line ``FORMAT = ...`` on (none without one):
+    parsing a reader's tail, not its ~700 lines, keeps ``--help`` at a few milliseconds."""
+    starts = [m.start() for m in _FORMAT_LINE.finditer(text)]
+    if not starts:
+        return []
+    try:
+        return ast.parse(text[starts[-1]:]).body
+    except SyntaxError:  # the tail is not a statement on its own (a string holding the line): the whole file
+        return ast.parse(text).body
+
+
 @functools.cache
 def declared() -> tuple[Declared, ...]:
     """Every reader module's ``FORMAT`` literals, in priority order, without importing a reader."""
@@ -129,7 +145,7 @@ def declared() -> tuple[Declared, ...]:
         path = Path(readers.__path__[0]) / f"{mod.name}.py"
         if not path.is_file():
             continue
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for node in _top_level_from_format(path.read_text(encoding="utf-8")):
             if not (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["FORMAT"]):
                 continue
             fields = {kw.arg: kw.value for kw in getattr(node.value, "keywords", [])}
