@@ -19,9 +19,9 @@ import torch
 
 from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
-from .readers.formats import registry, weights_label
+from .readers.formats import find_format, weights_label
 from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
-from .publish.hub import write_card
+from .publish.card import write_card
 from .options import MergeOptions
 from .write.atomic import check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
@@ -29,7 +29,6 @@ from .write.plan import ShardPlan, plan_shards
 from .provenance import merge_record, write_record
 from .readers import record_crc
 from .spec import dtype_name
-from .verification import verify_or_raise
 from .transforms.views import ADAPTER_SUBDIR, build_views
 from .write.shards import write_index, write_shards
 
@@ -271,6 +270,8 @@ class HfFolder:
         if any(v is not None for v in digests.values()):
             provenance["files"] = digests
         if options.verify:  # the model and/or the adapter, before the folder is moved into place
+            from .verification import verify_or_raise
+
             write_record(tmp, provenance)
             report = verify_or_raise(
                 tmp, self.ckpt.info.path, backend=options.backend, config=options.config, lora_alpha=options.lora_alpha,
@@ -329,7 +330,7 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
         warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
-        if options.is_value_model and "is_value_model" not in getattr(registry().get(ckpt.info.format), "options", ()):
+        if options.is_value_model and "is_value_model" not in getattr(find_format(ckpt.info.format), "options", ()):
             views.notes.append("--is-value-model changes nothing here: FSDP critics are saved under their HF names already")
         written = None
         if views.model is not None:

@@ -96,9 +96,9 @@ def write_record(folder: Path, provenance: dict[str, Any]) -> None:
 
 def framework(info: Any) -> str | None:
     """The training framework of the format that read the source (the registry says)."""
-    from .readers.formats import registry
+    from .readers.formats import find_format
 
-    fmt = registry().get(info.reader or "")
+    fmt = find_format(info.reader)
     return fmt.framework if fmt is not None else None
 
 

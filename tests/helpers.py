@@ -162,3 +162,23 @@ def processes() -> Iterator[tuple[int, list[str]]]:
             except OSError:
                 continue
             yield int(entry.name), stat[stat.rindex(")") + 2 :].split()
+
+
+def detections_differing_from_every_probe(root: Path) -> list[str]:
+    """For ``root`` and every folder below it: where :func:`~hf_merge.readers.formats.detect`, which
+    probes only the formats whose marks are there, matches other formats than asking every probe
+    does (the detection before marks). Empty when the marks hide no format anywhere."""
+    from hf_merge.errors import SourceNotFoundError, UnsupportedCheckpointError
+    from hf_merge.readers import formats
+
+    every = list(formats.registry().values())
+    differing = []
+    for folder, _, _ in os.walk(root):
+        want = tuple(f.name for f in every if formats._probe(f, Path(folder)))
+        try:
+            got = formats.detect(folder).matched
+        except (SourceNotFoundError, UnsupportedCheckpointError):
+            got = ()
+        if got != want:
+            differing.append(f"{folder}: detect {got}, every probe {want}")
+    return differing

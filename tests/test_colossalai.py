@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import detections_differing_from_every_probe
+
 from hf_merge import open_checkpoint
 from hf_merge.cli.app import main
 from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError
@@ -218,6 +220,7 @@ def test_colossal_llama_save_folders(tmp_path):
         (tmp_path / run / "optimizer").mkdir()
         (tmp_path / run / "running_states.json").write_text('{"epoch": 0, "step": 5}')
     assert detect(tmp_path / "epoch-0_step-5").chosen.name == "colossalai"
+    assert detections_differing_from_every_probe(tmp_path) == []  # the save root, each save, each modeling/
     with open_checkpoint(tmp_path / "epoch-0_step-5") as ck:
         assert ck.info.path == tmp_path / "epoch-0_step-5" / "modeling"
         assert "reading epoch-0_step-5/modeling/" in ck.info.notes[0]

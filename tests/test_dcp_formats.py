@@ -26,7 +26,14 @@ from hf_merge.provenance import Provenance
 from hf_merge.transforms.name_table import NameRule, NameTable
 from hf_merge.transforms.name_table_view import NameTableView, rope_source_rows
 
-from helpers import assert_tensors_equal, folder_tensors, fresh_merge_imports, model_logits, read_json
+from helpers import (
+    assert_tensors_equal,
+    detections_differing_from_every_probe,
+    folder_tensors,
+    fresh_merge_imports,
+    model_logits,
+    read_json,
+)
 
 GENERATOR = Path(__file__).resolve().parents[1] / "examples" / "make_dcp_checkpoints.py"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -78,6 +85,12 @@ def _check_logits(out: Path, reference: Path, *, exact: bool, dtype: torch.dtype
         torch.testing.assert_close(got, ref["logits"], atol=2e-5, rtol=1e-4)
 
 
+def test_detection_by_marks_equals_every_probe(dcp_root):
+    """accelerate, torchtitan and plain DCP folders, every folder of them: detect(), probing only
+    the formats whose marks are there, matches what every probe says."""
+    assert detections_differing_from_every_probe(dcp_root) == []
+
+
 # ---- accelerate ---------------------------------------------------------------------------
 
 
@@ -110,6 +123,7 @@ def test_accelerate_config_beside_and_newest_checkpoint(dcp_root, tmp_path):
     with pytest.raises(MissingConfigError, match="--config"):
         hf_merge.open_checkpoint(project.parent)
     shutil.copy(dcp_root / "accelerate" / "config" / "config.json", project / "checkpoint_3" / "config.json")
+    assert detections_differing_from_every_probe(project.parent) == []
     with hf_merge.open_checkpoint(project.parent) as ckpt:
         assert ckpt.info.reader == "accelerate" and ckpt.info.step == 3
         assert any("checkpoint_3" in n for n in ckpt.info.notes)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import run_cli
+from helpers import detections_differing_from_every_probe, run_cli
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from hf_merge.readers import file_runs
@@ -159,6 +159,12 @@ def test_mbridge_weights_are_served_as_they_are(megatron_root, name):
         assert torch.equal(ckpt.read(k), t), k
 
 
+def test_detection_by_marks_equals_every_probe(megatron_root):
+    """Every layout megatron-core wrote (v1, v2, mbridge, legacy, torch_dist), every folder of it:
+    detect(), probing only the formats whose marks are there, matches what every probe says."""
+    assert detections_differing_from_every_probe(megatron_root) == []
+
+
 def test_value_model_flag_is_checked(megatron_root):
     with pytest.raises(MappingError, match="is_value_model=True"):
         open_megatron(role_dir(megatron_root, "mistral_critic_v2"), is_value_model=False)
@@ -175,6 +181,7 @@ def test_step_and_role_folders_resolve(megatron_root, tmp_path):
     shutil.copytree(role_dir(megatron_root, "qwen2_v1"), run / "global_step_7" / "actor")  # a symlink out is refused
     (run / "latest_checkpointed_iteration.txt").write_text("7\n")
     assert probe(run)
+    assert detections_differing_from_every_probe(run) == []
     ckpt = open_megatron(run)
     assert ckpt.info.step == 7
     assert any("global_step_7" in n for n in ckpt.info.notes)

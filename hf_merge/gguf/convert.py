@@ -176,7 +176,7 @@ class GgufFile:
 
     def finish(self, tmp: Path, digests: dict[str, str | None]) -> None:
         """``hf_merge.json`` (the GGUF record, each file's sha256) and the model card."""
-        from ..publish.hub import write_card
+        from ..publish.card import write_card
         from ..provenance import write_record
 
         provenance, ftype = self.provenance, self.ftype

@@ -66,12 +66,24 @@ appended, or replaced when a previous run already appended one (so re-running is
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
+import tempfile
 from collections.abc import Iterable
-from pathlib import PurePosixPath, PureWindowsPath
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-__all__ = ["render_model_card", "render_adapter_card", "SECTION_BEGIN", "SECTION_END"]
+from ..errors import HubError
+from ..write.atomic import PROVENANCE_FILE
+
+__all__ = ["render_model_card", "render_adapter_card", "write_card", "card_text", "SECTION_BEGIN", "SECTION_END"]
+
+logger = logging.getLogger(__name__)
+
+#: the card's temporary file while it is written (``hf_merge.publish.hub.push`` never uploads these)
+TMP_PREFIX = ".hf_merge-"
 
 SECTION_BEGIN = "<!-- hf-merge provenance: begin -->"
 SECTION_END = "<!-- hf-merge provenance: end -->"
@@ -185,6 +197,71 @@ def render_adapter_card(
 # ---------------------------------------------------------------------------------------------
 # facts derived from the record
 # ---------------------------------------------------------------------------------------------
+def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None = None) -> bool:
+    """Write ``folder/README.md`` from the provenance record; return True when the file changed.
+
+    A missing README is rendered afresh; an existing one is extended (its text and YAML kept, the
+    hf-merge provenance section appended, or refreshed when an earlier run added it).
+
+    Raises:
+        HubError: the existing README's YAML header cannot be parsed, or the file cannot be written.
+    """
+    readme = folder / "README.md"
+    text, existing = card_text(folder, info, kind=kind, repo_id=repo_id)
+    if text == existing:
+        return False
+    try:
+        _write_atomic(readme, text)
+    except OSError as e:
+        raise HubError(f"cannot write {readme} ({' '.join(str(e).split())}): make the folder writable, or add a README.md") from e
+    logger.debug("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
+    return True
+
+
+def card_text(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None) -> tuple[str, str | None]:
+    """The README.md :func:`write_card` would write, and the current one (None when absent)."""
+    import yaml
+
+    readme = folder / "README.md"
+    existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
+    if kind == "adapter" and not info.get("base_model"):
+        info = {**info, "base_model": _adapter_base_model(folder)}
+    render = render_adapter_card if kind == "adapter" else render_model_card
+    try:
+        names = [p.relative_to(folder).as_posix() for p in folder.iterdir() if p.is_file()]
+        return render(info, repo_id=repo_id, existing_card_text=existing, folder_files=names), existing
+    except (ValueError, yaml.YAMLError) as e:  # from the existing card's header
+        if existing is None:
+            raise
+        raise HubError(f"{readme} has a YAML header that cannot be read ({' '.join(str(e).split())}): fix or remove it") from e
+
+
+def _adapter_base_model(folder: Path) -> str | None:
+    try:
+        value = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; a card is as readable as the rest
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _hub_model_id(name: Any) -> str | None:
     """``name`` when it is a valid Hub repo id, else None (local paths, empty, non-strings)."""
     if not isinstance(name, str) or not name or name.startswith((".", "/", "~")) or "\\" in name:

@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -39,12 +38,12 @@ from typing import Any
 
 from ..errors import HubError, redact_credentials
 from ..write.atomic import PROVENANCE_FILE
+from .card import TMP_PREFIX, card_text, write_card
 
 __all__ = ["push", "check_folder", "write_card", "PROVENANCE_FILE"]
 
 logger = logging.getLogger(__name__)
 
-_TMP_PREFIX = ".hf_merge-"
 _MODEL_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _MODEL_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -123,7 +122,7 @@ def push(
             revision=revision,
             commit_message=message,
             create_pr=create_pr,
-            ignore_patterns=[f"{_TMP_PREFIX}*"],
+            ignore_patterns=[f"{TMP_PREFIX}*"],
         )
     logger.info("pushed %s to %s (%s)", folder, full_id, getattr(commit, "commit_url", commit))
 
@@ -186,56 +185,9 @@ def check_folder(folder: Path) -> str:
     return kind
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None = None) -> bool:
-    """Write ``folder/README.md`` from the provenance record; return True when the file changed.
-
-    A missing README is rendered afresh; an existing one is extended (its text and YAML kept, the
-    hf-merge provenance section appended, or refreshed when an earlier run added it).
-
-    Raises:
-        HubError: the existing README's YAML header cannot be parsed, or the file cannot be written.
-    """
-    readme = folder / "README.md"
-    text, existing = _card_text(folder, info, kind=kind, repo_id=repo_id)
-    if text == existing:
-        return False
-    try:
-        _write_atomic(readme, text)
-    except OSError as e:
-        raise HubError(f"cannot write {readme} ({_one_line(e)}): make the folder writable, or add a README.md") from e
-    logger.debug("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
-    return True
-
-
-def _card_text(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None) -> tuple[str, str | None]:
-    """The README.md ``write_card`` would write, and the current one (None when absent)."""
-    import yaml
-
-    from .card import render_adapter_card, render_model_card
-
-    readme = folder / "README.md"
-    existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
-    if kind == "adapter" and not info.get("base_model"):
-        info = {**info, "base_model": _adapter_base_model(folder)}
-    render = render_adapter_card if kind == "adapter" else render_model_card
-    try:
-        names = [p.relative_to(folder).as_posix() for p in folder.iterdir() if p.is_file()]
-        return render(info, repo_id=repo_id, existing_card_text=existing, folder_files=names), existing
-    except (ValueError, yaml.YAMLError) as e:  # from the existing card's header
-        if existing is None:
-            raise
-        raise HubError(f"{readme} has a YAML header that cannot be read ({_one_line(e)}): fix or remove it") from e
-
-
 def _check_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str) -> None:
     """Fail before any network call when the card cannot be rendered or written."""
-    text, existing = _card_text(folder, info, kind=kind, repo_id=repo_id)
+    text, existing = card_text(folder, info, kind=kind, repo_id=repo_id)
     if text != existing and not os.access(folder, os.W_OK):
         raise HubError(
             f"cannot write {folder / 'README.md'} (folder not writable): make it writable, or add a README.md"
@@ -352,14 +304,6 @@ def _safe_name(name: Any) -> bool:
     return not path.is_absolute() and ".." not in path.parts
 
 
-def _adapter_base_model(folder: Path) -> str | None:
-    try:
-        value = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) and value else None
-
-
 def _default_message(kind: str, info: dict[str, Any] | None) -> str:
     source = (info or {}).get("source") or {}
     origin = ""
@@ -386,18 +330,6 @@ def _ensure_branch(api: Any, repo_id: str, revision: str) -> None:
     except RevisionNotFoundError:
         logger.info("creating branch %s in %s", revision, repo_id)
         api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; a card is as readable as the rest
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _names(names: list[str], limit: int = 5) -> str:

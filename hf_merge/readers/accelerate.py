@@ -87,4 +87,9 @@ FORMAT = SourceFormat(
     open=open_accelerate,
     priority=40,
     framework="accelerate",
+    # the model's DCP folder itself, in the save_state folder, or in checkpoint_<i>/ (or checkpoints/checkpoint_<i>/)
+    marks=(
+        ".metadata", "pytorch_model_fsdp_*/.metadata", "checkpoint_*/pytorch_model_fsdp_*/.metadata",
+        "checkpoints/checkpoint_*/pytorch_model_fsdp_*/.metadata",
+    ),
 )

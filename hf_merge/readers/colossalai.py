@@ -387,4 +387,11 @@ FORMAT = SourceFormat(
     open=open_colossalai,
     priority=40,
     framework="colossalai",
+    # dist meta, an index or stage shards in the folder, its modeling/ or a save root's epoch-E_step-S/modeling/
+    marks=(
+        "pytorch_model-meta-dist-*", "*.index.json", "*model-stage-*",
+        "modeling/pytorch_model-meta-dist-*", "modeling/*.index.json", "modeling/*model-stage-*",
+        "epoch-*_step-*/modeling/pytorch_model-meta-dist-*", "epoch-*_step-*/modeling/*.index.json",
+        "epoch-*_step-*/modeling/*model-stage-*",
+    ),
 )

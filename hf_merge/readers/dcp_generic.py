@@ -55,4 +55,5 @@ FORMAT = SourceFormat(
     open=open_dcp,
     priority=60,  # accelerate / torchtitan folders are DCP folders too: their own format wins
     framework="pytorch",
+    marks=(".metadata",),
 )

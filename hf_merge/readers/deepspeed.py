@@ -701,5 +701,7 @@ FORMAT = SourceFormat(
         ),
     ),
     priority=30,
+    # model states in the tag folder, the save folder's tags or an HF Trainer folder's checkpoint-N/ tags
+    marks=("*mp_rank_*_model_states.pt", "*/*mp_rank_*_model_states.pt", "*/*/*mp_rank_*_model_states.pt"),
     framework="deepspeed",
 )

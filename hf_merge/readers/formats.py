@@ -17,6 +17,12 @@ Contract of a format:
   only, never unpickles or reads tensor data, and never raises for an ordinary folder (it answers
   True for a folder that is clearly of its format but broken, so that ``open`` can say what is
   wrong).
+- ``marks`` are the names without which the probe cannot answer True: paths relative to the folder
+  given, ``/``-separated, each part a name or an ``fnmatch`` pattern (``*/model_world_size_*.pt``).
+  :func:`detect` imports and probes a format only when one of its marks names something there (or
+  a folder could not be listed, or it declares none), so a plain verl FSDP folder imports one
+  reader, not all. A mark may match more than the probe accepts, never less: a test walks every
+  fixture folder and checks that no probe answers True where the marks say no.
 - ``open(path, *, config_dir=None, **options) -> LazyCheckpoint`` opens it; ``options`` are the
   names listed in ``SourceFormat.options`` (others are not passed).
 - ``priority`` breaks ties when several probes match (lower wins); the others are reported in a
@@ -24,19 +30,23 @@ Contract of a format:
 - ``cli`` declares the command-line options of the format's reader options (:class:`CliOption`);
   merge and inspect add them (:mod:`hf_merge.cli._formats`), so a format's options are written
   in its own module only.
-- ``name``, ``description``, ``priority``, ``aliases``, ``cli``, ``hf_folder`` and
-  ``weights_label`` are written as literals in the ``FORMAT = SourceFormat(...)`` statement:
+- ``name``, ``description``, ``priority``, ``aliases``, ``cli``, ``hf_folder``, ``weights_label``
+  and ``marks`` are written as literals in the ``FORMAT = SourceFormat(...)`` statement:
   :func:`declared` reads them from the module's source without importing it (readers import
   torch, ~1.5 s), so ``--help``, the ``--backend`` choices and argument checks cost nothing.
-  A test keeps :func:`declared` and :func:`registry` equal.
+  A test keeps :func:`declared` and :func:`registry` equal. :func:`get_format` imports only the
+  module of the format asked for; :func:`registry` imports them all (tests, listings).
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import functools
 import importlib
+import os
 import pkgutil
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -73,29 +83,12 @@ class SourceFormat:
     # releases wrote another spelling there for some formats; kept so the weight files stay
     # byte-identical across the renaming.
     weights_label: str | None = None
+    marks: tuple[str, ...] = ()  # what makes a folder a candidate for the probe (see the module docstring)
 
     def __post_init__(self) -> None:
         stray = [o.dest for o in self.cli if o.dest not in self.options]
         if stray:
             raise ValueError(f"format {self.name!r}: CLI options {stray} set no option open() accepts")
-
-
-@functools.cache
-def registry() -> dict[str, SourceFormat]:
-    """Every format, by name, in priority order. Imports each reader module once."""
-    from .. import readers
-
-    found: list[SourceFormat] = []
-    for mod in pkgutil.iter_modules(readers.__path__):
-        module = importlib.import_module(f"{readers.__name__}.{mod.name}")
-        fmt = getattr(module, "FORMAT", None)
-        if isinstance(fmt, SourceFormat):
-            found.append(fmt)
-    found.sort(key=lambda f: (f.priority, f.name))
-    names = [f.name for f in found]
-    if len(set(names)) != len(names):
-        raise RuntimeError(f"two source formats share a name: {names}")
-    return {f.name: f for f in found}
 
 
 @dataclass(frozen=True)
@@ -110,9 +103,12 @@ class Declared:
     cli: tuple[CliOption, ...] = ()
     hf_folder: bool = False
     weights_label: str | None = None
+    marks: tuple[str, ...] = ()
 
 
-_LITERAL_DEFAULTS = {"priority": 100, "aliases": (), "cli": (), "hf_folder": False, "weights_label": None}
+_LITERAL_DEFAULTS = {
+    "priority": 100, "aliases": (), "cli": (), "hf_folder": False, "weights_label": None, "marks": (),
+}
 
 
 def _literal(node: ast.AST) -> Any:
@@ -122,6 +118,21 @@ def _literal(node: ast.AST) -> Any:
     if isinstance(node, ast.Tuple):
         return tuple(_literal(e) for e in node.elts)
     return ast.literal_eval(node)
+
+
+_FORMAT_LINE = re.compile(r"^FORMAT\s*=", re.MULTILINE)
+
+
+def _top_level_from_format(text: str) -> list[ast.stmt]:
+    """The module's top-level statements from its last line ``FORMAT = ...`` on (none without one):
+    parsing a reader's tail, not its ~700 lines, keeps ``--help`` at a few milliseconds."""
+    starts = [m.start() for m in _FORMAT_LINE.finditer(text)]
+    if not starts:
+        return []
+    try:
+        return ast.parse(text[starts[-1]:]).body
+    except SyntaxError:  # the tail is not a statement on its own (a string holding the line): the whole file
+        return ast.parse(text).body
 
 
 @functools.cache
@@ -134,7 +145,7 @@ def declared() -> tuple[Declared, ...]:
         path = Path(readers.__path__[0]) / f"{mod.name}.py"
         if not path.is_file():
             continue
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for node in _top_level_from_format(path.read_text(encoding="utf-8")):
             if not (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["FORMAT"]):
                 continue
             fields = {kw.arg: kw.value for kw in getattr(node.value, "keywords", [])}
@@ -145,7 +156,24 @@ def declared() -> tuple[Declared, ...]:
                 module=f"{readers.__name__}.{mod.name}",
                 **literals,
             ))
+    names = [d.name for d in found]
+    if len(set(names)) != len(names):
+        raise RuntimeError(f"two source formats share a name: {sorted(names)}")
     return tuple(sorted(found, key=lambda d: (d.priority, d.name)))
+
+
+def load(found: Declared) -> SourceFormat:
+    """The format ``found`` declares: imports its reader module (once)."""
+    fmt = getattr(importlib.import_module(found.module), "FORMAT", None)
+    if not isinstance(fmt, SourceFormat) or fmt.name != found.name:
+        raise RuntimeError(f"{found.module}.FORMAT is not the SourceFormat {found.name!r} its source declares")
+    return fmt
+
+
+def registry() -> dict[str, SourceFormat]:
+    """Every format, by name, in priority order. Imports every reader module: to open or probe one
+    format, :func:`get_format` and :func:`detect` import only what they need."""
+    return {d.name: load(d) for d in declared()}
 
 
 def format_names() -> list[str]:
@@ -180,7 +208,17 @@ def check_name(name: str) -> None:
 
 
 def get_format(name: str) -> SourceFormat:
-    return registry()[canonical(name)]
+    """The format called ``name`` (or an alias of it); imports its reader module only."""
+    fmt = find_format(canonical(name))
+    if fmt is None:  # "auto" names no format
+        raise KeyError(name)
+    return fmt
+
+
+def find_format(name: str | None) -> SourceFormat | None:
+    """The format called ``name`` (or an alias of it), None if none is; imports its reader module only."""
+    found = find_declared(name) if name else None
+    return load(found) if found is not None else None
 
 
 def is_hf_folder(name: str | None) -> bool:
@@ -214,7 +252,7 @@ class Detection:
 
 
 def detect(path: "str | Path") -> Detection:
-    """Which format reads ``path``: every probe is asked, the best match wins.
+    """Which format reads ``path``: every format whose marks are there is probed, the best match wins.
 
     Raises:
         SourceNotFoundError: ``path`` does not exist.
@@ -225,7 +263,9 @@ def detect(path: "str | Path") -> Detection:
     path = Path(path)
     if not path.exists():
         raise SourceNotFoundError(f"{path} does not exist; pass the checkpoint folder")
-    matched = [fmt for fmt in registry().values() if _probe(fmt, path)]
+    listings = _Listings()
+    candidates = [d for d in declared() if listings.marked(path, d.marks)]
+    matched = [fmt for fmt in map(load, candidates) if _probe(fmt, path)]
     if not matched and path.is_dir() and not any(path.iterdir()):
         raise SourceNotFoundError(f"{path} is empty; pass the checkpoint folder (it reads: {', '.join(format_names())})")
     if not matched:
@@ -241,6 +281,37 @@ def _probe(fmt: SourceFormat, path: Path) -> bool:
         return bool(fmt.probe(path))
     except (OSError, ValueError):  # unreadable or undecodable files: not this format (its open() would say why)
         return False
+
+
+class _Listings:
+    """Whether a folder holds any of a format's marks; each folder listed once per detection."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, list[tuple[str, bool]]] = {}
+
+    def marked(self, path: Path, marks: tuple[str, ...]) -> bool:
+        if not marks:
+            return True  # a format that declares no marks is always probed
+        try:
+            return any(self._holds(str(path), mark.split("/")) for mark in marks)
+        except OSError:  # a folder that cannot be listed: the probe decides (it may call it broken)
+            return True
+
+    def _holds(self, folder: str, parts: list[str]) -> bool:
+        first, rest = parts[0], parts[1:]
+        for name, is_dir in self._entries(folder):
+            if fnmatch.fnmatchcase(name, first) and (not rest or (is_dir and self._holds(os.path.join(folder, name), rest))):
+                return True
+        return False
+
+    def _entries(self, folder: str) -> list[tuple[str, bool]]:
+        if folder not in self._names:
+            try:
+                with os.scandir(folder) as it:
+                    self._names[folder] = [(e.name, e.is_dir()) for e in it]
+            except (FileNotFoundError, NotADirectoryError):  # other errors: marked() says "probe it"
+                self._names[folder] = []
+        return self._names[folder]
 
 
 def _what_is_there(path: Path, limit: int = 6) -> str:

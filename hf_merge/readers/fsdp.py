@@ -317,4 +317,6 @@ FORMAT = SourceFormat(
     open=open_fsdp,
     priority=10,
     framework="verl",
+    # rank files in the role folder, its global_step_N, or a checkpoints root
+    marks=("model_world_size_*_rank_*.pt", "*/model_world_size_*_rank_*.pt", "*/*/model_world_size_*_rank_*.pt"),
 )

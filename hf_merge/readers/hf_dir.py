@@ -133,4 +133,5 @@ FORMAT = SourceFormat(
     probe=probe,
     open=open_hf_dir,
     priority=90,  # other frameworks' folders may hold a safetensors copy beside their own files
+    marks=("*.safetensors",),
 )

@@ -667,4 +667,11 @@ FORMAT = SourceFormat(
     options=frozenset({"is_value_model"}),
     priority=20,
     framework="verl",
+    # the role folder, its global_step_N or the checkpoints root (the path, */ or */*/), with a
+    # manifest, model/ (dist_ckpt, huggingface, legacy mp_rank_*), dist_ckpt/, mp_rank_* or a torch_dist metadata.json
+    marks=(
+        "ckpt_contents.json", "model", "dist_ckpt", "mp_rank_*", "metadata.json",
+        "*/ckpt_contents.json", "*/model", "*/dist_ckpt", "*/mp_rank_*", "*/metadata.json",
+        "*/*/ckpt_contents.json", "*/*/model", "*/*/dist_ckpt", "*/*/mp_rank_*", "*/*/metadata.json",
+    ),
 )

@@ -68,4 +68,5 @@ FORMAT = SourceFormat(
     open=open_torchtitan,
     priority=40,
     framework="torchtitan",
+    marks=(".metadata", "step-*/.metadata", "checkpoint/step-*/.metadata"),
 )

@@ -15,7 +15,8 @@ import torch
 
 from ..checkpoint import LazyCheckpoint
 from ..hf_files import resolve_dtype, tied_pairs
-from . import Cast, drop_tied
+from .cast import Cast
+from .rename import Renamed, drop_tied
 
 #: where ``--lora both`` puts the PEFT adapter inside the model folder
 ADAPTER_SUBDIR = "lora_adapter"
@@ -60,8 +61,6 @@ def build_views(
     """
     from ..errors import LoraError
     from .lora_layout import adapter_config, find_lora, resolve_settings
-    from . import Renamed
-    from .lora import FusedLora, LoraAdapter
 
     if lora not in LORA_MODES:
         raise LoraError(f"unknown --lora mode {lora!r}; use fuse, adapter or both")
@@ -75,7 +74,9 @@ def build_views(
                        config=config if lora in ("adapter", "both") else None)
     model: LazyCheckpoint | None = ckpt
     views = Views(model=None, out_dtype=out_dtype, notes=notes)
-    if layout is not None:
+    if layout is not None:  # a PEFT checkpoint: only these merges import the LoRA transforms
+        from .lora import FusedLora, LoraAdapter
+
         settings = resolve_settings(
             layout, ckpt.info.path, config, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model_name=base_model_name
         )
