@@ -638,7 +638,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
                 return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype), placed.place)
         out = torch.empty(shape, dtype=dtype, device=devices[key])
         if stages(out.device):
-            stagers.fill(view, name, out)  # pinned buffers, transfers overlapped with reads
+            stagers.fill(view, name, out, placed.place)  # pinned buffers, transfers overlapped with reads
         else:
             view.read_into(name, out)
         return key, out
