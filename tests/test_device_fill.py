@@ -55,6 +55,33 @@ def test_dcp_chunks_through_the_ring(tmp_path):
         _every_tensor_through(ck, DeviceStager("cpu", slot_bytes=256, slots=2), torch.float16)
 
 
+def test_the_records_crc_runs_over_the_staged_bytes(qwen2_vocab2k_ws2, tmp_path, monkeypatch):
+    """Where the load checks the zip records, every file run read into a buffer is CRC-checked
+    there: finishing reads no mapped record again (before, each was read once more in full), and
+    every record the tensors used is checked."""
+    import shutil
+
+    from hf_merge.readers import record_crc
+
+    src = shutil.copytree(qwen2_vocab2k_ws2.actor, tmp_path / "actor")  # records not yet checked here
+    read: list[int] = []
+    real = record_crc._crc
+    monkeypatch.setattr(record_crc, "_crc", lambda *args: (read.append(args[2]), real(*args))[1])
+    placed = record_crc.Placed()
+    before = record_crc.stats()
+    with open_checkpoint(src) as ck:
+        stager = DeviceStager("cpu", slot_bytes=1 << 16, slots=2)
+        staged = 0
+        for name, spec in ck.specs().items():
+            with record_crc.deferred(check_at_end=False, pending=placed.pending):
+                stager.fill(ck, name, torch.empty(spec.shape, dtype=spec.dtype), placed.place)
+            staged += spec.nbytes
+        placed.finish()
+    checked = record_crc.stats()["bytes"] - before["bytes"]
+    assert record_crc.stats()["records"] - before["records"] == len(placed.pending) > 0
+    assert checked >= staged and sum(read) < staged // 2, (checked, staged, sum(read))
+
+
 def test_only_cuda_is_staged():
     assert not stages("cpu") and not stages("meta") and stages("cuda:0")
 

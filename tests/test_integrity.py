@@ -495,3 +495,148 @@ def test_a_hub_cache_snapshot_is_read_through_its_blob_links(qwen2_fp32_ws2, tmp
                     tmp_path / "elsewhere.safetensors")
     with pytest.raises(UnsafeCheckpointError, match=weights.name):
         hf_merge.open_checkpoint(snap)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. from_sharded_pretrained checks the records from the bytes it placed in the model
+# --------------------------------------------------------------------------------------------
+
+
+def _saved_record(tmp_path: Path, name: str) -> tuple[Path, "object"]:
+    """A real torch.save file holding one 300,000-byte tensor, and that tensor's record."""
+    path = tmp_path / name
+    torch.save({"w": torch.arange(75_000, dtype=torch.int32).mul_(2654435761 % 2**31)}, path)
+    with open(path, "rb") as f:
+        records = read_records(f, path.name)
+    record_crc.add_archive(path, records)
+    return path, max(records.values(), key=lambda r: r.size)
+
+
+def _finish_placed(path: Path, rec, pieces: list[tuple[int, int]], held: bytearray) -> list[int]:
+    """Note ``rec`` as a load's thread does, place ``pieces`` (offsets within the record) from
+    ``held`` (the bytes "the model holds"), finish; what the check read from the file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        placed = record_crc.Placed()
+        with record_crc.deferred(check_at_end=False, pending=placed.pending):
+            record_crc.check_record(fd, rec.data_start, rec.size, rec.crc, f"{path.name}: zip record")
+        for a, b in pieces:
+            placed.place(fd, rec.data_start + a, memoryview(held)[a:b])
+        read: list[int] = []
+        real = record_crc._crc
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(record_crc, "_crc", lambda *args: (read.append(args[2]), real(*args))[1])
+            placed.finish()
+        return read
+    finally:
+        os.close(fd)
+
+
+def test_a_record_is_checked_from_its_placed_pieces_and_only_the_rest_is_read(tmp_path):
+    """Pieces out of order, placed twice, with a gap: the CRC-32 of the placed bytes is combined in
+    file order and only the gap is read from the file. A flipped byte where the model holds it, or
+    in the file where nothing was placed, raises."""
+    # out of order; (0, 100,000) twice (tied weights); nothing placed at 160,000..200,000
+    pieces = [(200_000, 300_000), (0, 100_000), (100_000, 150_000), (0, 100_000), (150_000, 160_000)]
+    path, rec = _saved_record(tmp_path, "good.pt")
+    held = bytearray(path.read_bytes()[rec.data_start : rec.data_start + rec.size])
+    before = record_crc.stats()["records"]
+    assert _finish_placed(path, rec, pieces, held) == [40_000]
+    assert record_crc.stats()["records"] == before + 1
+
+    path, rec = _saved_record(tmp_path, "model_bytes_damaged.pt")
+    held = bytearray(path.read_bytes()[rec.data_start : rec.data_start + rec.size])
+    held[250_001] ^= 0x10  # the model's copy differs from what the zip directory recorded
+    with pytest.raises(record_crc.SourceCrcError, match="model_bytes_damaged.pt"):
+        _finish_placed(path, rec, pieces, held)
+
+    path, rec = _saved_record(tmp_path, "gap_damaged.pt")
+    held = bytearray(path.read_bytes()[rec.data_start : rec.data_start + rec.size])
+    raw = bytearray(path.read_bytes())
+    raw[rec.data_start + 170_000] ^= 0x10
+    path.write_bytes(bytes(raw))
+    record_crc.add_archive(path, {rec.name: rec})  # a new mtime: the same records, known again
+    with pytest.raises(record_crc.SourceCrcError, match="gap_damaged.pt"):
+        _finish_placed(path, rec, pieces, held)
+
+
+def test_the_fallback_crc32_combine_is_zlibs():
+    import random
+    import zlib
+
+    from hf_merge.readers.torch_zip import combine_crc32
+
+    rng = random.Random(28)
+    for n in (0, 1, 7, 4096, 300_001):
+        a, b = rng.randbytes(1000), rng.randbytes(n)
+        assert combine_crc32(zlib.crc32(a), zlib.crc32(b), n) == zlib.crc32(a + b)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
+def test_mapped_weights_are_checked_over_the_models_own_pages(qwen2_vocab2k_ws2, tmp_path):
+    """The rank files' pages mapped into the model are CRC-checked there (faulted in once, for the
+    forward too), not through a second mapping of every record: before, ``_crc`` read all of them.
+    A flipped byte in a mapped tensor's record still raises before a model is returned."""
+    src = _copy(qwen2_vocab2k_ws2.actor, tmp_path / "actor")
+    read: list[int] = []
+    real = record_crc._crc
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(record_crc, "_crc", lambda *args: (read.append(args[2]), real(*args))[1])
+        before = record_crc.stats()["bytes"]
+        model = AutoModelForCausalLM.from_sharded_pretrained(src, dtype="keep")
+        checked = record_crc.stats()["bytes"] - before
+    mapped = model.model.embed_tokens.weight.numel() * 4 + model.lm_head.weight.numel() * 4
+    assert checked >= mapped and sum(read) <= checked - mapped, (checked, mapped, sum(read))
+    del model
+
+    rank1 = src / "model_world_size_2_rank_1.pt"
+    record = _record_of(rank1, "model.embed_tokens.weight")
+    _flip(rank1, record.encode(), at=4097)
+    with pytest.raises(record_crc.SourceCrcError, match=rank1.name):
+        AutoModelForCausalLM.from_sharded_pretrained(src, dtype="keep")
+
+
+def _placements(monkeypatch) -> list[tuple[str, int, int]]:
+    """(file name, offset, bytes) of every piece a load places, recorded."""
+    seen: list[tuple[str, int, int]] = []
+    real = record_crc.Placed.place
+
+    def place(self, fd, offset, data):
+        seen.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset, len(data)))
+        real(self, fd, offset, data)
+
+    monkeypatch.setattr(record_crc.Placed, "place", place)
+    return seen
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
+@pytest.mark.parametrize("where", ["placed", "not placed"])
+def test_a_flipped_byte_in_a_zero3_partition_stops_the_load(where, tmp_path, monkeypatch):
+    """A ZeRO-3 flat partition is one record; the parameters mapped from it are its placed pieces,
+    the rest (small parameters read into memory, padding) is read at the end. A flipped byte in
+    either part raises before a model is returned."""
+    import hf_merge.load.page_mapper
+
+    monkeypatch.setattr(hf_merge.load.page_mapper, "MIN_MAPPED_PAGES", 1)  # the fixture's parameters are KBs
+    name = "z3_fp32_ws3"
+    config = _ds_config(name)[1]
+    good = _copy(DEEPSPEED / name, tmp_path / "good")
+    seen = _placements(monkeypatch)
+    AutoModelForCausalLM.from_sharded_pretrained(good, config=config, dtype="keep")
+    assert seen, "no parameter was mapped from a partition"
+    file, offset, n = seen[0]
+    path = next(good.rglob(file))
+    with open(path, "rb") as f:
+        rec = next(r for r in read_records(f, file).values() if r.data_start <= offset < r.data_start + r.size)
+    covered = [(o, o + k) for f_, o, k in seen if f_ == file]
+    if where == "placed":
+        at = offset + n // 2
+    else:
+        at = next(b for b in range(rec.data_start, rec.data_start + rec.size) if not any(a <= b < e for a, e in covered))
+    bad = _copy(DEEPSPEED / name, tmp_path / "bad")
+    target = next(bad.rglob(file))
+    raw = bytearray(target.read_bytes())
+    raw[at] ^= 0x10
+    target.write_bytes(bytes(raw))
+    with pytest.raises(record_crc.SourceCrcError, match=file):
+        AutoModelForCausalLM.from_sharded_pretrained(bad, config=config, dtype="keep")

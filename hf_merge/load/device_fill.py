@@ -10,6 +10,9 @@ in the checkpoint's own dtype) through a small ring of page-locked buffers:
 - the host-to-device copy of that buffer is queued on the stager's own stream (``non_blocking``),
   and the next run is read while it is in flight; a buffer is reused only once its copy is done
   (an event per buffer);
+- where a load checks the zip records' CRC-32, a file run's bytes are run through it in the pinned
+  buffer they were read into (:meth:`hf_merge.readers.record_crc.Placed.place`): the check reads
+  nothing more;
 - a cast (an fp32 checkpoint loaded as bf16) runs on the device, after the transfer: the values
   are the same as a host-side ``Tensor.to`` (round to nearest even on both), the transfer carries
   the source bytes, and the host does no arithmetic.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -31,6 +34,9 @@ from ..readers.file_runs import Piece, read_into, run_of, values
 
 if TYPE_CHECKING:
     from ..checkpoint import LazyCheckpoint
+
+#: what receives a file run's bytes as read: (descriptor, file offset, bytes)
+Placed = Callable[[int, int, memoryview], None]
 
 SLOT_BYTES = 32 << 20
 SLOTS = 3
@@ -53,8 +59,9 @@ class DeviceStager:
             self._done = [None] * slots
         self._next = 0
 
-    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor) -> None:
-        """Read tensor ``name`` of ``view`` into ``out`` (on this stager's device, any dtype)."""
+    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor, placed: "Placed | None" = None) -> None:
+        """Read tensor ``name`` of ``view`` into ``out`` (on this stager's device, any dtype);
+        ``placed(fd, offset, bytes)`` gets each file run as it was read into a buffer."""
         src_dtype = view.specs()[name].dtype
         runs = view.read_rows(name, src_dtype, self.slot_bytes) if out.dim() else None
         if runs is None:
@@ -70,10 +77,11 @@ class DeviceStager:
             step = self.slot_bytes // max(1, row_bytes)
             for start in range(0, len(rows), step):
                 part = rows[start : start + step]
-                self._send(run.piece(part) if run else part, out[first + start : first + start + min(step, len(rows) - start)])
+                dst = out[first + start : first + start + min(step, len(rows) - start)]
+                self._send(run.piece(part) if run else part, dst, placed)
         self._finish(lambda: None)
 
-    def _send(self, piece: Piece, dst: torch.Tensor) -> None:
+    def _send(self, piece: Piece, dst: torch.Tensor, placed: "Placed | None" = None) -> None:
         rows = values(piece)
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
@@ -82,6 +90,9 @@ class DeviceStager:
             done.synchronize()  # the buffer's previous transfer has finished
         host = self._buffers[slot][: rows.numel() * rows.element_size()].view(rows.dtype).view(rows.shape)
         read_into(piece, host)
+        run = run_of(piece)
+        if placed is not None and run is not None:
+            placed(run.fd, run.offset, memoryview(host.reshape(-1).view(torch.uint8).numpy()))
         if not self.cuda:
             dst.copy_(host)
             return
@@ -111,14 +122,14 @@ class StagerPool:
         self._kwargs = kwargs
         self._local = threading.local()
 
-    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor) -> None:
+    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor, placed: "Placed | None" = None) -> None:
         stagers = getattr(self._local, "stagers", None)
         if stagers is None:
             stagers = self._local.stagers = {}
         key = str(out.device)
         if key not in stagers:
             stagers[key] = DeviceStager(out.device, **self._kwargs)
-        stagers[key].fill(view, name, out)
+        stagers[key].fill(view, name, out, placed)
 
 
 def stages(device) -> bool:

@@ -618,8 +618,13 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
 
     mapper = Mapper() if map_weights else None
     stagers = StagerPool()
+    placed = record_crc.Placed()  # the records' CRC-32 over the bytes as the model holds them
 
     def read(key: str) -> tuple[str, torch.Tensor]:
+        with record_crc.deferred(check_at_end=False, pending=placed.pending):
+            return read_one(key)
+
+    def read_one(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
         if (
             mapper is not None and str(devices[key]) == "cpu"
@@ -630,10 +635,10 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
             probe = view.read_rows(name, dtype, 1)
             first = next(iter(probe), None) if probe is not None else None
             if first is not None and mapper.maps(first[1]):
-                return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype))
+                return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype), placed.place)
         out = torch.empty(shape, dtype=dtype, device=devices[key])
         if stages(out.device):
-            stagers.fill(view, name, out)  # pinned buffers, transfers overlapped with reads
+            stagers.fill(view, name, out, placed.place)  # pinned buffers, transfers overlapped with reads
         else:
             view.read_into(name, out)
         return key, out
@@ -641,6 +646,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
         for key, tensor in compat.progress(pool.map(read, keys), total=len(keys), desc="Loading weights"):
             _assign(model, key, tensor)
+        placed.finish(pool)  # a damaged record raises here, before the model is returned
 
 
 def _assign(model, key: str, tensor: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -107,11 +107,16 @@ class Mapper:
         """Whether :meth:`tensor` would map ``piece`` (a run of a tensor): file bytes, on Linux."""
         return self.available and self._budget > 2 and run_of(piece) is not None
 
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[tuple[int, Piece]]) -> torch.Tensor:
+    def tensor(
+        self, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[tuple[int, Piece]],
+        placed: "Callable[[int, int, memoryview], None] | None" = None,
+    ) -> torch.Tensor:
         """The tensor of ``shape`` / ``dtype`` made of ``runs`` (``(first row, rows)``, as
         :meth:`LazyCheckpoint.read_rows` yields them, in order, covering it), its file-backed runs
         mapped where the page offsets allow, the rest read or copied into anonymous pages.
-        Call it when :meth:`maps` is true of the first run."""
+        ``placed(fd, offset, bytes)`` is called with each file-backed run's bytes as the tensor
+        holds them (:meth:`hf_merge.readers.record_crc.Placed.place`). Call it when :meth:`maps`
+        is true of the first run."""
         runs = iter(runs)
         first = next(runs)
         total = dtype.itemsize * int(torch.Size(shape).numel())
@@ -129,7 +134,7 @@ class Mapper:
         finalizer.atexit = False
         try:
             view = memoryview(buffer).cast("B")
-            covered = 0
+            covered, files = 0, []
             for row, piece in itertools.chain([first], runs):
                 rows = values(piece)
                 start, nbytes = row * row_bytes, rows.numel() * rows.element_size()
@@ -143,9 +148,12 @@ class Mapper:
                     self.read_bytes += nbytes
                 else:
                     self._place(addr, shift + start, nbytes, located, view, start)
+                    files.append((located, start, nbytes))
                 covered += nbytes
             if covered != total:
                 raise ValueError(f"the runs cover {covered} of {total} bytes")
+            for located, start, nbytes in files if placed is not None else ():
+                placed(located.fd, located.offset, view[start : start + nbytes])
             del view
             return torch.frombuffer(buffer, dtype=dtype).view(shape)
         except BaseException:

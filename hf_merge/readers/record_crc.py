@@ -41,9 +41,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from ..errors import CorruptCheckpointError
-from .torch_zip import crc32
+from .torch_zip import crc32, crc32_combine
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     import torch
 
     from .file_runs import MappedFile
@@ -168,15 +170,17 @@ def _check_or_note(fd: int, st: os.stat_result, rec: "Record", where: str) -> No
 
 
 @contextlib.contextmanager
-def deferred(check_at_end: bool = True) -> Iterator[None]:
-    """Within the block, :func:`check_tensor` on this thread only notes the records it would check.
+def deferred(check_at_end: bool = True, pending: "dict | None" = None) -> Iterator[None]:
+    """Within the block, :func:`check_tensor` on this thread only notes the records it would check
+    (into ``pending`` when given: a :class:`Placed`'s, shared by the threads of a load).
 
     At the end of the block (when it ends without an error), every noted record that a
     :class:`Stream` did not check as its bytes passed is checked in full, unless ``check_at_end``
-    is False (the caller has another party check them: the head-start child, for its file).
+    is False (the caller has another party check them: the head-start child, for its file; a
+    :class:`Placed`, at :meth:`Placed.finish`).
     """
     outer = getattr(_local, "pending", None)
-    pending: dict = {}
+    pending = {} if pending is None else pending
     _local.pending = pending
     try:
         yield
@@ -262,6 +266,77 @@ class Stream:
             return
         self._rec = (key, rec, f"{archive.where}: zip record {rec.name[:160]!r}")
         self._fd, self._next, self._end, self._crc = fd, offset, offset + rec.size, 0
+
+
+class Placed:
+    """Checks the records a load noted from the bytes it placed, where it placed them.
+
+    The model loader maps rank-file pages into the model's tensors (:mod:`hf_merge.load.page_mapper`);
+    a separate full pass over each record would fault every page in once more in its own mapping,
+    and the forward pass again in the model's. Instead the load's threads note their records in
+    :attr:`pending` (``deferred(check_at_end=False, pending=placed.pending)``) and call
+    :meth:`place` with each piece of file bytes as the model holds it: its CRC-32 runs over the
+    model's own pages (faulted in once, for good) in the thread that placed it. :meth:`finish`
+    combines each record's pieces in file order (``crc32_combine``), reads only the bytes no piece
+    covered (a partition's padding, a small tensor that was read) and compares, before the model is
+    returned; a record no piece touched (a cast tensor) is checked in full, as before.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict = {}  # key -> (fd, st, record, where), as deferred() notes them
+        self._parts: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (file offset, bytes, crc)
+        self._lock = threading.Lock()
+
+    def place(self, fd: int, offset: int, data: memoryview) -> None:
+        """``data`` is what the model now holds of the bytes of ``fd`` at ``offset``."""
+        if _skip or not len(data):
+            return
+        st = os.fstat(fd)
+        with _lock:
+            archive = _archives.get(_key(st))
+        if archive is None:
+            return
+        end = offset + len(data)
+        i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
+        while i < len(archive.records) and archive.records[i].data_start < end:
+            rec = archive.records[i]
+            i += 1
+            a, b = max(offset, rec.data_start), min(end, rec.data_start + rec.size)
+            key = _key(st) + (rec.data_start,)
+            if a >= b or key in _checked:
+                continue
+            crc = 0
+            for j in range(a - offset, b - offset, CHUNK):
+                crc = crc32(data[j : min(j + CHUNK, b - offset)], crc)
+            with self._lock:
+                self._parts.setdefault(key, []).append((a, b - a, crc))
+
+    def finish(self, pool: "Executor | None" = None) -> None:
+        """Check every noted record (on ``pool``'s threads when given); raises
+        :class:`SourceCrcError` for the first that differs."""
+        todo = [(key, entry) for key, entry in self.pending.items() if key not in _checked]
+        for _ in (pool.map(self._finish_one, todo) if pool is not None else map(self._finish_one, todo)):
+            pass
+
+    def _finish_one(self, item: tuple) -> None:
+        key, (fd, st, rec, where) = item
+        parts = sorted(self._parts.get(key, ()))
+        if not parts:
+            _check(fd, st, rec.data_start, rec.size, rec.crc, where)
+            return
+        crc, at, end = 0, rec.data_start, rec.data_start + rec.size
+        for start, n, part in parts + [(end, 0, 0)]:
+            if start < at:
+                continue  # overlaps bytes already counted (the same bytes placed twice)
+            if start > at:  # bytes no piece covered: read them
+                crc = crc32_combine(crc, _crc(fd, at, start - at, where), start - at)
+            crc, at = crc32_combine(crc, part, n), start + n
+        if crc != rec.crc:
+            raise _mismatch(where, rec.crc, crc, rec.size)
+        with _lock:
+            _checked.add(key)
+            _stats["records"] += 1
+            _stats["bytes"] += rec.size
 
 
 def check_record(fd: int, data_start: int, size: int, crc: int, where: str) -> None:
