@@ -202,16 +202,19 @@ def merge_options(args: argparse.Namespace):
     )
 
 
-def _is_verl_fsdp(source: str) -> bool:
-    """Whether ``source`` leads to verl FSDP rank files (file names only; no fork for other formats)."""
-    from ..errors import HfMergeError
-    from ..readers.fsdp_files import resolve_fsdp_dir
+def _reads_as_fsdp(source: str, backend: str) -> bool:
+    """Whether the merge will read ``source`` with the verl FSDP reader, decided as the registry
+    decides it and without importing a reader: ``--backend`` names it, or (``auto``) its probe
+    matches and no format ranks above it."""
+    from ..readers.formats import canonical, declared
+    from ..readers.fsdp_files import probe
 
-    try:
-        resolve_fsdp_dir(Path(source))
-    except (HfMergeError, OSError):
+    if (canonical(backend) if backend != "auto" else declared()[0].name) != "fsdp":
         return False
-    return True
+    try:
+        return probe(Path(source))
+    except (OSError, ValueError):  # as the registry's probing takes it: not this format
+        return False
 
 
 def _head_start(args: argparse.Namespace, source: str, target: str):
@@ -221,8 +224,8 @@ def _head_start(args: argparse.Namespace, source: str, target: str):
     from ..write.distributed import launched_by_torchrun
 
     plain = (
-        args.gguf is None and args.quantize is None and args.backend in ("auto", "fsdp") and args.base_model is None
-        and not any(source_options(args).values()) and not launched_by_torchrun() and _is_verl_fsdp(source)
+        args.gguf is None and args.quantize is None and args.base_model is None
+        and not any(source_options(args).values()) and not launched_by_torchrun() and _reads_as_fsdp(source, args.backend)
     )
     if plain:
         from ..write.head_start import Request, begin

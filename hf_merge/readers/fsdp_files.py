@@ -26,6 +26,16 @@ def has_rank_files(folder: Path) -> bool:
     return folder.is_dir() and any(RANK_FILE.match(p.name) for p in folder.iterdir())
 
 
+def probe(path: Path) -> bool:
+    """True if ``path`` is (or holds, as ``global_step_N/actor`` or a checkpoints root) a folder of
+    verl FSDP rank files. Reads file names only."""
+    try:
+        resolve_fsdp_dir(Path(path))
+    except SourceNotFoundError:
+        return False
+    return True
+
+
 def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
     """Find the folder holding rank files under what the user gave.
 
