@@ -113,6 +113,19 @@ def test_no_child_is_forked_for_other_formats(tmp_path, monkeypatch):
     assert with_rank_files.returncode != 0 and forks == []
 
 
+def test_the_fork_follows_the_reader_backend_names(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """``--backend`` decides the reader: fsdp's alias forks as ``auto`` does on rank files, another
+    format's name forks nothing (the merge then reads the folder as that format, or says why not)."""
+    forks: list[object] = []
+    real = head_start.begin
+    monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request) or real(request))
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "a", "--dtype", "auto", "--backend", "verl-fsdp", in_process=True)
+    assert proc.returncode == 0, proc.stderr
+    assert len(forks) == 1
+    run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "b", "--dtype", "auto", "--backend", "megatron", in_process=True)
+    assert len(forks) == 1
+
+
 def test_a_child_that_plans_other_bytes_is_not_used(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
     real = head_start._plan
 

@@ -309,10 +309,9 @@ def _write(planned: _Planned, fd: int, sha256: bool, progress: Callable[[int], N
     from ..readers import record_crc
     from .shards import fill_file
 
-    if sha256 and engine.hash_apart(planned.cores):  # the sha256 thread must not wait: it, and torch's import, go first
-        engine.lower_this_thread(engine.HASHING_NICE)
+    apart = sha256 and engine.hash_apart(planned.cores)  # the sha256 thread must not wait: it, and torch's import, go first
     digest = fill_file(planned.index, planned.file, fd, Path(f"/proc/self/fd/{fd}"), progress, sha256=sha256,
-                       cores=planned.cores)
+                       cores=planned.cores, nice=engine.HASHING_NICE if apart else 0)
     # records the sink did not see whole; a mismatch fails this child, and the merge then writes the file itself
     by_id = {(st.st_dev, st.st_ino): f for f in planned.index.fds.values() for st in [os.fstat(f)]}
     record_crc.check_ranges([(by_id[(dev, ino)], offset, n) for dev, ino, offset, n in planned.ranges])

@@ -56,11 +56,14 @@ def write_file(
 
 
 def fill_file(ckpt: "LazyCheckpoint", plan: FilePlan, fd: int, path: Path, progress: ProgressFn | None = None, *,
-              sha256: bool = False, cores: int = 1) -> str | None:
-    """Write ``plan``'s file into the open descriptor ``fd`` (of ``path``), front to back."""
+              sha256: bool = False, cores: int = 1, nice: int = 0) -> str | None:
+    """Write ``plan``'s file into the open descriptor ``fd`` (of ``path``), front to back; the
+    filling thread ``nice`` levels below the sink's threads (which inherit the level they start at)."""
     sink = engine.Sink(fd, path, sha256, progress, unreported=plan.data_start, hash_thread=engine.hash_apart(cores))
 
     def fill() -> None:
+        if nice:
+            engine.lower_this_thread(nice)
         with record_crc.deferred():  # records the sink saw whole are checked as they passed, the rest here
             _fill(sink, ckpt, plan)
 
