@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_merge.options import MergeOptions
 from hf_merge.write import head_start
 from hf_merge.readers import rank_records
 from hf_merge.readers.safe_pickle import DTENSOR_FILE, torch_names
@@ -197,8 +198,9 @@ def test_the_child_imports_no_torch(qwen2_fp32_ws2, tmp_path):
     """What the child runs, in a fresh interpreter: plan and write without torch."""
     code = f"""
 import hashlib, json, os, sys
+from hf_merge.options import MergeOptions
 from hf_merge.write import head_start as hs
-request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, None, "auto", 5 * 10**9, True)
+request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto"))
 planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
 digest = hs._write(planned, fd, True, lambda n: None)
@@ -274,7 +276,7 @@ def test_the_child_declines_what_is_not_a_plain_copy(change, qwen2_fp32_ws2, tmp
     elif change == "tied":
         config["tie_word_embeddings"] = True
     config_path.write_text(json.dumps(config))
-    request = head_start.Request(str(source), str(tmp_path / "out"), None, dtype, 5 * 10**9, True)
+    request = head_start.Request(str(source), str(tmp_path / "out"), MergeOptions(dtype=dtype))
     with pytest.raises(head_start._Skip, match=reason):
         head_start._plan(request)
     if change == "hub layout":
@@ -313,7 +315,7 @@ def test_the_child_lays_out_every_tensor_as_the_reader_does(cell, tmp_path):
         reader.close()
         index.close()
     try:
-        planned = head_start._plan(head_start.Request(str(cell), str(tmp_path / "out"), None, "auto", 5 * 10**9, True))
+        planned = head_start._plan(head_start.Request(str(cell), str(tmp_path / "out"), MergeOptions(dtype="auto")))
     except head_start._Skip:  # also for its config (a tie, the Hub layout)
         planned = None
     assert planned is None if ours is None else planned is None or planned.ranges == ours

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag, False):
             logger.info(message)
     options = merge_options(args)
-    with _head_start(args, source, target) as head:  # the first file written while torch is imported
+    with _head_start(args, source, target, options) as head:  # the first file written while torch is imported
         from ..merging import run as merge
 
         result = merge(source, target, options, head=head)
@@ -217,7 +217,7 @@ def _reads_as_fsdp(source: str, backend: str) -> bool:
         return False
 
 
-def _head_start(args: argparse.Namespace, source: str, target: str):
+def _head_start(args: argparse.Namespace, source: str, target: str, options):
     """The merge's head start (:mod:`hf_merge.write.head_start`) where it may apply, else a no-op context."""
     import contextlib
 
@@ -230,7 +230,7 @@ def _head_start(args: argparse.Namespace, source: str, target: str):
     if plain:
         from ..write.head_start import Request, begin
 
-        head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums, args.source_crc))
+        head = begin(Request(source, target, options))
         if head is not None:
             return head
     return contextlib.nullcontext()

@@ -44,15 +44,11 @@ PLAN_WAIT_S = 120.0
 
 @dataclass(frozen=True)
 class Request:
-    """What the child needs to plan the merge the CLI was asked for."""
+    """The merge the CLI was asked for: ``source``, ``target`` and its ``MergeOptions``."""
 
     source: str
     target: str
-    config: str | None
-    dtype: str | None  # None / "config": config.json's; "auto": the shards'; else a dtype name
-    max_shard_size: int
-    checksums: bool
-    source_crc: bool = True  # check the CRC-32 of the rank-file records it copies (docs/integrity.md)
+    options: Any
 
 
 class _Skip(Exception):
@@ -239,10 +235,10 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         from ..readers import record_crc
 
-        with record_crc.skipping(not request.source_crc):
+        with record_crc.skipping(not request.options.source_crc):
             plan = _plan(request)
             send({"plan": {"name": plan.file.name, "header": hashlib.sha256(plan.file.header).hexdigest(), "ranges": plan.ranges}})
-            send({"done": _write(plan, fd, request.checksums, lambda n: send({"bytes": n}))})
+            send({"done": _write(plan, fd, request.options.checksums, lambda n: send({"bytes": n}))})
     except _Skip as e:
         with contextlib.suppress(BaseException):
             send({"skip": str(e)})
@@ -279,7 +275,8 @@ def _plan(request: Request) -> _Planned:
     folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
     world, _ = detect_world_size(folder)
     check_rank_files_present(folder, world)
-    config_dir = Path(request.config) if request.config else folder / "huggingface"
+    options = request.options
+    config_dir = Path(options.config) if options.config else folder / "huggingface"
     config = json.loads((config_dir / "config.json").read_bytes())
     if not isinstance(config, dict):
         raise _Skip("config.json is not an object")
@@ -288,14 +285,14 @@ def _plan(request: Request) -> _Planned:
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     if architectures and may_convert(config, architectures[0], ask_transformers=False) is not False:
         raise _Skip("save_pretrained may rename or split this model's tensors (the Hub layout)")
-    out_dtype = output_dtype_name(request.dtype, config)
+    out_dtype = output_dtype_name(options.dtype, config)
     index = RankIndex(folder, world)
     specs = index.specs()
     if any("lora_" in name for name in specs):
         raise _Skip("LoRA")
     if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
         raise _Skip("a cast")
-    plan = plan_shards(specs, max_shard_size=request.max_shard_size,
+    plan = plan_shards(specs, max_shard_size=options.shard_bytes(),
                        metadata={"hf_merge_version": __version__, "source_format": weights_label("fsdp")})
     check_free_space(Path(request.target), sum(f.file_size for f in plan.files))  # the merge says so first
     ranges = byte_recipe(index, plan.files[0])
