@@ -296,7 +296,7 @@ def test_the_child_lays_out_every_tensor_as_the_reader_does(cell, tmp_path):
     merge's own recipe for the same file; without one (bytes that are not one run: Shard(1)) it
     declines."""
     from hf_merge.readers.fsdp import FsdpCheckpoint
-    from hf_merge.readers.fsdp_layout import RankIndex
+    from hf_merge.readers.fsdp_files import RankIndex
     from hf_merge.write.engine import byte_recipe
     from hf_merge.write.plan import plan_shards
 

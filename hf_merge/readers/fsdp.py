@@ -27,8 +27,10 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .formats import SourceFormat
 from ..spec import TensorSpec
 from ..hf_files import checkpoint_side_dir
-from .fsdp_files import check_rank_files_present, detect_world_size, probe, rank_file_name, resolve_fsdp_dir
-from .fsdp_layout import Layout, check_keys, check_local, layout, row_pieces
+from .fsdp_files import (
+    Layout, check_keys, check_local, check_rank_files_present, detect_world_size, layout, probe, rank_file_name,
+    resolve_fsdp_dir, row_pieces,
+)
 from . import contained, record_crc
 from .rank_records import LocalDTensor, load_mapped_rank_records
 

@@ -4,7 +4,7 @@ Importing torch takes ~0.8 s of a 3 s merge of a 3 GB checkpoint; copying rank-f
 safetensors file needs none. So once the CLI knows the source is verl FSDP rank files and the
 merge a plain copy, it forks (before torch is imported) a child that runs the merge's own parts
 without torch: the FSDP reader's layout and rank checks
-(:class:`~hf_merge.readers.fsdp_layout.RankIndex`, from the pickles read under a subset of the one
+(:class:`~hf_merge.readers.fsdp_files.RankIndex`, from the pickles read under a subset of the one
 policy), the planner (:func:`~hf_merge.write.plan.plan_shards`), the byte recipe
 (:func:`~hf_merge.write.engine.byte_recipe`) and the file writer
 (:func:`~hf_merge.write.shards.fill_file`) into an anonymous ``O_TMPFILE`` beside the target. It
@@ -63,7 +63,7 @@ def begin(request: Request) -> "HeadStart | None":
         return None
     from ..transforms import conversion_keys  # noqa: F401 - imported before the fork: the child imports nothing
     from . import atomic, shards  # noqa: F401
-    from ..readers import fsdp_layout, rank_records  # noqa: F401
+    from ..readers import fsdp_files, rank_records  # noqa: F401
 
     folder = Path(request.target).absolute().parent
     try:
@@ -260,11 +260,10 @@ class _Planned:
 
 def _plan(request: Request) -> _Planned:
     """The merge's first file as a plain copy would write it: the FSDP reader's layout
-    (:class:`~hf_merge.readers.fsdp_layout.RankIndex`), the merge's planner and byte recipe."""
+    (:class:`~hf_merge.readers.fsdp_files.RankIndex`), the merge's planner and byte recipe."""
     from .. import __version__
     from ..readers.formats import weights_label
-    from ..readers.fsdp_files import check_rank_files_present, detect_world_size, resolve_fsdp_dir
-    from ..readers.fsdp_layout import RankIndex
+    from ..readers.fsdp_files import RankIndex, check_rank_files_present, detect_world_size, resolve_fsdp_dir
     from ..spec import output_dtype_name
     from ..transforms.conversion_keys import may_convert
     from .atomic import check_free_space
