@@ -19,7 +19,7 @@ import torch
 
 from .errors import MissingConfigError, UnsafeCheckpointError
 from .write.atomic import WEIGHT_INDEXES, WEIGHT_SUFFIXES
-from .spec import config_dtype_name, dtype_name, parse_dtype
+from .spec import config_dtype_name, dtype_name, output_dtype_name, parse_dtype
 from . import config_fields
 from .transformers_compat import tied_weights
 
@@ -92,11 +92,10 @@ def config_dtype(config: dict[str, Any]) -> torch.dtype | None:
 
 def resolve_dtype(requested: "str | torch.dtype | None", config: dict[str, Any]) -> torch.dtype | None:
     """Output dtype: None means keep each tensor's own dtype (``auto``)."""
-    if requested is None or requested == "config":
-        return config_dtype(config)
-    if requested == "auto":
-        return None
-    return parse_dtype(requested)
+    if isinstance(requested, torch.dtype):
+        return requested
+    name = output_dtype_name(requested, config)
+    return parse_dtype(name) if name is not None else None
 
 
 ties_word_embeddings = config_fields.ties_word_embeddings

@@ -105,6 +105,19 @@ def config_dtype_name(config: dict[str, Any]) -> str | None:
     return None
 
 
+def output_dtype_name(requested: "str | torch.dtype | None", config: dict[str, Any]) -> str | None:
+    """The dtype floating tensors are written in, by name (None: each keeps its own, ``auto``):
+    config.json's for None / ``"config"``; no torch needed."""
+    if requested is None or requested == "config":
+        return config_dtype_name(config)
+    if requested == "auto":
+        return None
+    name = dtype_alias(str(requested))
+    if name is None:
+        raise ValueError(f"unknown dtype {requested!r}; use one of float32, bfloat16, float16")
+    return name
+
+
 def parse_dtype(value: "str | torch.dtype") -> torch.dtype:
     import torch
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_merge.options import MergeOptions
 from hf_merge.write import head_start
 from hf_merge.readers import rank_records
 from hf_merge.readers.safe_pickle import DTENSOR_FILE, torch_names
@@ -113,13 +114,26 @@ def test_no_child_is_forked_for_other_formats(tmp_path, monkeypatch):
     assert with_rank_files.returncode != 0 and forks == []
 
 
+def test_the_fork_follows_the_reader_backend_names(qwen2_fp32_ws2, tmp_path, monkeypatch):
+    """``--backend`` decides the reader: fsdp's alias forks as ``auto`` does on rank files, another
+    format's name forks nothing (the merge then reads the folder as that format, or says why not)."""
+    forks: list[object] = []
+    real = head_start.begin
+    monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request) or real(request))
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "a", "--dtype", "auto", "--backend", "verl-fsdp", in_process=True)
+    assert proc.returncode == 0, proc.stderr
+    assert len(forks) == 1
+    run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "b", "--dtype", "auto", "--backend", "megatron", in_process=True)
+    assert len(forks) == 1
+
+
 def test_a_child_that_plans_other_bytes_is_not_used(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
     real = head_start._plan
 
-    def swapped(request):  # the child copies two tensors' ranges in the wrong order
-        planned, sources = real(request)
+    def swapped(request):  # the child says it copies two tensors' ranges in the other order
+        planned = real(request)
         planned.ranges[0], planned.ranges[1] = planned.ranges[1], planned.ranges[0]
-        return planned, sources
+        return planned
 
     monkeypatch.setattr(head_start, "_plan", swapped)
     got, expected = _merge_both_ways(qwen2_fp32_ws2.actor, tmp_path, "--dtype", "auto")
@@ -137,7 +151,7 @@ def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32
             os.write(taken_w, b"t")
         return taken
 
-    def half_written_then_killed(planned, sources, fd, sha256, progress):
+    def half_written_then_killed(planned, fd, sha256, progress):
         buffered = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)  # fd itself is O_DIRECT
         os.pwrite(buffered, b"\0" * 4096, 0)
         progress(4096)
@@ -184,11 +198,12 @@ def test_the_child_imports_no_torch(qwen2_fp32_ws2, tmp_path):
     """What the child runs, in a fresh interpreter: plan and write without torch."""
     code = f"""
 import hashlib, json, os, sys
+from hf_merge.options import MergeOptions
 from hf_merge.write import head_start as hs
-request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, None, "auto", 5 * 10**9, True)
-planned, sources = hs._plan(request)
+request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto"))
+planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
-digest = hs._write(planned, sources, fd, True, lambda n: None)
+digest = hs._write(planned, fd, True, lambda n: None)
 data = os.pread(fd, os.fstat(fd).st_size, 0)
 print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest, "data": hashlib.sha256(data).hexdigest()}}))
 """
@@ -242,12 +257,12 @@ def test_the_torch_free_index_agrees_with_the_torch_reader(name, checkpoint):
         reader.close()
 
 
-@pytest.mark.parametrize("change", ["hub layout", "cast", "tied", "strided shard"])
+@pytest.mark.parametrize("change", ["hub layout", "cast", "tied"])
 def test_the_child_declines_what_is_not_a_plain_copy(change, qwen2_fp32_ws2, tmp_path, monkeypatch):
     import shutil
 
     monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)  # as in a fresh CLI
-    reason = {"hub layout": "Hub layout", "cast": "a cast", "tied": "tied", "strided shard": "placements"}[change]
+    reason = {"hub layout": "Hub layout", "cast": "a cast", "tied": "tied"}[change]
 
     source = tmp_path / "actor"
     shutil.copytree(qwen2_fp32_ws2.actor, source)
@@ -261,26 +276,49 @@ def test_the_child_declines_what_is_not_a_plain_copy(change, qwen2_fp32_ws2, tmp
     elif change == "tied":
         config["tie_word_embeddings"] = True
     config_path.write_text(json.dumps(config))
-    request = head_start.Request(str(source), str(tmp_path / "out"), None, dtype, 5 * 10**9, True)
-    if change == "strided shard":
-        real = rank_records.index_rank_file
-
-        def shard1(path):
-            return {k: v.__class__(v.dtype, v.shape, (rank_records.Placement("Shard", (("dim", 1),)),), v.local_shape, v.span)
-                    if v.placements else v for k, v in real(path).items()}
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(rank_records, "index_rank_file", shard1)
-            with pytest.raises(head_start._Skip, match=reason):
-                head_start._plan(request)
-        return
+    request = head_start.Request(str(source), str(tmp_path / "out"), MergeOptions(dtype=dtype))
     with pytest.raises(head_start._Skip, match=reason):
         head_start._plan(request)
     if change == "hub layout":
         del config["text_config"]
         config_path.write_text(json.dumps(config))
-        planned, _sources = head_start._plan(request)  # the same folder as a dense model: planned
+        planned = head_start._plan(request)  # the same folder as a dense model: planned
         assert planned.file.name == "model.safetensors" and planned.ranges
+
+
+FSDP_CELLS = sorted(d for d in (ROOT / "tests" / "data" / "torch_versions").glob("torch-*/*") if d.name != "dcp" and d.is_dir())
+
+
+@pytest.mark.parametrize("cell", FSDP_CELLS, ids=lambda d: f"{d.parent.name}/{d.name}")
+def test_the_child_lays_out_every_tensor_as_the_reader_does(cell, tmp_path):
+    """Rank files written by each torch release (FSDP1, FSDP2 with Shard(0) or Shard(1), HSDP): the
+    child's torch-free index has the reader's layouts, and its recipe, when it has one, is the
+    merge's own recipe for the same file; without one (bytes that are not one run: Shard(1)) it
+    declines."""
+    from hf_merge.readers.fsdp import FsdpCheckpoint
+    from hf_merge.readers.fsdp_files import RankIndex
+    from hf_merge.write.engine import byte_recipe
+    from hf_merge.write.plan import plan_shards
+
+    reader = FsdpCheckpoint(cell)
+    index = RankIndex(cell, reader.world_size)
+    try:
+        assert list(index.layouts) == list(reader._layouts)
+        for name, lay in reader._layouts.items():
+            got = index.layouts[name]
+            assert (got.pieces, got.placements, got.replicas) == (lay.pieces, lay.placements, lay.replicas), name
+            assert (got.spec.shape, str(got.spec.dtype)) == (lay.spec.shape, str(lay.spec.dtype)), name
+        first = plan_shards(index.specs()).files[0]
+        ours = byte_recipe(index, first)
+        assert ours == byte_recipe(reader, plan_shards(reader.specs()).files[0])
+    finally:
+        reader.close()
+        index.close()
+    try:
+        planned = head_start._plan(head_start.Request(str(cell), str(tmp_path / "out"), MergeOptions(dtype="auto")))
+    except head_start._Skip:  # also for its config (a tie, the Hub layout)
+        planned = None
+    assert planned is None if ours is None else planned is None or planned.ranges == ours
 
 
 @pytest.fixture

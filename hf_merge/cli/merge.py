@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag, False):
             logger.info(message)
     options = merge_options(args)
-    with _head_start(args, source, target) as head:  # the first file written while torch is imported
+    with _head_start(args, source, target, options) as head:  # the first file written while torch is imported
         from ..merging import run as merge
 
         result = merge(source, target, options, head=head)
@@ -202,32 +202,35 @@ def merge_options(args: argparse.Namespace):
     )
 
 
-def _is_verl_fsdp(source: str) -> bool:
-    """Whether ``source`` leads to verl FSDP rank files (file names only; no fork for other formats)."""
-    from ..errors import HfMergeError
-    from ..readers.fsdp_files import resolve_fsdp_dir
+def _reads_as_fsdp(source: str, backend: str) -> bool:
+    """Whether the merge will read ``source`` with the verl FSDP reader, decided as the registry
+    decides it and without importing a reader: ``--backend`` names it, or (``auto``) its probe
+    matches and no format ranks above it."""
+    from ..readers.formats import canonical, declared
+    from ..readers.fsdp_files import probe
 
-    try:
-        resolve_fsdp_dir(Path(source))
-    except (HfMergeError, OSError):
+    if (canonical(backend) if backend != "auto" else declared()[0].name) != "fsdp":
         return False
-    return True
+    try:
+        return probe(Path(source))
+    except (OSError, ValueError):  # as the registry's probing takes it: not this format
+        return False
 
 
-def _head_start(args: argparse.Namespace, source: str, target: str):
+def _head_start(args: argparse.Namespace, source: str, target: str, options):
     """The merge's head start (:mod:`hf_merge.write.head_start`) where it may apply, else a no-op context."""
     import contextlib
 
     from ..write.distributed import launched_by_torchrun
 
     plain = (
-        args.gguf is None and args.quantize is None and args.backend in ("auto", "fsdp") and args.base_model is None
-        and not any(source_options(args).values()) and not launched_by_torchrun() and _is_verl_fsdp(source)
+        args.gguf is None and args.quantize is None and args.base_model is None
+        and not any(source_options(args).values()) and not launched_by_torchrun() and _reads_as_fsdp(source, args.backend)
     )
     if plain:
         from ..write.head_start import Request, begin
 
-        head = begin(Request(source, target, args.config, args.dtype, args.max_shard_size, args.checksums, args.source_crc))
+        head = begin(Request(source, target, options))
         if head is not None:
             return head
     return contextlib.nullcontext()

@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,66 +23,18 @@ import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from .file_runs import MappedFile, Piece, read_into, values
-from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .formats import SourceFormat
 from ..spec import TensorSpec
 from ..hf_files import checkpoint_side_dir
-from .fsdp_files import check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir
+from .fsdp_files import (
+    Layout, check_keys, check_local, check_rank_files_present, detect_world_size, layout, probe, rank_file_name,
+    resolve_fsdp_dir, row_pieces,
+)
 from . import contained, record_crc
 from .rank_records import LocalDTensor, load_mapped_rank_records
 
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class _Piece:
-    rank: int
-    index: tuple[slice, ...]  # where this rank's local tensor goes in the global tensor
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How one tensor is spread over the ranks."""
-
-    spec: TensorSpec
-    pieces: tuple[_Piece, ...]
-    placements: str  # for inspect, e.g. "(Shard(dim=0),)" or "plain"
-    replicas: tuple[tuple[int, int], ...] = ()  # (rank, rank of the piece read): copies not read (HSDP)
-
-
-def _dtensor_pieces(name: str, value: LocalDTensor, world_size: int) -> tuple[tuple[_Piece, ...], str, tuple[tuple[int, int], ...]]:
-    ranks = value.mesh  # tensor of global ranks, one axis per mesh dim
-    placements = tuple(value.placements)
-    for p in placements:
-        if p.kind not in ("Shard", "Replicate"):
-            raise UnsupportedCheckpointError(
-                f"{name} has placement {p!r}; only Shard and Replicate are supported "
-                "(a Partial tensor is not reduced yet; _StridedShard comes from FSDP+TP and needs the TP layout)"
-            )
-    if ranks.numel() != world_size:
-        raise CorruptCheckpointError(
-            f"{name}: device mesh {tuple(ranks.shape)} has {ranks.numel()} ranks but the world size is {world_size}"
-        )
-    shape = tuple(value.shape)
-    if len(placements) != ranks.dim() or any(p.kind == "Shard" and not 0 <= p.dim < len(shape) for p in placements):
-        raise CorruptCheckpointError(
-            f"{name}: placements {placements} do not fit its {len(shape)}-D shape on a {ranks.dim()}-D device mesh"
-        )
-    pieces, replicas = [], []
-    for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape]).reshape(-1, ranks.dim()).tolist():
-        if any(p.kind == "Replicate" and c != 0 for p, c in zip(placements, coord)):
-            # another replica of a piece read from coordinate 0 (verify checks that they agree)
-            primary = [0 if p.kind == "Replicate" else c for p, c in zip(placements, coord)]
-            replicas.append((int(ranks[tuple(coord)]), int(ranks[tuple(primary)])))
-            continue
-        bounds = [(0, n) for n in shape]
-        for mesh_dim, (p, c) in enumerate(zip(placements, coord)):
-            if p.kind == "Shard":
-                lo, hi = bounds[p.dim]
-                bounds[p.dim] = chunk_range(lo, hi, ranks.shape[mesh_dim], c)
-        rank = int(ranks[tuple(coord)])
-        pieces.append(_Piece(rank, tuple(slice(lo, hi) for lo, hi in bounds)))
-    return tuple(pieces), str(placements), tuple(replicas)
-
 
 class FsdpCheckpoint(LazyCheckpoint):
     """A verl FSDP rank-file folder as a lazy checkpoint with the training names and dtype."""
@@ -96,7 +46,7 @@ class FsdpCheckpoint(LazyCheckpoint):
         self._states: dict[int, dict[str, Any]] = {}
         self._files: dict[int, MappedFile | None] = {}
         first = self._state(0)
-        self._layouts: dict[str, _Layout] = {}
+        self._layouts: dict[str, Layout] = {}
         mesh_info: dict[str, Any] = {}
         for name, value in first.items():
             with _malformed(rank_file_name(self.world_size, 0), name):
@@ -144,45 +94,30 @@ class FsdpCheckpoint(LazyCheckpoint):
                             source.storage_span(local)
         return self._states[rank]
 
-    def _layout(self, name: str, value: Any, mesh_info: dict[str, Any]) -> _Layout:
+    def _layout(self, name: str, value: Any, mesh_info: dict[str, Any]) -> Layout:
         if isinstance(value, LocalDTensor):
             if value.meta_shape is not None and value.meta_shape != tuple(value.shape):
                 raise CorruptCheckpointError(f"{name}: DTensor shape {tuple(value.shape)} != its spec {value.meta_shape}")
-            pieces, placements, replicas = _dtensor_pieces(name, value, self.world_size)
             mesh_info.setdefault("mesh", list(value.mesh.shape))
             mesh_info.setdefault("names", list(value.mesh_dim_names or ()))
             spec = TensorSpec(name, tuple(value.shape), value.dtype)
-        elif isinstance(value, torch.Tensor):
+            return layout(spec, self.world_size, value.placements, tuple(value.mesh.shape), value.mesh.reshape(-1).tolist())
+        if isinstance(value, torch.Tensor):
             # Plain tensors: the whole tensor at world size 1, or a buffer replicated on every rank.
-            spec = TensorSpec(name, tuple(value.shape), value.dtype)
-            pieces = (_Piece(0, tuple(slice(0, n) for n in value.shape)),)
-            placements = "plain"
-            replicas = tuple((r, 0) for r in range(1, self.world_size))
-        else:
-            raise UnsupportedCheckpointError(
-                f"{name} in rank 0 is a {type(value).__name__}, not a tensor; is this a model state dict?"
-            )
-        covered = sum(math.prod(s.stop - s.start for s in p.index) for p in pieces)
-        if covered != spec.numel:
-            raise CorruptCheckpointError(f"{name}: the pieces cover {covered} of {spec.numel} elements")
-        return _Layout(spec, pieces, placements, replicas)
+            return layout(TensorSpec(name, tuple(value.shape), value.dtype), self.world_size)
+        raise UnsupportedCheckpointError(
+            f"{name} in rank 0 is a {type(value).__name__}, not a tensor; is this a model state dict?"
+        )
 
     def _check_rank(self, rank: int) -> None:
         state = self._state(rank)
         fname = rank_file_name(self.world_size, rank)
-        if state.keys() != self._layouts.keys():
-            extra = sorted(state.keys() - self._layouts.keys())[:3]
-            missing = sorted(self._layouts.keys() - state.keys())[:3]
-            raise CorruptCheckpointError(
-                f"{fname} has other tensors than rank 0 (missing {missing}, extra {extra}); the files are from different runs"
-            )
+        check_keys(fname, state.keys(), self._layouts)
         for name, lay in self._layouts.items():
             local = _local(state[name])
-            if not isinstance(local, torch.Tensor) or local.dtype != lay.spec.dtype:
-                raise CorruptCheckpointError(
-                    f"{name} in {fname} is {getattr(local, 'dtype', type(local).__name__)}, rank 0 declares {lay.spec.dtype}; "
-                    "the file is damaged or from another run"
-                )
+            is_tensor = isinstance(local, torch.Tensor)
+            check_local(fname, lay, rank, local.dtype if is_tensor else type(local).__name__,
+                        tuple(local.shape) if is_tensor else ())
             if lay.placements != "plain" and local.numel() and (not local.is_contiguous() or local.storage_offset()):
                 # torch.save of a DTensor shard writes a dense local tensor at the start of its storage;
                 # anything else is a damaged data.pkl whose view would silently read other bytes
@@ -190,16 +125,6 @@ class FsdpCheckpoint(LazyCheckpoint):
                     f"{name} in {fname} is a strided view (stride {tuple(local.stride())}, offset "
                     f"{local.storage_offset()}) of its storage; the file is damaged: re-copy it"
                 )
-            for piece in lay.pieces:
-                if piece.rank == rank:
-                    expected = tuple(s.stop - s.start for s in piece.index)
-                    if tuple(local.shape) != expected:
-                        raise CorruptCheckpointError(
-                            f"{name} in {fname} has shape {tuple(local.shape)} but its placement "
-                            f"{lay.placements} on this mesh gives {expected}; the sharding layout is inconsistent"
-                        )
-            if lay.placements == "plain" and tuple(local.shape) != lay.spec.shape:
-                raise CorruptCheckpointError(f"{name} in {fname} has shape {tuple(local.shape)}, rank 0 has {lay.spec.shape}")
 
     def specs(self) -> dict[str, TensorSpec]:
         return {name: lay.spec for name, lay in self._layouts.items()}
@@ -249,12 +174,9 @@ class FsdpCheckpoint(LazyCheckpoint):
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         """Rank pieces that split dim 0 only (FSDP's usual ``Shard(0)``) are runs of whole rows."""
-        lay = self._layouts[name]
-        if not lay.spec.shape or any(
-            s.start != 0 or s.stop != n for p in lay.pieces for s, n in zip(p.index[1:], lay.spec.shape[1:])
-        ):
+        pieces = row_pieces(self._layouts[name])
+        if pieces is None:
             return None
-        pieces = sorted(lay.pieces, key=lambda p: p.index[0].start)
 
         def runs():
             for piece in pieces:
@@ -296,16 +218,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def open_fsdp(path: Path, *, config_dir: Path | None = None) -> FsdpCheckpoint:
     folder, step, notes = resolve_fsdp_dir(Path(path))
     return FsdpCheckpoint(folder, hf_dir=config_dir, step=step, notes=notes)
-
-
-def probe(path: Path) -> bool:
-    """True if ``path`` is (or holds, as ``global_step_N/actor`` or a checkpoints root) a folder of
-    verl FSDP rank files. Reads file names only."""
-    try:
-        resolve_fsdp_dir(Path(path))
-    except SourceNotFoundError:
-        return False
-    return True
 
 
 FORMAT = SourceFormat(

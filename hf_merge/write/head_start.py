@@ -1,32 +1,22 @@
 """A head start for the CLI's plain FSDP merge: the first output file is written while torch loads.
 
-``hf-merge merge`` needs torch to open a checkpoint (the full reader, the transforms, the plan),
-and importing torch takes ~0.8 s of a 3 s merge of a 3 GB checkpoint, on one core, before the
-first byte is written. Copying rank-file bytes into a safetensors file and hashing them needs no
-torch. So, for a verl FSDP source that is merged as a plain copy, the CLI forks (before torch is
-imported) a child that:
+Importing torch takes ~0.8 s of a 3 s merge of a 3 GB checkpoint; copying rank-file bytes into a
+safetensors file needs none. So once the CLI knows the source is verl FSDP rank files and the
+merge a plain copy, it forks (before torch is imported) a child that runs the merge's own parts
+without torch: the FSDP reader's layout and rank checks
+(:class:`~hf_merge.readers.fsdp_files.RankIndex`, from the pickles read under a subset of the one
+policy), the planner (:func:`~hf_merge.write.plan.plan_shards`), the byte recipe
+(:func:`~hf_merge.write.engine.byte_recipe`) and the file writer
+(:func:`~hf_merge.write.shards.fill_file`) into an anonymous ``O_TMPFILE`` beside the target. It
+sends the parent the first file's name, header digest and recipe first, then its progress.
 
-- reads the rank files' pickles without torch
-  (:func:`~hf_merge.readers.rank_records.index_rank_file`, under a subset of the one pickle
-  policy; nothing from the file is run), and plans the output as a plain merge would: every
-  tensor under its training name and dtype, ``Shard(0)`` pieces or whole plain tensors
-  (:func:`~hf_merge.write.plan.plan_shards`, the same planner);
-- sends the parent its first file's name, header digest and the rank-file byte ranges it copies;
-- writes that file into an anonymous file (``O_TMPFILE``) beside the target, with
-  :mod:`hf_merge.write.engine`'s ``O_DIRECT`` sink and its sha256, reporting progress.
-
-The merge itself (with torch and every check of the full reader and transforms) then plans the
-output and compares: the first file's name, the digest of its header bytes and the exact ranges
-:func:`~hf_merge.write.engine.byte_recipe` says the writer would copy, in order. Only when all are
-identical is the child's file linked into the merge's temporary folder and its digest used;
-otherwise the child is killed and the merge writes the file as always. The child can change how
-fast a merge is, never what it writes. A child that fails after its file was taken (killed,
-out of memory) is not trusted: the file is written again by the merge.
-
-Anything the child does not expect (another format, a cast, a tie, LoRA, a model whose tensors
-``save_pretrained`` renames or splits (the Hub layout: MoE, VLMs), a placement other than
-``Shard(0)``, ``HF_MERGE_HEAD_START=0``, no ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``) means no head
-start: the merge runs as before.
+The merge (torch, every check of the full reader and transforms) takes the child's file
+(``linkat``) only when its own name, header digest and recipe for that file are identical;
+otherwise it kills the child and writes the file as always. A child that fails after its file was
+taken is not trusted: the merge writes the file again. The child changes how fast a merge is,
+never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast,
+a tie, LoRA, a model ``save_pretrained`` renames (the Hub layout), bytes that are not rank-file
+runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -55,15 +44,11 @@ PLAN_WAIT_S = 120.0
 
 @dataclass(frozen=True)
 class Request:
-    """What the child needs to plan the merge the CLI was asked for."""
+    """The merge the CLI was asked for: ``source``, ``target`` and its ``MergeOptions``."""
 
     source: str
     target: str
-    config: str | None
-    dtype: str | None  # None / "config": config.json's; "auto": the shards'; else a dtype name
-    max_shard_size: int
-    checksums: bool
-    source_crc: bool = True  # check the CRC-32 of the rank-file records it copies (docs/integrity.md)
+    options: Any
 
 
 class _Skip(Exception):
@@ -76,7 +61,10 @@ def begin(request: Request) -> "HeadStart | None":
         return None
     if not hasattr(os, "fork") or not getattr(os, "O_TMPFILE", 0) or not getattr(os, "O_DIRECT", 0):
         return None
-    _load_child_modules()  # imported before the fork: the child imports nothing
+    from ..transforms import conversion_keys  # noqa: F401 - imported before the fork: the child imports nothing
+    from . import atomic, shards  # noqa: F401
+    from ..readers import fsdp_files, rank_records  # noqa: F401
+
     folder = Path(request.target).absolute().parent
     try:
         fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_DIRECT, 0o644)
@@ -230,12 +218,6 @@ class HeadStart:
 # --------------------------------------------------------------------------------------------
 
 
-def _load_child_modules() -> None:
-    from ..transforms import conversion_keys
-    from . import atomic, plan, engine  # noqa: F401
-    from ..readers import fsdp_files, rank_records  # noqa: F401
-
-
 def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
     """Plan, report, write, report; exit without returning into the parent's code."""
     code = 0
@@ -246,15 +228,17 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
             data = data[os.write(write_end, data):]
 
     try:
+        from .shards import die_with_parent
+
         die_with_parent(parent)
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C: the parent decides and stops this child
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         from ..readers import record_crc
 
-        with record_crc.skipping(not request.source_crc):
-            plan, sources = _plan(request)
+        with record_crc.skipping(not request.options.source_crc):
+            plan = _plan(request)
             send({"plan": {"name": plan.file.name, "header": hashlib.sha256(plan.file.header).hexdigest(), "ranges": plan.ranges}})
-            send({"done": _write(plan, sources, fd, request.checksums, lambda n: send({"bytes": n}))})
+            send({"done": _write(plan, fd, request.options.checksums, lambda n: send({"bytes": n}))})
     except _Skip as e:
         with contextlib.suppress(BaseException):
             send({"skip": str(e)})
@@ -266,140 +250,65 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
         os._exit(code)
 
 
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this child when the parent (its pid, taken before the fork) dies (PR_SET_PDEATHSIG),
-    so no writer outlives a killed merge."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before that took effect
-        os._exit(1)
-
-
 @dataclass
 class _Planned:
-    file: Any  # FilePlan
-    ranges: list[list[int]]  # join_range items: [st_dev, st_ino, offset, n]
-    files: int  # files in the whole plan: this child and the merge's writers share the CPUs
+    file: Any  # the FilePlan of the first file
+    ranges: list[list[int]]  # its bytes: engine.byte_recipe, as the merge computes it
+    index: Any  # the RankIndex the bytes are read from
+    cores: int  # this child's share of the CPUs: it is one of the merge's writers
 
 
-def _output_dtype(requested: str | None, config: dict[str, Any]) -> str | None:
-    """The dtype floating tensors are written in, by name (None: each keeps its own), as
-    :func:`hf_merge.hf_files.resolve_dtype` decides it."""
-    from ..spec import config_dtype_name, dtype_alias
-
-    if requested == "auto":
-        return None
-    if requested in (None, "config"):
-        return config_dtype_name(config)
-    return dtype_alias(requested) or str(requested)
-
-
-def _plan(request: Request) -> tuple[_Planned, dict[tuple[int, int], int]]:
+def _plan(request: Request) -> _Planned:
+    """The merge's first file as a plain copy would write it: the FSDP reader's layout
+    (:class:`~hf_merge.readers.fsdp_files.RankIndex`), the merge's planner and byte recipe."""
     from .. import __version__
+    from ..readers.formats import weights_label
+    from ..readers.fsdp_files import RankIndex, check_rank_files_present, detect_world_size, resolve_fsdp_dir
+    from ..spec import output_dtype_name
     from ..transforms.conversion_keys import may_convert
-    from .durable import free_bytes
-    from .atomic import SIDE_FILES_ROOM
+    from .atomic import check_free_space
+    from .engine import byte_recipe, usable_cpus
     from .plan import plan_shards
-    from ..readers.fsdp_files import (
-        check_rank_files_present, chunk_range, detect_world_size, rank_file_name, resolve_fsdp_dir,
-    )
-    from ..readers.rank_records import index_rank_file
-    from .engine import join_range
-    from ..spec import TensorSpec
+    from .shards import default_workers
 
     folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
     world, _ = detect_world_size(folder)
     check_rank_files_present(folder, world)
-    config_dir = Path(request.config) if request.config else folder / "huggingface"
+    options = request.options
+    config_dir = Path(options.config) if options.config else folder / "huggingface"
     config = json.loads((config_dir / "config.json").read_bytes())
     if not isinstance(config, dict):
         raise _Skip("config.json is not an object")
-    text = config.get("text_config") or {}
-    if config.get("tie_word_embeddings", text.get("tie_word_embeddings")) is not False:
+    if config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings")) is not False:
         raise _Skip("tied weights (or config.json leaves it to the config class's default)")
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     if architectures and may_convert(config, architectures[0], ask_transformers=False) is not False:
         raise _Skip("save_pretrained may rename or split this model's tensors (the Hub layout)")
-    out_dtype = _output_dtype(request.dtype, config)
-    paths = [folder / rank_file_name(world, r) for r in range(world)]
-    indexes = [index_rank_file(p) for p in paths]
-    names = list(indexes[0])
-    if any(list(ix) != names for ix in indexes[1:]):
-        raise _Skip("rank files hold different tensors")
-    specs, pieces = [], {}
-    for name in names:
-        if "lora_" in name:
-            raise _Skip("LoRA")
-        first = indexes[0][name]
-        if out_dtype is not None and first.dtype.is_floating_point and first.dtype.name != out_dtype:
-            raise _Skip("a cast")
-        item = first.dtype.itemsize
-        if first.placements is None:  # a plain tensor: rank 0's copy
-            if first.local_shape != first.shape or first.span is None:
-                raise _Skip(f"{name}: a strided plain tensor")
-            pieces[name] = [(0, first.span)]
-        else:
-            if len(first.placements) != 1 or first.placements[0].kind != "Shard" or first.placements[0].dim != 0:
-                raise _Skip(f"{name}: placements {first.placements}")
-            if first.mesh != tuple(range(world)):  # rank r holds chunk r only on the identity mesh
-                raise _Skip(f"{name}: device mesh {first.mesh_shape} of ranks {first.mesh}")
-            rows, row_bytes = first.shape[0], item * math.prod(first.shape[1:])
-            pieces[name] = []
-            for r, ix in enumerate(indexes):
-                t = ix[name]
-                lo, hi = chunk_range(0, rows, world, r)  # as the reader places a Shard(0) piece
-                if (t.dtype, t.shape, t.placements, t.mesh) != (first.dtype, first.shape, first.placements, first.mesh) or \
-                        t.local_shape != (hi - lo, *first.shape[1:]):
-                    raise _Skip(f"{name}: rank {r} disagrees")
-                if hi > lo:
-                    if t.span is None or t.span[1] != (hi - lo) * row_bytes:
-                        raise _Skip(f"{name}: rank {r} is not one run")
-                    pieces[name].append((r, t.span))
-        specs.append(TensorSpec(name, first.shape, first.dtype))
-    plan = plan_shards(specs, max_shard_size=request.max_shard_size,
-                       metadata={"hf_merge_version": __version__, "source_format": "verl-fsdp"})
-    planned = sum(f.file_size for f in plan.files) + SIDE_FILES_ROOM
-    if free_bytes(Path(request.target).absolute().parent) < planned:
-        raise _Skip("not enough free space (the merge says so before writing)")
-    file = plan.files[0]
-    sources: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> descriptor, for the sink's preadv
-    ids = []
-    for path in paths:
-        f = os.open(path, os.O_RDONLY)
-        st = os.fstat(f)
-        ids.append((st.st_dev, st.st_ino))
-        sources[ids[-1]] = f
-    ranges: list[list[int]] = []
-    for spec, _start in file.placed():
-        if spec.nbytes:
-            for r, (offset, n) in pieces[spec.name]:
-                join_range(ranges, ids[r], offset, n)
-    return _Planned(file, ranges, len(plan.files)), sources
+    out_dtype = output_dtype_name(options.dtype, config)
+    index = RankIndex(folder, world)
+    specs = index.specs()
+    if any("lora_" in name for name in specs):
+        raise _Skip("LoRA")
+    if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
+        raise _Skip("a cast")
+    plan = plan_shards(specs, max_shard_size=options.shard_bytes(),
+                       metadata={"hf_merge_version": __version__, "source_format": weights_label("fsdp")})
+    check_free_space(Path(request.target), sum(f.file_size for f in plan.files))  # the merge says so first
+    ranges = byte_recipe(index, plan.files[0])
+    if ranges is None:
+        raise _Skip("some bytes of the first file are not one run of a rank file (a placement other than Shard(0))")
+    return _Planned(plan.files[0], ranges, index, usable_cpus() // default_workers(len(plan.files)))
 
 
-def _write(planned: _Planned, sources: dict[tuple[int, int], int], fd: int, sha256: bool,
-           progress: Callable[[int], None]) -> str | None:
+def _write(planned: _Planned, fd: int, sha256: bool, progress: Callable[[int], None]) -> str | None:
     from . import engine
+    from ..readers import record_crc
+    from .shards import fill_file
 
-    file = planned.file
-    writers = max(1, min(planned.files, engine.usable_cpus(), 8))  # as writer.default_workers counts them
-    apart = sha256 and engine.hash_apart(engine.usable_cpus() // writers)
-    sink = engine.Sink(fd, Path(f"/proc/self/fd/{fd}"), sha256, progress, unreported=file.data_start,
-                            hash_thread=apart)
-    if apart:  # the sha256 thread is the one that must not wait: it, and torch's import, go first
-        engine.lower_this_thread(engine.HASHING_NICE)
-
-    def fill() -> None:
-        from ..readers import record_crc
-
-        sink.add_memory(memoryview(file.header))
-        for dev, ino, offset, n in planned.ranges:
-            sink.add_file(sources[(dev, ino)], offset, n)
-            sink.report()
-        # every record copied was checked as it streamed through the sink; any it did not see whole, here.
-        # A mismatch fails this child: the merge then writes the file itself, and its reader refuses the record.
-        record_crc.check_ranges([(sources[(dev, ino)], offset, n) for dev, ino, offset, n in planned.ranges])
-
-    return engine.fill_and_finish(sink, fill)
+    apart = sha256 and engine.hash_apart(planned.cores)  # the sha256 thread must not wait: it, and torch's import, go first
+    digest = fill_file(planned.index, planned.file, fd, Path(f"/proc/self/fd/{fd}"), progress, sha256=sha256,
+                       cores=planned.cores, nice=engine.HASHING_NICE if apart else 0)
+    # records the sink did not see whole; a mismatch fails this child, and the merge then writes the file itself
+    by_id = {(st.st_dev, st.st_ino): f for f in planned.index.fds.values() for st in [os.fstat(f)]}
+    record_crc.check_ranges([(by_id[(dev, ino)], offset, n) for dev, ino, offset, n in planned.ranges])
+    return digest

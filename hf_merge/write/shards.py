@@ -22,15 +22,14 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
-
-from ..readers import file_runs
+from ..readers import file_runs, record_crc
 from . import engine
-from ..checkpoint import LazyCheckpoint
 from .plan import INDEX_NAME, FilePlan, ShardPlan
-from ..readers import record_crc
+
+if TYPE_CHECKING:  # torch only where bytes are not a file's (the head start's child writes without it)
+    from ..checkpoint import LazyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +50,24 @@ def write_file(
     path = Path(folder) / plan.name
     fd = engine.open_output(path)
     try:
-        sink = engine.Sink(fd, path, sha256, progress, unreported=plan.data_start,
-                               hash_thread=engine.hash_apart(cores))
-    except BaseException:
-        os.close(fd)
-        raise
+        return fill_file(ckpt, plan, fd, path, progress, sha256=sha256, cores=cores)
+    finally:
+        os.close(fd)  # after the writer threads stopped (finish or cancel)
+
+
+def fill_file(ckpt: "LazyCheckpoint", plan: FilePlan, fd: int, path: Path, progress: ProgressFn | None = None, *,
+              sha256: bool = False, cores: int = 1, nice: int = 0) -> str | None:
+    """Write ``plan``'s file into the open descriptor ``fd`` (of ``path``), front to back; the
+    filling thread ``nice`` levels below the sink's threads (which inherit the level they start at)."""
+    sink = engine.Sink(fd, path, sha256, progress, unreported=plan.data_start, hash_thread=engine.hash_apart(cores))
 
     def fill() -> None:
+        if nice:
+            engine.lower_this_thread(nice)
         with record_crc.deferred():  # records the sink saw whole are checked as they passed, the rest here
             _fill(sink, ckpt, plan)
 
-    try:
-        return engine.fill_and_finish(sink, fill)
-    finally:
-        os.close(fd)  # after the writer threads stopped (finish or cancel)
+    return engine.fill_and_finish(sink, fill)
 
 
 def _fill(sink: engine.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
@@ -86,6 +89,8 @@ def _fill(sink: engine.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
             _add_tensor(sink, ckpt.read(spec.name, dtype=spec.dtype))
         else:
             def read_into(view: memoryview, spec=spec) -> None:
+                import torch
+
                 ckpt.read_into(spec.name, torch.frombuffer(view, dtype=torch.uint8).view(spec.dtype).view(spec.shape))
 
             sink.add_region(spec.nbytes, read_into)
@@ -99,6 +104,8 @@ def _add_tensor(sink: engine.Sink, piece: "file_runs.Piece") -> int:
     if run is not None:
         sink.add_file(run.fd, run.offset, run.nbytes)
         return run.nbytes
+    import torch
+
     tensor = file_runs.values(piece)
     sink.add_memory(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
     return tensor.numel() * tensor.element_size()
@@ -141,11 +148,11 @@ def _signals_deferred() -> Iterator[None]:
 def _worker(
     ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, cores: int, parent: int
 ) -> None:
-    from .head_start import die_with_parent
-
     for s, handler in _handlers_before_fork.items():  # forked while the parent deferred them
         signal.signal(s, handler)
     die_with_parent(parent)  # a SIGKILLed merge leaves no writer behind
+    import torch
+
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
     try:
         for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, cores):
@@ -159,6 +166,17 @@ def _worker(
         queue.join_thread()  # flushed before _exit, so the parent gets the typed error (e.g. disk full)
         os._exit(1)
     queue.put(("done", None))
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this forked child when the parent (its pid, taken before the fork) dies
+    (PR_SET_PDEATHSIG), so no writer outlives a killed merge."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before that took effect
+        os._exit(1)
 
 
 def _raise_reported_error(queue) -> None:
