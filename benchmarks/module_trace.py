@@ -40,8 +40,10 @@ import threading
 import tokenize
 from pathlib import Path
 
-WING = ["writer", "sequential", "copypool", "following", "filemap", "plan", "output", "head_start", "plan_cache",
-        "preload", "distributed", "merging", "gguf/convert"]
+# From the plan to bytes on disk, head start included (issue 27's write wing). Before the redesign
+# these were flat modules (writer ... head_start); since, the rooms' files. A tree counts the ones it has.
+WING = ["writer", "sequential", "copypool", "following", "filemap", "plan", "head_start",
+        "write/plan", "write/shards", "write/engine", "readers/file_runs", "write/head_start"]
 
 
 # ------------------------------------------------------------------------------------------------
