@@ -17,7 +17,10 @@ processes; ``--no-checksums``: without the sha256 thread), each a row of its own
 writes a share), beside the default (on one node: local rank 0 merges alone, the other ranks
 return before importing torch; see docs/distributed.md). ``--launcher``: each N > 1 also as
 ``torchrun --no-python --nproc-per-node N true``, the launcher's own cost (it imports torch)
-that any torchrun job pays on top of the work.
+that any torchrun job pays on top of the work. ``--torchrun-one``: a row for
+``torchrun --nproc-per-node 1`` too (and, with ``--launcher``, its ``true``), the reference that pays
+the launcher but has no other rank. Every command runs in the repository's folder (``python -m``
+puts the working folder first on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def timed(cmd: list[str], out: Path, env: dict[str, str]) -> tuple[float, float,
     subprocess.run(["sync"], check=True)
     before = os.times()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     if out.is_dir():
@@ -80,6 +83,7 @@ def main() -> int:
     ap.add_argument("--variants", default="", help="';'-separated extra arguments, one single-process row each")
     ap.add_argument("--rank-writers", action="store_true", help="each N > 1 also with --dist-writers rank")
     ap.add_argument("--launcher", action="store_true", help="each N > 1 also as torchrun of `true` (the launcher's cost)")
+    ap.add_argument("--torchrun-one", action="store_true", help="torchrun --nproc-per-node 1 as a row too")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     files = rank_files(args.ckpt)
@@ -96,6 +100,8 @@ def main() -> int:
                         copy_out)
     counts = [int(n) for n in args.procs.split(",")]
     runs_of = [(f"hf-merge, {n} process{'es' if n > 1 else ''}", n, "") for n in counts]
+    if args.torchrun_one:
+        runs_of.insert(1, ("hf-merge, torchrun, 1 process", 0, ""))
     if args.rank_writers:
         runs_of += [(f"hf-merge, {n} processes, --dist-writers rank", n, "--dist-writers rank") for n in counts if n > 1]
     runs_of += [(f"hf-merge, 1 process, {v.strip()}", 1, v.strip()) for v in args.variants.split(";") if v.strip()]
@@ -105,12 +111,12 @@ def main() -> int:
                 *more.split()]
         if n == 1:
             cmd = [sys.executable, "-m", "hf_merge", *tail]
-        else:
-            cmd = [*TORCHRUN, "--nproc-per-node", str(n), "-m", "hf_merge", *tail]
+        else:  # 0: torchrun with one process
+            cmd = [*TORCHRUN, "--nproc-per-node", str(max(n, 1)), "-m", "hf_merge", *tail]
         commands[name] = (cmd, out)
     for n in counts if args.launcher else []:
-        if n > 1:
-            commands[f"torchrun launcher alone, {n} processes of `true`"] = (
+        if n > 1 or args.torchrun_one:
+            commands[f"torchrun launcher alone, {n} process{'es' if n > 1 else ''} of `true`"] = (
                 [*TORCHRUN, "--nproc-per-node", str(n), "--no-python", "true"], args.workdir / "launcher")
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in commands}
     load = os.getloadavg()[0]

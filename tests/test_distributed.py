@@ -119,7 +119,8 @@ def test_torchrun_launch_from_the_environment_alone():
     assert alone == Launch("alone", 0, 4, 1, 0)
     assert alone.environ()["WORLD_SIZE"] == "1"
     assert alone.describe(2) == ("torchrun: 4 ranks on 1 node: rank 0 merges alone, with forked writers on its 2 CPUs; "
-                                 "ranks 1-3 had nothing to do")
+                                 "ranks 1-3 had nothing to do (on one node, `hf-merge merge` without torchrun does "
+                                 "the same and skips torchrun's start-up)")
     assert torchrun_launch("node", {**job, "RANK": "3", "LOCAL_RANK": "3"}).role == "idle"
     assert torchrun_launch("rank", {**job, "RANK": "3", "LOCAL_RANK": "3"}).role == "every"
     assert torchrun_launch("node", {**job, "RANK": "1", "LOCAL_RANK": "1", "HF_MERGE_DISTRIBUTED": "1"}) is None

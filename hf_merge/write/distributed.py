@@ -98,7 +98,8 @@ class Launch(NamedTuple):
         others = self.world_size - self.nodes
         if self.nodes == 1:
             return (f"{where}: rank 0 merges alone, with forked writers on its {cpus} CPUs; "
-                    f"{_other_ranks(self.world_size)} had nothing to do")
+                    f"{_other_ranks(self.world_size)} had nothing to do (on one node, `hf-merge merge` without "
+                    "torchrun does the same and skips torchrun's start-up)")
         return (f"{where}: local rank 0 of each node merges ({self.nodes} processes, each with forked writers on its "
                 f"node's CPUs); the other {others} ranks had nothing to do")
 
