@@ -84,7 +84,7 @@ def idle_torchrun_rank(argv: list[str]) -> bool:
         if arg in ("-h", "--help", "--version", "--"):
             return False
         if name == "--dist-writers":
-            writers = value if eq else "".join(args[i + 1:i + 2])
+            writers = value if eq else (args[i + 1] if i + 1 < len(args) else "")
         elif len(name) > 2 and "--dist-writers".startswith(name):
             return False
     if writers != "node":

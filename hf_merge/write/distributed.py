@@ -44,8 +44,9 @@ from ..settings import DIST_TIMEOUT_VAR as TIMEOUT_VAR
 from ..settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
 from ..settings import dist_timeout_s, distributed as distributed_from_environment
 
-if TYPE_CHECKING:  # the ranks that only decide their role (torchrun_launch) import no more than this module's top
+if TYPE_CHECKING:  # a rank that only decides its role (torchrun_launch) imports no more than this module's top
     import datetime as _dt
+
 logger = logging.getLogger(__name__)
 
 PROGRESS_FLUSH_BYTES = 64 << 20
