@@ -14,8 +14,8 @@ MASTER_PORT set by hand). JOBS is a list of ``{"argv": [...], "missing_source_on
   does not see the checkpoint; for ``verify``, the target).
 - ``die_on_rank``: that rank SIGKILLs itself when it starts writing its first output file.
 
-Each result also says whether the rank imported torch (``"torch"``): a rank that had nothing to do
-returns before it does.
+Each result also says whether the rank imported torch (``"torch"``) and the CLI's parser (``"parser"``:
+the merge command's module): a rank that had nothing to do returns before either.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def main() -> int:
                 code = cli(argv)
             except SystemExit as e:
                 code = e.code
-        result = {"code": code, "stderr": err.getvalue(), "stdout": std.getvalue(), "torch": "torch" in sys.modules}
+        result = {"code": code, "stderr": err.getvalue(), "stdout": std.getvalue(), "torch": "torch" in sys.modules,
+                  "parser": "hf_merge.cli.merge" in sys.modules}
         (out / f"{i}.rank{rank}.json").write_text(json.dumps(result))
     if own_group:
         dist.destroy_process_group()  # as a training script ends

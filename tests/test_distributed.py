@@ -119,7 +119,8 @@ def test_torchrun_launch_from_the_environment_alone():
     assert alone == Launch("alone", 0, 4, 1, 0)
     assert alone.environ()["WORLD_SIZE"] == "1"
     assert alone.describe(2) == ("torchrun: 4 ranks on 1 node: rank 0 merges alone, with forked writers on its 2 CPUs; "
-                                 "ranks 1-3 had nothing to do")
+                                 "ranks 1-3 had nothing to do (on one node, `hf-merge merge` without torchrun does "
+                                 "the same and skips torchrun's start-up)")
     assert torchrun_launch("node", {**job, "RANK": "3", "LOCAL_RANK": "3"}).role == "idle"
     assert torchrun_launch("rank", {**job, "RANK": "3", "LOCAL_RANK": "3"}).role == "every"
     assert torchrun_launch("node", {**job, "RANK": "1", "LOCAL_RANK": "1", "HF_MERGE_DISTRIBUTED": "1"}) is None
@@ -133,10 +134,33 @@ def test_torchrun_launch_from_the_environment_alone():
     assert torchrun_launch("node", {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "1"}).role == "every"
 
 
+def test_idle_rank_is_read_from_the_command_line_before_the_parser(monkeypatch):
+    """Under torchrun a rank with nothing to do is known from the raw command line; anything less
+    plain than `merge ... [--dist-writers node]` is left to the parser (which decides the same)."""
+    from hf_merge.cli.app import idle_torchrun_rank
+
+    src, out = "ckpts/", "./merged"
+    assert not idle_torchrun_rank(["merge", src, out])  # not launched by torchrun
+    job = {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "RANK": "2",
+           "LOCAL_RANK": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"}
+    for k, v in job.items():
+        monkeypatch.setenv(k, v)
+    for argv in (["merge", src, out], ["-q", "merge", src, out, "--dist-writers", "node"], [src, out, "-q"],
+                 ["merge", src, out, "--dist-writers=node"], ["--backend", "fsdp", "--local_dir", src]):
+        assert idle_torchrun_rank(argv), argv
+    for argv in (["merge", src, out, "--dist-writers", "rank"], ["merge", src, out, "--dist-writers=rank"],
+                 ["merge", src, out, "--dist-w", "node"], ["merge", "-h"], ["verify", out, "--against", src],
+                 ["inspect", src], ["ckpts", "merged"], ["merge", src, out, "--dist-writers"], []):
+        assert not idle_torchrun_rank(argv), argv
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    assert not idle_torchrun_rank(["merge", src, out])  # rank 0 merges
+
+
 def test_one_node_torchrun_merge_runs_in_one_process(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`torchrun --nproc-per-node 3` running the CLI: rank 0 merges alone and says so; ranks 1 and 2
-    return before importing torch or opening the source (rank 2 is handed a source that does not
-    exist: it would fail if it read it). The output equals a single-process merge."""
+    return before importing torch, the CLI's parser or opening the source (rank 2 is handed a source
+    that does not exist: it would fail if it read it). The output equals a single-process merge."""
     target = tmp_path / "merged"
     jobs = [{"argv": ["merge", str(qwen2_fp32_ws2.actor), str(target), "--max-shard-size", SHARD],
              "missing_source_on_rank": 2}]
@@ -144,6 +168,7 @@ def test_one_node_torchrun_merge_runs_in_one_process(qwen2_fp32_ws2, fsdp_single
     assert [outcome[0, r]["code"] for r in range(3)] == [0, 0, 0], outcome
     assert "torchrun: 3 ranks on 1 node: rank 0 merges alone" in outcome[0, 0]["stderr"], outcome[0, 0]
     assert outcome[0, 0]["torch"] and not outcome[0, 1]["torch"] and not outcome[0, 2]["torch"], outcome
+    assert outcome[0, 0]["parser"] and not outcome[0, 1]["parser"] and not outcome[0, 2]["parser"], outcome
     for r in (1, 2):
         assert not outcome[0, r]["stderr"] and not outcome[0, r]["stdout"], outcome[0, r]
     assert_same_folder(target, fsdp_single, shared=False)

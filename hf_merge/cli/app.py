@@ -11,7 +11,6 @@ from typing import NoReturn
 
 from ..version import __version__
 from ..errors import redact_credentials
-from . import _errors
 
 
 class _NoteFormatter(logging.Formatter):
@@ -65,12 +64,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def idle_torchrun_rank(argv: list[str]) -> bool:
+    """True when this process is a torchrun rank with nothing to do in the merge on its command line
+    (:func:`~hf_merge.write.distributed.torchrun_launch`: another process merges for its node).
+
+    Read from the raw command line, so that such a rank leaves before the parser (and every
+    command's module) is imported: on one node, the N-1 idle ranks start beside rank 0's merge
+    and share its CPUs. Anything less plain than ``merge ... [--dist-writers node]`` (another
+    command, help, an abbreviated ``--dist-...`` flag, a first word that is neither ``merge``, a
+    flag nor a path) is left to the parser, after which the same decision is taken."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    args = [a for a in argv if a not in ("-q", "--quiet")]
+    if not args or not (args[0] == "merge" or args[0].startswith("-") or os.sep in args[0]):
+        return False
+    writers = "node"
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if arg in ("-h", "--help", "--version", "--"):
+            return False
+        if name == "--dist-writers":
+            writers = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        elif len(name) > 2 and "--dist-writers".startswith(name):
+            return False
+    if writers != "node":
+        return False
+    from ..write.distributed import torchrun_launch
+
+    launch = torchrun_launch(writers)
+    return launch is not None and launch.role == "idle"
+
+
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     if hasattr(signal, "SIGPIPE"):  # `hf-merge inspect X | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if idle_torchrun_rank(argv):  # under torchrun, another process merges for this node
+        return 0
+    parser = build_parser()
     if argv and argv[0] not in ("-q", "--quiet") and any(a in ("-q", "--quiet") for a in argv):
         argv = ["--quiet"] + [a for a in argv if a not in ("-q", "--quiet")]  # -q anywhere on the line
     commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -98,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - the one place errors become exit codes
         if isinstance(e, SystemExit):
             raise
+        from . import _errors
+
         return _errors.report(e)
     finally:
         if args.quiet and not bars_were_off:  # -q is for this command only (main() may run again in-process)

@@ -32,21 +32,20 @@ failure anywhere leaves no target. Progress is one bar on rank 0 counting every 
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
 import logging
 import os
-import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from ..errors import DistributedError, HfMergeError
 from ..settings import DIST_TIMEOUT_VAR as TIMEOUT_VAR
 from ..settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
 from ..settings import dist_timeout_s, distributed as distributed_from_environment
+
+if TYPE_CHECKING:  # a rank that only decides its role (torchrun_launch) imports no more than this module's top
+    import datetime as _dt
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +66,7 @@ def launched_by_torchrun(environ: "dict[str, str] | None" = None) -> bool:
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     """What one rank of a torchrun merge does, decided from the launcher's environment alone (no
     torch import, no source read). ``role``:
 
@@ -101,7 +99,8 @@ class Launch:
         others = self.world_size - self.nodes
         if self.nodes == 1:
             return (f"{where}: rank 0 merges alone, with forked writers on its {cpus} CPUs; "
-                    f"{_other_ranks(self.world_size)} had nothing to do")
+                    f"{_other_ranks(self.world_size)} had nothing to do (on one node, `hf-merge merge` without "
+                    "torchrun does the same and skips torchrun's start-up)")
         return (f"{where}: local rank 0 of each node merges ({self.nodes} processes, each with forked writers on its "
                 f"node's CPUs); the other {others} ranks had nothing to do")
 
@@ -176,6 +175,8 @@ def join_job(distributed: bool | None = None) -> "Job | None":
         return None
     if distributed is None and dist.is_initialized():
         return None  # the program runs its own job: only distributed=True shares the merge
+    import datetime as _dt
+
     timeout = _dt.timedelta(seconds=dist_timeout_s())
     if dist.is_initialized():
         if dist.get_world_size() == 1:
@@ -238,6 +239,8 @@ def writing_ranks(hosts: list[str], writers: str = "node") -> list[int]:
 
 def plan_fingerprint(files: list[Any]) -> str:
     """sha256 over every planned file's name and header: equal on ranks that planned the same output."""
+    import hashlib
+
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + bytes(f.header) + b"\0")
@@ -249,7 +252,9 @@ class Job:
 
     consequence = "no target was written"  # what a failure means, in every rank's error line
 
-    def __init__(self, *, group: Any, owns_group: bool, timeout: _dt.timedelta):
+    def __init__(self, *, group: Any, owns_group: bool, timeout: "_dt.timedelta"):
+        import socket
+
         import torch.distributed as dist
 
         self.failed = False  # an exchange reported a failure: every rank knows, none waits for more
