@@ -30,7 +30,7 @@ torch_is = $(1) -c "import sys, torch; print('torch', torch.__version__); \
 # (both run; either failing fails the target)
 torch_tests = $(1) -m pytest -q -m compat tests; a=$$?; $(1) -m pytest -q tests/test_torch_versions.py && exit $$a
 
-.PHONY: venv demo test test-compat compat compat-oldest compat-newest bench fuzz clean
+.PHONY: venv demo test test-slow test-all test-compat compat compat-oldest compat-newest bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,15 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# `make test`: everything but the tests marked `slow` (end-to-end runs of many processes);
+# `make test-slow`: those alone; CI (.ci/run) runs both, then the compatibility pass
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
+
+test-all: test test-slow
 
 $(COMPAT_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(COMPAT_VENV)

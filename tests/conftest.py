@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,3 +243,81 @@ def hub_root(tmp_path_factory) -> Path:
     if not (root / "fixture.json").is_file():
         mh.write_hub_checkpoints(root)
     return root
+
+
+DCP_GENERATOR = EXAMPLES / "make_dcp_checkpoints.py"
+
+
+@pytest.fixture(scope="session")
+def dcp_root(tmp_path_factory) -> Path:
+    """All four checkpoints, one 2-rank gloo run (cached under HF_MERGE_FIXTURE_CACHE)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is a test dependency (pip install -e '.[test]')")
+    import accelerate
+    import torch
+    import torchtitan
+
+    key = hashlib.sha256(
+        DCP_GENERATOR.read_bytes() + f"{torch.__version__}{accelerate.__version__}{torchtitan.__version__}".encode()
+    ).hexdigest()[:12]
+    cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
+    root = Path(cache) / f"dcp-{key}" if cache else tmp_path_factory.mktemp("dcp-formats")
+    if (root / "fixture.json").is_file():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    t0 = time.perf_counter()
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, str(DCP_GENERATOR), str(root)], capture_output=True, text=True, env=env, timeout=600)
+        # A gloo rank of the writer has (rarely: once in this project's suite runs) aborted with the C++
+        # runtime's "terminate called without an active exception"; that run is written again from
+        # scratch once. Any other failure fails the fixture.
+        if proc.returncode == 0 or attempt == 2 or "terminate called without an active exception" not in proc.stderr:
+            break
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    if proc.returncode != 0:
+        pytest.fail(f"make_dcp_checkpoints.py failed:\n{proc.stderr[-4000:]}")
+    (root / "build_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
+    return root
+
+
+# The SentencePiece vocabulary of ``llama_sp_folder`` (test_gguf.py, test_gguf_vocab.py)
+SP_LINES = ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny sentencepiece model",
+            "pack my box with five dozen liquor jugs", "sphinx of black quartz judge my vow",
+            "numbers 0123456789 and punctuation .,;:!?", "a llama, a tokenizer and a merge tool walk into a bar"]
+
+
+@pytest.fixture(scope="session")
+def llama_sp_folder(tmp_path_factory) -> Path:
+    """A tiny Llama-2-style Hugging Face folder: a SentencePiece BPE model with byte fallback
+    trained here by the sentencepiece package (tokenizer.model), the tokenizer transformers builds
+    from it plus an added special token (tokenizer.json / tokenizer_config.json, saved by
+    transformers), and a tiny Llama whose vocabulary is larger than the tokenizer's."""
+    import io
+
+    import torch
+
+    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf", reason="transformers converts a SentencePiece model with protobuf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama-sp") / "llama2-tiny"
+    folder.mkdir()
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SP_LINES * 20), model_writer=model, model_type="bpe", vocab_size=400, byte_fallback=True,
+        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True, num_threads=1, minloglevel=2,
+    )
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}'
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tokenizer.save_pretrained(folder)
+    cfg = LlamaConfig(vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    return folder

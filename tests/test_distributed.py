@@ -25,7 +25,7 @@ from helpers import no_leftovers
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("dist_driver.py")
 SHARD = "60KB"  # the tiny fixtures become several output files
-TIMEOUT_S = "60"
+TIMEOUT_S = "600"  # HF_MERGE_DIST_TIMEOUT, a hang guard only: on a loaded machine a rank may wait minutes for another
 
 
 def _free_port() -> int:
@@ -157,6 +157,7 @@ def test_idle_rank_is_read_from_the_command_line_before_the_parser(monkeypatch):
     assert not idle_torchrun_rank(["merge", src, out])  # rank 0 merges
 
 
+@pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_one_node_torchrun_merge_runs_in_one_process(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`torchrun --nproc-per-node 3` running the CLI: rank 0 merges alone and says so; ranks 1 and 2
     return before importing torch, the CLI's parser or opening the source (rank 2 is handed a source
@@ -175,6 +176,7 @@ def test_one_node_torchrun_merge_runs_in_one_process(qwen2_fp32_ws2, fsdp_single
     assert "distributed" not in json.loads((target / "hf_merge.json").read_text())
 
 
+@pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`torchrun --nnodes 2 --nproc-per-node 2 -m hf_merge merge` twice, rendezvous on localhost.
 
@@ -215,6 +217,7 @@ def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
     assert not any("exit barrier" in log.lower() and "error" in log.lower() for log in logs), logs
 
 
+@pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatron_root, tmp_path):
     """One torchrun --nproc-per-node 3 job: FSDP, Megatron and nf4 merges, then a rank without the source."""
     pytest.importorskip("bitsandbytes")
@@ -299,6 +302,7 @@ def _corrupt_file_of_rank(folder: Path, rank: int, ranks: int) -> str:
     return name
 
 
+@pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`hf-merge verify` on 3 ranks: a sound folder passes, a byte flipped in a file that rank 2 checks
     fails every rank with rank 0's one report, and a rank that cannot see the target fails every rank."""
@@ -329,6 +333,7 @@ def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, 
             assert lines[0].startswith("error: rank 1 of 3 ") and "the verification did not finish" in lines[0], lines
 
 
+@pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_torchrun_verify_cli_exits_non_zero_on_every_rank(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`torchrun --nproc-per-node 2 -m hf_merge verify` on a corrupted folder: torchrun (every rank) fails."""
     import shutil
@@ -342,6 +347,7 @@ def test_torchrun_verify_cli_exits_non_zero_on_every_rank(qwen2_fp32_ws2, fsdp_s
     assert proc.output.count("file checksums  FAIL") == 1 and f"{corrupted}: sha256 differs" in proc.output, proc.output
 
 
+@pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_gguf_under_torchrun_has_one_writer(qwen2_fp32_ws2, tmp_path):
     """GGUF is one stream: the distributed executor gives it to one writer (rank 0, the node's writer)
     while rank 1 waits; both exit 0 with one report, the file equals a single-process one and its

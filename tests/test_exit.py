@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +73,7 @@ def test_error_after_torch_import_keeps_code(tmp_path):
     assert proc.stderr.strip() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a process that starts torch.distributed
 def test_distributed_program_exits_normally(qwen2_fp32_ws2):
     proc = _run("inspect", str(qwen2_fp32_ws2.actor), "--json", dist=True)
     assert proc.returncode == 0, proc.stderr

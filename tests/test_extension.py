@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # hf, hf-merge and two merges, each a fresh interpreter
 def test_hf_merge_runs_as_hf_extension(qwen2_fp32_ws2, tmp_path):
     env = dict(os.environ, HOME=str(tmp_path / "home"), HF_HUB_DISABLE_UPDATE_CHECK="1", HF_HUB_OFFLINE="1")
     bindir = Path(sys.executable).parent

@@ -404,43 +404,7 @@ def test_tokenizer_ids_equal_hf(qwen2_fp32_ws2, qwen2_q8):
     assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == hf.eos_token_id
 
 
-SP_LINES = ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny sentencepiece model",
-            "pack my box with five dozen liquor jugs", "sphinx of black quartz judge my vow",
-            "numbers 0123456789 and punctuation .,;:!?", "a llama, a tokenizer and a merge tool walk into a bar"]
 SP_TEXTS = TEXTS + ["héllo wörld 日本語 🦙", "jumps over the lazy dog<|im_end|>tokenizer"]
-
-
-@pytest.fixture(scope="session")
-def llama_sp_folder(tmp_path_factory) -> Path:
-    """A tiny Llama-2-style Hugging Face folder: a SentencePiece BPE model with byte fallback
-    trained here by the sentencepiece package (tokenizer.model), the tokenizer transformers builds
-    from it plus an added special token (tokenizer.json / tokenizer_config.json, saved by
-    transformers), and a tiny Llama whose vocabulary is larger than the tokenizer's."""
-    import io
-
-    spm = pytest.importorskip("sentencepiece")
-    pytest.importorskip("google.protobuf", reason="transformers converts a SentencePiece model with protobuf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    folder = tmp_path_factory.mktemp("llama-sp") / "llama2-tiny"
-    folder.mkdir()
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(SP_LINES * 20), model_writer=model, model_type="bpe", vocab_size=400, byte_fallback=True,
-        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True, num_threads=1, minloglevel=2,
-    )
-    (folder / "tokenizer.model").write_bytes(model.getvalue())
-    (folder / "tokenizer_config.json").write_text(
-        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}'
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
-    tokenizer.save_pretrained(folder)
-    cfg = LlamaConfig(vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
-    return folder
 
 
 def test_sentencepiece_tokenizer(llama_sp_folder, tmp_path):

@@ -27,7 +27,6 @@ from hf_merge.gguf.tokenizer import add_to_writer, load_vocab, sentencepiece_voc
 from hf_merge.gguf.vocab import check_text  # noqa: E402
 from hf_merge.gguf.tokenizer_files import TokenizerFiles  # noqa: E402
 from hf_merge.gguf.writer import write_file  # noqa: E402
-from test_gguf import llama_sp_folder  # noqa: E402,F401 - the SentencePiece Llama-2 folder
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 

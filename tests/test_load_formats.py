@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import hf_merge
-from test_dcp_formats import dcp_root  # noqa: F401 - the session fixture (real accelerate / torchtitan / DCP runs)
 
 DATA = Path(__file__).parent / "data"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -415,6 +415,7 @@ def test_fast_path_and_pure_walker_decide_the_same_on_metadata_mutations(small_m
     assert seen["ok"] > 10 and seen["refused"] > 100, seen
 
 
+@pytest.mark.slow  # thousands of mutated pickles, each scanned twice
 def test_c_scan_and_pure_scan_decide_the_same_on_rank_file_mutations(qwen2_fp32_ws2):
     import io
 
