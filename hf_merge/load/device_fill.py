@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..readers.file_runs import Piece, read_into, run_of, values
+from ..readers.file_runs import OnPlaced, Piece, read_into, run_of, values
 
 if TYPE_CHECKING:
     from ..checkpoint import LazyCheckpoint
-
-#: what receives a file run's bytes as read: (descriptor, file offset, bytes)
-Placed = Callable[[int, int, memoryview], None]
 
 SLOT_BYTES = 32 << 20
 SLOTS = 3
@@ -59,7 +56,7 @@ class DeviceStager:
             self._done = [None] * slots
         self._next = 0
 
-    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor, placed: "Placed | None" = None) -> None:
+    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor, placed: "OnPlaced | None" = None) -> None:
         """Read tensor ``name`` of ``view`` into ``out`` (on this stager's device, any dtype);
         ``placed(fd, offset, bytes)`` gets each file run as it was read into a buffer."""
         src_dtype = view.specs()[name].dtype
@@ -81,7 +78,7 @@ class DeviceStager:
                 self._send(run.piece(part) if run else part, dst, placed)
         self._finish(lambda: None)
 
-    def _send(self, piece: Piece, dst: torch.Tensor, placed: "Placed | None" = None) -> None:
+    def _send(self, piece: Piece, dst: torch.Tensor, placed: "OnPlaced | None" = None) -> None:
         rows = values(piece)
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
@@ -122,7 +119,7 @@ class StagerPool:
         self._kwargs = kwargs
         self._local = threading.local()
 
-    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor, placed: "Placed | None" = None) -> None:
+    def fill(self, view: "LazyCheckpoint", name: str, out: torch.Tensor, placed: "OnPlaced | None" = None) -> None:
         stagers = getattr(self._local, "stagers", None)
         if stagers is None:
             stagers = self._local.stagers = {}

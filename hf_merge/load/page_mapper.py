@@ -29,11 +29,11 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
-from ..readers.file_runs import FileRun, Piece, pread_exact, run_of, values
+from ..readers.file_runs import FileRun, OnPlaced, Piece, pread_exact, run_of, values
 
 PAGE = mmap.PAGESIZE
 MIN_MAPPED_PAGES = 16  # a run of fewer whole pages is read (a mapping per 64 KB is not worth it)
@@ -109,7 +109,7 @@ class Mapper:
 
     def tensor(
         self, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[tuple[int, Piece]],
-        placed: "Callable[[int, int, memoryview], None] | None" = None,
+        placed: "OnPlaced | None" = None,
     ) -> torch.Tensor:
         """The tensor of ``shape`` / ``dtype`` made of ``runs`` (``(first row, rows)``, as
         :meth:`LazyCheckpoint.read_rows` yields them, in order, covering it), its file-backed runs

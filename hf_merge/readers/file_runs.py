@@ -20,7 +20,7 @@ import mmap
 import os
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Union
 
 if TYPE_CHECKING:  # torch is imported by whoever hands tensors in; pread/pwrite need none
     import torch
@@ -51,6 +51,10 @@ class FileRun:
 
 #: what ``read_rows`` yields after the first row: file bytes with their provenance, or values
 Piece = Union[FileRun, "torch.Tensor"]
+
+#: what receives a file run's bytes where a loader placed them: (descriptor, file offset, bytes)
+#: (:meth:`hf_merge.readers.record_crc.Placed.place`)
+OnPlaced = Callable[[int, int, memoryview], None]
 
 
 def values(piece: Piece) -> "torch.Tensor":
