@@ -112,9 +112,14 @@ def output_dtype_name(requested: "str | torch.dtype | None", config: dict[str, A
         return config_dtype_name(config)
     if requested == "auto":
         return None
-    name = dtype_alias(str(requested))
+    return _known_dtype_name(requested)
+
+
+def _known_dtype_name(value: "str | torch.dtype") -> str:
+    """:func:`dtype_alias` of ``value``; raises ValueError for a name that is not a floating dtype."""
+    name = dtype_alias(str(value))
     if name is None:
-        raise ValueError(f"unknown dtype {requested!r}; use one of float32, bfloat16, float16")
+        raise ValueError(f"unknown dtype {value!r}; use one of float32, bfloat16, float16")
     return name
 
 
@@ -123,10 +128,7 @@ def parse_dtype(value: "str | torch.dtype") -> torch.dtype:
 
     if isinstance(value, torch.dtype):
         return value
-    name = dtype_alias(value)
-    if name is None:
-        raise ValueError(f"unknown dtype {value!r}; use one of float32, bfloat16, float16")
-    return getattr(torch, name)
+    return getattr(torch, _known_dtype_name(value))
 
 
 @dataclass(frozen=True)
