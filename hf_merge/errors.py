@@ -19,6 +19,11 @@ def redact_credentials(text: str) -> str:
     )
 
 
+def folded(text: "str | BaseException") -> str:
+    """``text`` on one line: each run of whitespace, newlines included, as one space."""
+    return " ".join(str(text).split())
+
+
 class HfMergeError(Exception):
     """Base class of all hf_merge errors."""
 

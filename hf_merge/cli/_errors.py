@@ -7,7 +7,7 @@ import sys
 import traceback
 import zipfile
 
-from ..errors import HfMergeError, redact_credentials
+from ..errors import HfMergeError, folded, redact_credentials
 
 from ..settings import DEBUG_VAR, debug
 
@@ -23,7 +23,7 @@ def _os_error(e: OSError) -> str:
 MAX_LINE = 600
 def one_line(text: str) -> str:
     """The message as one short line: newlines folded, credentials redacted, length capped."""
-    line = redact_credentials(" ".join(str(text).split()))
+    line = redact_credentials(folded(text))
     return line if len(line) <= MAX_LINE else line[: MAX_LINE - 20] + " ... (message cut)"
 
 

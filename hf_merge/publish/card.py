@@ -75,7 +75,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ..errors import HubError
+from ..errors import HubError, folded
 from ..write.atomic import PROVENANCE_FILE
 
 __all__ = ["render_model_card", "render_adapter_card", "write_card", "card_text", "SECTION_BEGIN", "SECTION_END"]
@@ -194,9 +194,6 @@ def render_adapter_card(
     return _render(info, repo_id, existing_card_text, folder_files, adapter=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# facts derived from the record
-# ---------------------------------------------------------------------------------------------
 def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | None = None) -> bool:
     """Write ``folder/README.md`` from the provenance record; return True when the file changed.
 
@@ -213,7 +210,7 @@ def write_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | 
     try:
         _write_atomic(readme, text)
     except OSError as e:
-        raise HubError(f"cannot write {readme} ({' '.join(str(e).split())}): make the folder writable, or add a README.md") from e
+        raise HubError(f"cannot write {readme} ({folded(e)}): make the folder writable, or add a README.md") from e
     logger.debug("%s %s from %s", "extended" if existing else "wrote", readme, PROVENANCE_FILE)
     return True
 
@@ -233,7 +230,7 @@ def card_text(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str | N
     except (ValueError, yaml.YAMLError) as e:  # from the existing card's header
         if existing is None:
             raise
-        raise HubError(f"{readme} has a YAML header that cannot be read ({' '.join(str(e).split())}): fix or remove it") from e
+        raise HubError(f"{readme} has a YAML header that cannot be read ({folded(e)}): fix or remove it") from e
 
 
 def _adapter_base_model(folder: Path) -> str | None:
@@ -262,6 +259,9 @@ def _umask() -> int:
     return mask
 
 
+# ---------------------------------------------------------------------------------------------
+# facts derived from the record
+# ---------------------------------------------------------------------------------------------
 def _hub_model_id(name: Any) -> str | None:
     """``name`` when it is a valid Hub repo id, else None (local paths, empty, non-strings)."""
     if not isinstance(name, str) or not name or name.startswith((".", "/", "~")) or "\\" in name:

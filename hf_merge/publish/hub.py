@@ -29,14 +29,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import HubError, redact_credentials
+from ..errors import HubError, folded, redact_credentials
 from ..write.atomic import PROVENANCE_FILE
 from .card import TMP_PREFIX, card_text, write_card
 
@@ -203,7 +202,7 @@ def _check_repo_id(repo_id: str) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
-        raise HubError(f"invalid repo id {repo_id!r}: expected 'namespace/name' or 'name' ({_one_line(e)})") from e
+        raise HubError(f"invalid repo id {repo_id!r}: expected 'namespace/name' or 'name' ({folded(e)})") from e
 
 
 def known_digests(folder: Path, info: dict[str, Any] | None) -> dict[str, tuple[int, bytes]]:
@@ -275,7 +274,7 @@ def _read_provenance(folder: Path) -> dict[str, Any] | None:
         info = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HubError(
-            f"{path} cannot be read ({_one_line(e)}): re-run the merge, or delete it to push without a card"
+            f"{path} cannot be read ({folded(e)}): re-run the merge, or delete it to push without a card"
         ) from e
     if not isinstance(info, dict) or not isinstance(info.get("files", {}), dict):
         raise HubError(
@@ -289,7 +288,7 @@ def _index_files(index: Path) -> list[str]:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         names = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise HubError(f"{index} is not a valid shard index ({_one_line(e)}): re-run the merge") from e
+        raise HubError(f"{index} is not a valid shard index ({folded(e)}): re-run the merge") from e
     bad = [name for name in names if not _safe_name(name)]
     if bad:
         raise HubError(f"{index} names shard files outside the folder ({_names(bad)}): re-run the merge")
@@ -337,10 +336,6 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _one_line(error: BaseException | str) -> str:
-    return re.sub(r"\s+", " ", str(error)).strip()
-
-
 def _network_error_types() -> tuple[type[BaseException], ...]:
     """Connection/timeout errors of whichever HTTP client huggingface_hub uses (already imported)."""
     types: list[type[BaseException]] = [ConnectionError, TimeoutError]
@@ -383,7 +378,7 @@ def _hub_errors(repo_id: str, revision: str | None, endpoint: str) -> Iterator[N
                 f"repository {repo_id} not found on {endpoint}: check the repo id (namespace/name) "
                 f"and that your token may write to that namespace ({_LOGIN_HINT})"
             ) from e
-        detail = _one_line(getattr(e, "server_message", None) or "")
+        detail = folded(getattr(e, "server_message", None) or "")
         raise HubError(
             f"the Hub at {endpoint} answered HTTP {status}{': ' + detail if detail else ''}; "
             "try again: re-running the push skips what is already uploaded"
@@ -396,7 +391,7 @@ def _hub_errors(repo_id: str, revision: str | None, endpoint: str) -> Iterator[N
             "and HF_ENDPOINT, then re-run the push"
         ) from e
     except ValueError as e:  # e.g. "Invalid metadata in README.md" from the Hub's YAML validation
-        text = _one_line(e)
+        text = folded(e)
         if "README.md" in text:
             raise HubError(f"the Hub rejected README.md: {text}; fix its YAML header and re-run") from e
         raise HubError(f"upload to {repo_id} refused: {text}") from e
