@@ -198,17 +198,27 @@ def check_ranges(ranges: "list[tuple[int, int, int]]") -> None:
     if _skip:
         return
     for fd, offset, n in ranges:
-        st = os.fstat(fd)
-        with _lock:
-            archive = _archives.get(_key(st))
-        if archive is None:
-            continue
-        i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
-        while i < len(archive.records) and archive.records[i].data_start < offset + n:
-            rec = archive.records[i]
-            if rec.data_start + rec.size > offset:
-                _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:160]!r}")
-            i += 1
+        st, archive, records = _touched(fd, offset, n)
+        for rec in records:
+            _check(fd, st, rec.data_start, rec.size, rec.crc, f"{archive.where}: zip record {rec.name[:160]!r}")
+
+
+def _touched(fd: int, offset: int, n: int) -> "tuple[os.stat_result, _Archive | None, list[Record]]":
+    """The records of ``fd``'s archive (none when it is not a known one) that its bytes
+    ``offset .. offset + n`` overlap, in file order."""
+    st = os.fstat(fd)
+    with _lock:
+        archive = _archives.get(_key(st))
+    if archive is None:
+        return st, None, []
+    records = []
+    i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
+    while i < len(archive.records) and archive.records[i].data_start < offset + n:
+        rec = archive.records[i]
+        if rec.data_start + rec.size > offset:
+            records.append(rec)
+        i += 1
+    return st, archive, records
 
 
 class Stream:
@@ -291,16 +301,9 @@ class Placed:
         """``data`` is what the model now holds of the bytes of ``fd`` at ``offset``."""
         if _skip or not len(data):
             return
-        st = os.fstat(fd)
-        with _lock:
-            archive = _archives.get(_key(st))
-        if archive is None:
-            return
         end = offset + len(data)
-        i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
-        while i < len(archive.records) and archive.records[i].data_start < end:
-            rec = archive.records[i]
-            i += 1
+        st, _archive, records = _touched(fd, offset, len(data))
+        for rec in records:
             a, b = max(offset, rec.data_start), min(end, rec.data_start + rec.size)
             key = _key(st) + (rec.data_start,)
             if a >= b or key in _checked:
