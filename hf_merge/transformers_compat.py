@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -49,6 +50,8 @@ __all__ = [
     "progress",
     "rename_checkpoint_key",
     "set_attn_implementation",
+    "Stacking",
+    "stacking",
     "tied_weights",
     "weight_mapping",
 ]
@@ -219,6 +222,44 @@ def rename_checkpoint_key(name: str, mapping: list, prefix: str, meta: dict) -> 
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     return rename_source_key(name, renamings, converters, base_model_prefix=prefix, meta_state_dict=meta)
+
+
+@dataclass(frozen=True)
+class Stacking:
+    """A many-to-one weight converter made only of stacking and concatenation (transformers 5's
+    fused MoE experts): each source pattern's tensors (in checkpoint order) stacked along
+    ``stack_dim``, then the patterns' results concatenated along ``cat_dim`` in ``sources`` order;
+    either step may be absent (None)."""
+
+    sources: tuple[str, ...]
+    stack_dim: int | None
+    cat_dim: int | None
+
+
+def stacking(mapping: list, pattern: str) -> Stacking | None:
+    """What the converter of ``mapping`` that takes source ``pattern`` (as :func:`rename_checkpoint_key`
+    returns it) does, when it is only ``MergeModulelist`` (stack) and/or ``Concatenate`` along
+    non-negative dims into one target; None for any other converter."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    found = None
+    for entry in mapping:  # the last converter declaring the pattern wins, as in transformers' loader
+        if isinstance(entry, WeightConverter) and pattern in entry.source_patterns:
+            found = entry
+    if found is None or len(found.target_patterns) != 1 or found.quantization_operation is not None:
+        return None
+    kinds = [type(op) for op in found.operations]  # exact types: a subclass may convert otherwise
+    dims = [getattr(op, "dim", None) for op in found.operations]
+    if any(not isinstance(d, int) or d < 0 for d in dims):
+        return None
+    sources = tuple(found.source_patterns)
+    if kinds == [MergeModulelist] and len(sources) == 1:
+        return Stacking(sources, dims[0], None)
+    if kinds == [MergeModulelist, Concatenate]:
+        return Stacking(sources, dims[0], dims[1])
+    if kinds == [Concatenate]:
+        return Stacking(sources, None, dims[0])
+    return None
 
 
 def _load_info(missing: set[str], unexpected: set[str]):

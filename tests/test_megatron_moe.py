@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_merge import transformers_compat as compat
 from hf_merge.errors import MappingError
 from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.readers.megatron import hf_names, open_megatron
@@ -222,6 +223,35 @@ def test_from_sharded_pretrained_gives_megatrons_logits(megatron_moe_root, name)
     ref = torch.load(megatron_moe_root / name / "reference.pt", weights_only=True)
     with torch.no_grad():
         torch.testing.assert_close(model(ref["input_ids"]).logits, ref["logits"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x keeps one module per expert")
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_from_sharded_pretrained_fills_the_stacked_experts_itself(megatron_moe_root, merged, name, monkeypatch):
+    """transformers 5 holds each layer's experts stacked ([E, 2F, H], [E, H, F]); the per-expert
+    checkpoint tensors are read straight into their slices of those parameters, without
+    transformers' weight loop (its many-to-one converters), and the model equals
+    ``from_pretrained`` of the merge, tensor by tensor and in its logits."""
+    import transformers.modeling_utils as mu
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge
+
+    ref = AutoModelForCausalLM.from_pretrained(merged[name], attn_implementation="eager", dtype=torch.float32).eval()
+    loops = []
+    weight_loop = mu.convert_and_load_state_dict_in_model
+    monkeypatch.setattr(mu, "convert_and_load_state_dict_in_model", lambda *a, **k: loops.append(1) or weight_loop(*a, **k))
+    ours = hf_merge.from_sharded_pretrained(megatron_moe_root / SOURCES[name], dtype="float32", attn_implementation="eager")
+    assert loops == []
+    want, got = ref.state_dict(), ours.state_dict()
+    assert sorted(got) == sorted(want)
+    stacked = [k for k in got if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert stacked and all(got[k].dim() == 3 for k in stacked)
+    for key, value in got.items():
+        assert value.dtype == want[key].dtype and torch.equal(value, want[key]), key
+    ids = torch.arange(3, 11).unsqueeze(0) % ref.config.vocab_size
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
 @pytest.mark.compat

@@ -46,6 +46,7 @@ from ..errors import LoraError, MappingError, MissingConfigError, QuantizationEr
 from ..hf_files import find_config_dir, load_config
 from .page_mapper import Mapper
 from .device_fill import StagerPool, stages
+from .stacked import Slot, read_slot, slots
 from ..readers import contained, record_crc
 from ..pipeline import Fill, run_in_process
 from ..transforms.views import build_views, model_view
@@ -74,6 +75,7 @@ class LoadPlan:
     unexpected: dict[str, str] = field(default_factory=dict)  # model-side name -> view name, unused
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     skipped_heads: list[str] = field(default_factory=list)  # view names a base model has no place for
+    stacked: dict[str, list[Slot]] = field(default_factory=dict)  # model key -> where its view names go
     needs_converters: bool = False  # some names need transformers' many-to-one weight converters
 
 
@@ -464,12 +466,13 @@ def plan_load(model, view: LazyCheckpoint) -> tuple[LoadPlan, list]:
     specs = view.specs()
     plan = LoadPlan()
     stripped_prefix = False
+    converted: dict[str, list[tuple[str, str]]] = {}  # model key -> (converter source pattern, view name)
     for name in compat.checkpoint_order(specs):
         key, pattern = compat.rename_checkpoint_key(name, weight_mapping, prefix, meta)
         if key not in meta and name in meta:
             key, pattern = compat.rename_checkpoint_key(name, [], prefix, meta)
-        if pattern is not None:
-            plan.needs_converters = True
+        if pattern is not None and key in meta:
+            converted.setdefault(key, []).append((pattern, name))
             continue
         if key not in meta:
             plan.unexpected[key] = name
@@ -482,7 +485,16 @@ def plan_load(model, view: LazyCheckpoint) -> tuple[LoadPlan, list]:
         want, have = tuple(meta[key].shape), tuple(specs[name].shape)
         if want != have:
             plan.mismatched.append((name, have, want))
-    plan.missing = set(meta) - set(plan.assign)
+    for key, sources in converted.items():
+        stacking = compat.stacking(weight_mapping, sources[0][0])
+        places = None if stacking is None else slots(
+            stacking, sources, {n: tuple(specs[n].shape) for _, n in sources}, tuple(meta[key].shape)
+        )
+        if places is None:  # another converter, or experts that do not make the model's tensor
+            plan.needs_converters = True
+        else:
+            plan.stacked[key] = places
+    plan.missing = set(meta) - set(plan.assign) - set(plan.stacked)
     if stripped_prefix:
         # A base model loaded from a checkpoint with a head: the head's weights have no place in it.
         for key, name in list(plan.unexpected.items()):
@@ -603,7 +615,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     (:mod:`hf_merge.load.page_mapper`: the rank files' pages, no copy)."""
     meta = model.state_dict()
     specs = view.specs()
-    keys = list(plan.assign)
+    keys = list(plan.assign) + list(plan.stacked)
     devices = compat.expand_device_map(device_map, keys) if device_map is not None else dict.fromkeys(keys, "cpu")
     dtype_plan = compat.dtype_plan(model, load_dtype)
     dtype_pattern, group_to_glob, _ = compat.glob_alternation(list(dtype_plan)) if dtype_plan else (None, {}, {})
@@ -611,7 +623,8 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     def target_dtype(key: str) -> torch.dtype:
         if dtype_pattern is not None and (m := dtype_pattern.search(key)) is not None:
             return dtype_plan[group_to_glob[m.lastgroup]]
-        have, want = specs[plan.assign[key]].dtype, meta[key].dtype
+        source = plan.assign[key] if key in plan.assign else plan.stacked[key][0].name
+        have, want = specs[source].dtype, meta[key].dtype
         if keep_dtype and have.is_floating_point and want.is_floating_point:
             return have
         return want
@@ -620,9 +633,22 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     stagers = StagerPool()
     placed = record_crc.Placed()  # the records' CRC-32 over the bytes as the model holds them
 
-    def read(key: str) -> tuple[str, torch.Tensor]:
+    # Stacked tensors (fused experts) are allocated here and filled slice by slice by the threads.
+    stacked = {key: torch.empty(tuple(meta[key].shape), dtype=target_dtype(key), device=devices[key]) for key in plan.stacked}
+    jobs: list[tuple[str, Slot | None]] = [(key, None) for key in plan.assign]
+    jobs += [(key, slot) for key, places in plan.stacked.items() for slot in places]
+
+    def read(job: tuple[str, Slot | None]) -> tuple[str, torch.Tensor | None]:
+        key, slot = job
         with record_crc.deferred(check_at_end=False, pending=placed.pending):
-            return read_one(key)
+            if slot is None:
+                return read_one(key)
+            dst = slot.of(stacked[key])
+            if stages(dst.device):
+                stagers.fill(view, slot.name, dst, placed.place)
+            else:
+                read_slot(view, slot.name, dst, placed.place)
+            return key, None
 
     def read_one(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
@@ -644,7 +670,10 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
         return key, out
 
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        for key, tensor in compat.progress(pool.map(read, keys), total=len(keys), desc="Loading weights"):
+        for key, tensor in compat.progress(pool.map(read, jobs), total=len(jobs), desc="Loading weights"):
+            if tensor is not None:
+                _assign(model, key, tensor)
+        for key, tensor in stacked.items():
             _assign(model, key, tensor)
         placed.finish(pool)  # a damaged record raises here, before the model is returned
 

@@ -1,0 +1,117 @@
+"""Stacked model parameters filled slice by slice: transformers 5's fused MoE experts without its weight loop.
+
+transformers 5 holds a MoE layer's experts as one tensor per projection (Qwen3-MoE
+``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``) while checkpoints
+(and ``merge``'s Hub layout) have one tensor per expert; its loader turns one into the other with
+many-to-one weight converters: each expert's tensors collected, ``torch.stack``-ed, concatenated.
+Where a converter is only that (:class:`hf_merge.transformers_compat.Stacking`), every checkpoint
+tensor has a fixed place in the stacked parameter: :func:`slots` works those places out from the
+specs alone (nothing read), and :func:`read_slot` reads a tensor straight into its place, as the
+dense fill reads a whole tensor: no per-expert copy, no stacked copy of the copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from ..readers.file_runs import OnPlaced, Piece, read_into, run_of, values
+
+if TYPE_CHECKING:
+    from ..checkpoint import LazyCheckpoint
+    from ..transformers_compat import Stacking
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where checkpoint tensor ``name`` lies in a stacked model tensor ``out``:
+    ``out.narrow(*cat).select(*stack)`` (each step only when set)."""
+
+    name: str
+    cat: tuple[int, int, int] | None = None  # (dim, start, length)
+    stack: tuple[int, int] | None = None  # (dim, index)
+
+    def of(self, out: torch.Tensor) -> torch.Tensor:
+        if self.cat is not None:
+            out = out.narrow(*self.cat)
+        if self.stack is not None:
+            out = out.select(*self.stack)
+        return out
+
+
+def slots(
+    stacking: "Stacking", sources: list[tuple[str, str]], shapes: dict[str, tuple[int, ...]], want: tuple[int, ...]
+) -> list[Slot] | None:
+    """The place of each ``(source pattern, checkpoint name)`` of one model tensor of shape ``want``
+    (``sources`` in the order transformers' loader collects them), or None when they do not build
+    exactly that shape (missing or extra experts, other shapes: left to transformers' loop, which
+    reports it)."""
+    groups: dict[str, list[str]] = {}
+    for pattern, name in sources:
+        if pattern not in stacking.sources:
+            return None
+        groups.setdefault(pattern, []).append(name)
+    stack, cat = stacking.stack_dim, stacking.cat_dim
+    # the pieces concatenated, in order: (shape, [(name, stack index or None)])
+    pieces: list[tuple[list[int], list[tuple[str, int | None]]]] = []
+    for names in (groups[p] for p in stacking.sources if p in groups):
+        if stack is None:
+            pieces.extend((list(shapes[n]), [(n, None)]) for n in names)
+            continue
+        first = list(shapes[names[0]])
+        if any(list(shapes[n]) != first for n in names) or stack > len(first):
+            return None
+        pieces.append((first[:stack] + [len(names)] + first[stack:], [(n, i) for i, n in enumerate(names)]))
+    if not pieces or (cat is None and len(pieces) != 1):
+        return None
+    rank = len(want)
+    if any(len(shape) != rank for shape, _ in pieces) or (cat is not None and cat >= rank):
+        return None
+    if any(shape[d] != want[d] for shape, _ in pieces for d in range(rank) if d != cat):
+        return None
+    if cat is not None and sum(shape[cat] for shape, _ in pieces) != want[cat]:
+        return None
+    out: list[Slot] = []
+    start = 0
+    for shape, members in pieces:
+        narrow = (cat, start, shape[cat]) if cat is not None else None
+        out.extend(Slot(name, narrow, None if index is None else (stack, index)) for name, index in members)
+        start += shape[cat] if cat is not None else 0
+    return out
+
+
+def read_slot(view: "LazyCheckpoint", name: str, dst: torch.Tensor, placed: OnPlaced | None = None) -> None:
+    """Read checkpoint tensor ``name`` into ``dst`` (its place in a CPU tensor, any dtype), as the
+    dense fill reads a tensor it does not map: a tensor the checkpoint holds as file runs is
+    ``preadv``-ed run by run into place and each run's bytes, as the model now holds them, given to
+    ``placed`` (the load's CRC-32 check, :class:`hf_merge.readers.record_crc.Placed`); any other
+    (a box of a stacked Megatron tensor, a cast) is ``read_into`` its place."""
+    if not dst.is_contiguous():
+        dst.copy_(view.read(name))
+        return
+    runs = file_rows(view, name, dst.dtype) if dst.dim() else None
+    if runs is None:
+        view.read_into(name, dst)
+        return
+    for first, piece in runs:
+        part = dst[first : first + len(values(piece))]
+        read_into(piece, part)
+        run = run_of(piece)
+        if run is not None and placed is not None:
+            placed(run.fd, run.offset, memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+
+
+def file_rows(view: "LazyCheckpoint", name: str, dtype: torch.dtype) -> Iterator[tuple[int, Piece]] | None:
+    """``view.read_rows(name, dtype)`` when its first run is file bytes unchanged (a
+    :class:`~hf_merge.readers.file_runs.FileRun`), else None (no runs, a cast, computed rows); a
+    one-row probe decides, which costs one row's read."""
+    probe = view.read_rows(name, dtype, 1)
+    first = next(iter(probe), None) if probe is not None else None
+    if first is None or run_of(first[1]) is None:
+        return None
+    return view.read_rows(name, dtype)
+
+
+__all__ = ["Slot", "file_rows", "read_slot", "slots"]
