@@ -254,6 +254,31 @@ def test_from_sharded_pretrained_fills_the_stacked_experts_itself(megatron_moe_r
         assert torch.equal(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
+@pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x keeps one module per expert")
+def test_a_flipped_byte_in_an_expert_stops_the_stacked_load(megatron_moe_root, tmp_path, monkeypatch):
+    """The experts read into their slices are CRC-checked like every tensor of the load: a flipped
+    bit inside an expert's zip record raises before a model is returned."""
+    import os
+    import shutil
+
+    import hf_merge
+    from hf_merge.readers import record_crc
+
+    src = tmp_path / "actor"
+    shutil.copytree(megatron_moe_root / SOURCES["qwen3_moe"], src)
+    seen = []
+    real = record_crc.check_record
+    monkeypatch.setattr(record_crc, "check_record", lambda fd, start, size, crc, where: (
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), start, size, where)), real(fd, start, size, crc, where))[1])
+    hf_merge.from_sharded_pretrained(src, dtype="keep")
+    path, start, size, where = next(item for item in seen if "linear_fc2" in item[3] and "experts" in item[3])
+    raw = bytearray(Path(path).read_bytes())
+    raw[start + size // 2] ^= 0x10
+    Path(path).write_bytes(bytes(raw))
+    with pytest.raises(record_crc.SourceCrcError, match=Path(path).name):
+        hf_merge.from_sharded_pretrained(src, dtype="keep")
+
+
 @pytest.mark.compat
 def test_config_written_by_save_pretrained_merges_the_same(megatron_moe_root, merged, tmp_path):
     """config.json as transformers' own ``save_pretrained`` writes it for Qwen3-MoE (transformers 5

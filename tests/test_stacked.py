@@ -1,0 +1,77 @@
+"""The places :mod:`hf_merge.load.stacked` gives per-expert tensors in a stacked parameter are
+where transformers' own converters put them, for every stacking converter the installed
+transformers declares (the loads themselves are tested on real Megatron-Core MoE checkpoints in
+``test_megatron_moe.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_merge import transformers_compat as compat
+from hf_merge.load.stacked import slots
+
+pytestmark = pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x has no weight converters")
+
+EXPERTS = 3
+SHAPE = (5, 7)  # one expert's tensor
+
+
+def _converters():
+    from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    seen = {}
+    for model_type, entries in _build_checkpoint_conversion_mapping().items():
+        for entry in entries:
+            if isinstance(entry, WeightConverter):
+                key = (tuple(entry.source_patterns), tuple(entry.target_patterns), repr(entry.operations))
+                seen.setdefault(key, (model_type, entry))
+    return list(seen.values())
+
+
+def _theirs(converter, inputs: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+    """transformers' converter run on ``inputs`` (source pattern -> tensors in checkpoint order)."""
+    collected = {p: list(ts) for p, ts in inputs.items()}
+    for op in converter.operations:
+        collected = op.convert(collected, source_patterns=converter.source_patterns,
+                               target_patterns=converter.target_patterns, full_layer_name="x", model=None, config=None)
+    (value,) = collected.values()
+    return value[0] if isinstance(value, list) else value
+
+
+def test_every_stacking_converter_places_each_tensor_where_transformers_does():
+    converters = _converters()
+    stacking = [(t, c, compat.stacking([c], c.source_patterns[0])) for t, c in converters]
+    stacking = [item for item in stacking if item[2] is not None]
+    assert len(stacking) >= 3, "transformers declares no stacking converters any more"
+    g = torch.Generator().manual_seed(0)
+    for model_type, converter, how in stacking:
+        count = EXPERTS if how.stack_dim is not None else 1
+        inputs = {p: [torch.randn(SHAPE, generator=g) for _ in range(count)] for p in converter.source_patterns}
+        want = _theirs(converter, inputs)
+        names = {f"{p}#{i}": t for p, ts in inputs.items() for i, t in enumerate(ts)}
+        sources = [(p, f"{p}#{i}") for p, ts in inputs.items() for i in range(len(ts))]
+        places = slots(how, sources, {n: tuple(t.shape) for n, t in names.items()}, tuple(want.shape))
+        assert places is not None, (model_type, converter)
+        got = torch.full(want.shape, float("nan"))
+        for slot in places:
+            slot.of(got).copy_(names[slot.name])
+        assert torch.equal(got, want), (model_type, converter)
+
+
+def test_experts_that_do_not_make_the_parameter_are_left_to_transformers():
+    """A missing expert or another shape: no places (the load goes through transformers' loop)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    gate_up = next(c for c in get_checkpoint_conversion_mapping("qwen2_moe") if len(c.source_patterns) == 2)
+    how = compat.stacking([gate_up], gate_up.source_patterns[0])
+    gate, up = gate_up.source_patterns
+    sources = [(p, f"{p}{i}") for p in (gate, up) for i in range(4)]
+    shapes = {n: (8, 16) for _, n in sources}
+    assert slots(how, sources, shapes, (4, 16, 16)) is not None
+    assert slots(how, sources[:-1], shapes, (4, 16, 16)) is None  # the last up_proj missing
+    assert slots(how, sources, {**shapes, f"{up}3": (8, 15)}, (4, 16, 16)) is None
+    assert slots(how, sources, shapes, (4, 16, 17)) is None
+    transpose = next(c for t, c in _converters() if "Transpose" in repr(c.operations))
+    assert compat.stacking([transpose], transpose.source_patterns[0]) is None
