@@ -227,11 +227,12 @@ def test_from_sharded_pretrained_gives_megatrons_logits(megatron_moe_root, name)
 
 @pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x keeps one module per expert")
 @pytest.mark.parametrize("name", list(SOURCES))
-def test_from_sharded_pretrained_fills_the_stacked_experts_itself(megatron_moe_root, merged, name, monkeypatch):
+def test_from_sharded_pretrained_fills_the_stacked_experts_itself(megatron_moe_root, merged, name, monkeypatch, tmp_path):
     """transformers 5 holds each layer's experts stacked ([E, 2F, H], [E, H, F]); the per-expert
     checkpoint tensors are read straight into their slices of those parameters, without
     transformers' weight loop (its many-to-one converters), and the model equals
-    ``from_pretrained`` of the merge, tensor by tensor and in its logits."""
+    ``from_pretrained`` of the merge, tensor by tensor and in its logits; its ``save_pretrained``
+    writes the merge's tensors (the conversions used are recorded on the model)."""
     import transformers.modeling_utils as mu
     from transformers import AutoModelForCausalLM
 
@@ -252,6 +253,9 @@ def test_from_sharded_pretrained_fills_the_stacked_experts_itself(megatron_moe_r
     ids = torch.arange(3, 11).unsqueeze(0) % ref.config.vocab_size
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
+    ours.save_pretrained(tmp_path / "resaved")
+    a, b = folder_tensors(tmp_path / "resaved"), folder_tensors(merged[name])
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
 
 
 @pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x keeps one module per expert")
