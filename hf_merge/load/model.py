@@ -14,10 +14,13 @@ context, ``device_map="auto"`` (accelerate), and the finishing steps of ``from_p
 (``_finalize_model_loading``: non-persistent buffers such as rotary ``inv_freq`` recomputed by the
 model's ``_init_weights``, weights tied, the loading report). Those of its helpers that are not public API
 (``_``-prefixed, ``modeling_utils`` / ``core_model_loading`` / ``integrations.accelerate``
-internals) are called only through :mod:`hf_merge.transformers_compat`. Loads that need transformers' weight
-loop itself — on-the-fly quantization (``quantization_config``), many-to-one weight converters,
-disk offload — are handed to ``from_pretrained(None, state_dict=...)`` with lazy values, so they
-still read one tensor at a time.
+internals) are called only through :mod:`hf_merge.transformers_compat`. A model that stacks tensors the
+checkpoint has one by one (transformers 5's fused MoE experts, many-to-one converters made only of
+stacking and concatenation) is filled here too: each checkpoint tensor is read into its slice of
+the stacked parameter (:mod:`hf_merge.load.stacked`). Loads that need transformers' weight loop
+itself — on-the-fly quantization (``quantization_config``), other weight converters (transposes,
+splits, permutations...), disk offload — are handed to ``from_pretrained(None, state_dict=...)``
+with lazy values, so they still read one tensor at a time.
 
 Unlike ``from_pretrained``, a checkpoint that does not fit the model is an error (missing or
 unexpected weights are named), not a warning, unless ``strict=False``. Head weights a base model
