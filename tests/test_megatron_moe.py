@@ -259,6 +259,27 @@ def test_from_sharded_pretrained_fills_the_stacked_experts_itself(megatron_moe_r
 
 
 @pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x keeps one module per expert")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_experts_through_the_staging_ring(megatron_moe_root, merged, dtype, monkeypatch):
+    """The accelerator branch of the stacked fill (each expert through a stager's ring of buffers
+    into its slice), walked on the CPU with plain 1 KB buffers that split the experts' rows, as
+    ``test_device_fill.py`` walks it for dense tensors; with a cast too."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge
+    import hf_merge.load.model as loader
+    from hf_merge.load.device_fill import StagerPool
+
+    monkeypatch.setattr(loader, "stages", lambda device: True)
+    monkeypatch.setattr(loader, "StagerPool", lambda: StagerPool(slot_bytes=1024))
+    ours = hf_merge.from_sharded_pretrained(megatron_moe_root / SOURCES["qwen2_moe"], dtype=dtype, disable_mmap=True)
+    ref = AutoModelForCausalLM.from_pretrained(merged["qwen2_moe"], dtype=getattr(torch, dtype))
+    want = ref.state_dict()
+    for key, value in ours.state_dict().items():
+        assert value.dtype == want[key].dtype and torch.equal(value, want[key]), key
+
+
+@pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x keeps one module per expert")
 def test_a_flipped_byte_in_an_expert_stops_the_stacked_load(megatron_moe_root, tmp_path, monkeypatch):
     """The experts read into their slices are CRC-checked like every tensor of the load: a flipped
     bit inside an expert's zip record raises before a model is returned."""
