@@ -75,3 +75,52 @@ def test_experts_that_do_not_make_the_parameter_are_left_to_transformers():
     assert slots(how, sources, shapes, (4, 16, 17)) is None
     transpose = next(c for t, c in _converters() if "Transpose" in repr(c.operations))
     assert compat.stacking([transpose], transpose.source_patterns[0]) is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_dcp_checkpoint_with_one_tensor_per_expert(tmp_path, monkeypatch):
+    """A Qwen3-MoE state dict in the Hub layout (one tensor per expert, as transformers 4.x holds
+    it) saved by ``torch.distributed.checkpoint``: its experts are file runs. A stacked parameter
+    worth mapping (gate_up_proj, 64 KiB) is built whole by the page mapper from its experts' runs,
+    a smaller one (down_proj) is read slot by slot; every expert's bytes go to the CRC-32 check
+    where the model holds them; no transformers weight loop; equal to the saved model."""
+    import torch.distributed.checkpoint as dcp
+    import transformers.modeling_utils as mu
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_merge
+    import hf_merge.load.model as loader
+    from hf_merge.load.page_mapper import Mapper
+    from hf_merge.readers import record_crc
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=64, architectures=["Qwen3MoeForCausalLM"],
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path / "hf")
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in state
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+
+    built, slots_read, placed, loops = [], [], [], []
+    real_tensor, real_slot, real_place = Mapper.tensor, loader.read_slot, record_crc.Placed.place
+    monkeypatch.setattr(Mapper, "tensor", lambda self, shape, *a: built.append(shape) or real_tensor(self, shape, *a))
+    monkeypatch.setattr(loader, "read_slot", lambda view, name, *a: slots_read.append(name) or real_slot(view, name, *a))
+    monkeypatch.setattr(record_crc.Placed, "place", lambda self, fd, at, data: placed.append(len(data)) or real_place(self, fd, at, data))
+    weight_loop = mu.convert_and_load_state_dict_in_model
+    monkeypatch.setattr(mu, "convert_and_load_state_dict_in_model", lambda *a, **k: loops.append(1) or weight_loop(*a, **k))
+
+    ours = hf_merge.from_sharded_pretrained(tmp_path / "ckpt", config=tmp_path / "hf", dtype="float32")
+    assert loops == []
+    assert built.count((4 * 64 * 64,)) == 2  # each layer's gate_up_proj, whole
+    assert sorted(slots_read) == sorted(k for k in state if ".experts." in k and "down_proj" in k)
+    experts = sum(t.numel() * 4 for k, t in state.items() if ".experts." in k)
+    assert sum(placed) >= experts
+    want, got = model.state_dict(), ours.state_dict()
+    assert sorted(got) == sorted(want)
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), key

@@ -49,7 +49,7 @@ from ..errors import LoraError, MappingError, MissingConfigError, QuantizationEr
 from ..hf_files import find_config_dir, load_config
 from .page_mapper import Mapper
 from .device_fill import StagerPool, stages
-from .stacked import Slot, read_slot, slots
+from .stacked import Slot, first_piece, flat_runs, read_slot, slots, tiling
 from ..readers import contained, record_crc
 from ..pipeline import Fill, run_in_process
 from ..transforms.views import build_views, model_view
@@ -636,14 +636,40 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     stagers = StagerPool()
     placed = record_crc.Placed()  # the records' CRC-32 over the bytes as the model holds them
 
-    # Stacked tensors (fused experts) are allocated here and filled slice by slice by the threads.
-    stacked = {key: torch.empty(tuple(meta[key].shape), dtype=target_dtype(key), device=devices[key]) for key in plan.stacked}
-    jobs: list[tuple[str, Slot | None]] = [(key, None) for key in plan.assign]
-    jobs += [(key, slot) for key, places in plan.stacked.items() for slot in places]
+    def maps(key: str, name: str, nbytes: int) -> bool:
+        """Whether CPU tensor ``key`` is built by the mapper from checkpoint tensor ``name``'s file runs."""
+        dtype = target_dtype(key)
+        if mapper is None or str(devices[key]) != "cpu" or specs[name].dtype != dtype or not mapper.worth(nbytes):
+            return False
+        # a run that is cast or computed (LoRA) comes one row long here: cheap to drop, and such
+        # a tensor is read_into its buffer in one pass, as before
+        first = first_piece(view, name, dtype)
+        return first is not None and mapper.maps(first)
+
+    # Stacked tensors (fused experts): mapped whole where their experts' file runs tile them in
+    # the load dtype, else allocated here and filled slice by slice by the threads.
+    whole: dict[str, list[tuple[int, Slot]]] = {}
+    with record_crc.deferred(check_at_end=False, pending=placed.pending):  # the probes' records: noted
+        for key, places in plan.stacked.items():
+            tiles = tiling(places, tuple(meta[key].shape))
+            nbytes = meta[key].numel() * target_dtype(key).itemsize
+            same = all(specs[s.name].dtype == specs[places[0].name].dtype for s in places)
+            if tiles is not None and same and maps(key, tiles[0][1].name, nbytes):
+                whole[key] = tiles
+    stacked = {
+        key: torch.empty(tuple(meta[key].shape), dtype=target_dtype(key), device=devices[key])
+        for key in plan.stacked if key not in whole
+    }
+    jobs: list[tuple[str, Slot | None]] = [(key, None) for key in list(plan.assign) + list(whole)]
+    jobs += [(key, slot) for key in stacked for slot in plan.stacked[key]]
 
     def read(job: tuple[str, Slot | None]) -> tuple[str, torch.Tensor | None]:
         key, slot = job
         with record_crc.deferred(check_at_end=False, pending=placed.pending):
+            if slot is None and key in whole:
+                shape, dtype = tuple(meta[key].shape), target_dtype(key)
+                flat = mapper.tensor((meta[key].numel(),), dtype, flat_runs(view, whole[key], dtype), placed.place)
+                return key, flat.view(shape)
             if slot is None:
                 return read_one(key)
             dst = slot.of(stacked[key])
@@ -655,16 +681,8 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
 
     def read_one(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
-        if (
-            mapper is not None and str(devices[key]) == "cpu"
-            and specs[name].dtype == dtype and mapper.worth(specs[name].nbytes)
-        ):
-            # a run that is cast or computed (LoRA) comes one row long here: cheap to drop, and such
-            # a tensor is read_into its buffer below in one pass, as before
-            probe = view.read_rows(name, dtype, 1)
-            first = next(iter(probe), None) if probe is not None else None
-            if first is not None and mapper.maps(first[1]):
-                return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype), placed.place)
+        if maps(key, name, specs[name].nbytes):
+            return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype), placed.place)
         out = torch.empty(shape, dtype=dtype, device=devices[key])
         if stages(out.device):
             stagers.fill(view, name, out, placed.place)  # pinned buffers, transfers overlapped with reads

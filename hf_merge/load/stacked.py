@@ -12,6 +12,7 @@ dense fill reads a whole tensor: no per-expert copy, no stacked copy of the copi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -103,15 +104,54 @@ def read_slot(view: "LazyCheckpoint", name: str, dst: torch.Tensor, placed: OnPl
             placed(run.fd, run.offset, memoryview(part.reshape(-1).view(torch.uint8).numpy()))
 
 
-def file_rows(view: "LazyCheckpoint", name: str, dtype: torch.dtype) -> Iterator[tuple[int, Piece]] | None:
-    """``view.read_rows(name, dtype)`` when its first run is file bytes unchanged (a
-    :class:`~hf_merge.readers.file_runs.FileRun`), else None (no runs, a cast, computed rows); a
-    one-row probe decides, which costs one row's read."""
+def first_piece(view: "LazyCheckpoint", name: str, dtype: torch.dtype) -> Piece | None:
+    """The first row of ``view.read_rows(name, dtype)`` (a one-row probe: one row's read), or None
+    when the tensor has no runs of rows."""
     probe = view.read_rows(name, dtype, 1)
     first = next(iter(probe), None) if probe is not None else None
-    if first is None or run_of(first[1]) is None:
-        return None
-    return view.read_rows(name, dtype)
+    return None if first is None else first[1]
 
 
-__all__ = ["Slot", "file_rows", "read_slot", "slots"]
+def file_rows(view: "LazyCheckpoint", name: str, dtype: torch.dtype) -> Iterator[tuple[int, Piece]] | None:
+    """``view.read_rows(name, dtype)`` when its first run is file bytes unchanged (a
+    :class:`~hf_merge.readers.file_runs.FileRun`), else None (no runs, a cast, computed rows)."""
+    first = first_piece(view, name, dtype)
+    return view.read_rows(name, dtype) if first is not None and run_of(first) is not None else None
+
+
+def tiling(places: list[Slot], shape: tuple[int, ...]) -> list[tuple[int, Slot]] | None:
+    """``(element offset, slot)`` in memory order when every slot is one contiguous block of a
+    tensor of ``shape`` and together they cover it exactly, once (the stacked experts of one
+    projection: ``[E, 2F, H]`` is gate 0, up 0, gate 1...); else None."""
+    probe = torch.empty(shape, device="meta")
+    blocks = []
+    for slot in places:
+        part = slot.of(probe)
+        if not part.is_contiguous():
+            return None
+        blocks.append((part.storage_offset(), part.numel(), slot))
+    blocks.sort(key=lambda b: b[0])
+    at = 0
+    for offset, numel, _ in blocks:
+        if offset != at:
+            return None
+        at += numel
+    return [(offset, slot) for offset, _, slot in blocks] if at == probe.numel() else None
+
+
+def flat_runs(view: "LazyCheckpoint", tiles: list[tuple[int, Slot]], dtype: torch.dtype) -> Iterator[tuple[int, Piece]]:
+    """The runs of a stacked tensor flattened to one dimension, ``(first element, piece)``, slot
+    after slot in memory order: what :meth:`hf_merge.load.page_mapper.Mapper.tensor` builds a
+    tensor of ``(numel,)`` from (its file runs mapped where the pages agree, the rest read)."""
+    specs = view.specs()
+    for offset, slot in tiles:
+        row = math.prod(specs[slot.name].shape[1:])
+        runs = view.read_rows(slot.name, dtype)
+        if runs is None:
+            yield offset, view.read(slot.name).to(dtype)
+            continue
+        for first, piece in runs:
+            yield offset + first * row, piece
+
+
+__all__ = ["Slot", "file_rows", "first_piece", "flat_runs", "read_slot", "slots", "tiling"]
