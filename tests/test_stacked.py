@@ -104,7 +104,7 @@ def test_a_dcp_checkpoint_with_one_tensor_per_expert(tmp_path, monkeypatch):
     model.save_pretrained(tmp_path / "hf")
     state = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in state
-    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))  # no process group: one process (torch >= 2.6)
 
     built, slots_read, placed, loops = [], [], [], []
     real_tensor, real_slot, real_place = Mapper.tensor, loader.read_slot, record_crc.Placed.place
