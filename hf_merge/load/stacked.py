@@ -7,7 +7,9 @@ many-to-one weight converters: each expert's tensors collected, ``torch.stack``-
 Where a converter is only that (:class:`hf_merge.transformers_compat.Stacking`), every checkpoint
 tensor has a fixed place in the stacked parameter: :func:`slots` works those places out from the
 specs alone (nothing read), and :func:`read_slot` reads a tensor straight into its place, as the
-dense fill reads a whole tensor: no per-expert copy, no stacked copy of the copies.
+dense fill reads a whole tensor: no per-expert copy, no stacked copy of the copies. Where the
+experts are file runs that tile the parameter (:func:`tiling`), the loader instead builds it whole
+with the page mapper from :func:`flat_runs`, as it maps a dense tensor.
 """
 
 from __future__ import annotations
