@@ -34,6 +34,7 @@ a fused tensor, without reading the rest.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -156,7 +157,9 @@ def _storage_dtype(name: str) -> torch.dtype | None:
 _CHUNK_PICKLE = Allowlist.of(calls=[("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")])
 
 
+@functools.cache
 def _chunk_substitutes() -> dict[tuple[str, str], Any]:
+    """The chunk pickles' stand-ins (the same for every chunk: made once; the unpickler copies them)."""
     subs: dict[tuple[str, str], Any] = {("torch._utils", "_rebuild_tensor_v2"): _RebuildRecord}
     for module, name in torch_names().names:
         if _storage_dtype(name) is not None:
