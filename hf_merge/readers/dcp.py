@@ -178,6 +178,23 @@ def _chunk_persistent_load(pid: Any) -> Any:
     return (str(key), dtype, int(numel))
 
 
+#: chunk pickles already read, by their bytes: the chunks of same-shaped tensors (every layer's)
+#: pickle the same bytes, so a 64-layer model's 1,542 chunks hold a few dozen distinct pickles
+_CHUNK_PICKLES: dict[bytes, Any] = {}
+_CHUNK_PICKLES_MAX = 1 << 16
+
+
+def _chunk_pickle(data: bytes, where: str) -> Any:
+    """A chunk's ``data.pkl`` read under :data:`_CHUNK_PICKLE` (the policy's walk and refusals as
+    always), once per distinct pickle: the same bytes give the same recorder, which is only read."""
+    known = _CHUNK_PICKLES.get(data)
+    if known is None:
+        known = load_pickle(data, _CHUNK_PICKLE, where, substitutes=_chunk_substitutes(), persistent_load=_chunk_persistent_load)
+        if len(_CHUNK_PICKLES) < _CHUNK_PICKLES_MAX:
+            _CHUNK_PICKLES[data] = known
+    return known
+
+
 def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layout:
     """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout.
 
@@ -197,10 +214,7 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layou
     if order is not None and os.pread(fd, min(order.size, 16), order.data_start).strip() not in (b"little", b""):
         raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
     rec_info = records[pkl[0]]
-    rec = load_pickle(
-        os.pread(fd, rec_info.size, rec_info.data_start), _CHUNK_PICKLE, f"{where}, chunk at byte {chunk.start}",
-        substitutes=_chunk_substitutes(), persistent_load=_chunk_persistent_load,
-    )
+    rec = _chunk_pickle(os.pread(fd, rec_info.size, rec_info.data_start), f"{where}, chunk at byte {chunk.start}")
     if not isinstance(rec, _RebuildRecord) or not isinstance(rec.storage, tuple):
         raise UnsupportedCheckpointError(f"{where}: chunk at byte {chunk.start} does not hold a single tensor")
     key, dtype, numel = rec.storage
