@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/bench_accelerate.py --workdir bench_out/accelerate            # ~1.07 GB fp32
     .venv/bin/python benchmarks/bench_accelerate.py --workdir /tmp/acc_small --layers 2       # a quick run
+    .venv/bin/python benchmarks/bench_accelerate.py --workdir W --layers 64 --model-only --rounds 3   # 3.15 GB
 
 A Qwen2-shaped model (fp32, untied; 18 layers of hidden 1024: 268 M parameters, 1.07 GB) is
 saved by REAL accelerate on CPU (gloo, 2 ranks, FSDP2 plugin with ``SHARDED_STATE_DICT``; on CPU
@@ -19,8 +20,10 @@ RssAnon of the process tree sampled every 20 ms, CPU seconds of the process tree
   copy floor  `cat pytorch_model_fsdp_0/*.distcp > one file` + fsync: the bytes both tools must read (about
               the output's size); if 0.3x accelerate's wall is below it, no tool meets that on this disk
 
-and the two outputs are compared tensor by tensor (names, dtype, shape, bytes). Targets (issue 14):
-hf-merge wall <= 0.3x accelerate's, peak anonymous memory <= 512 MB.
+and the two outputs are compared tensor by tensor (names, dtype, shape, bytes). ``--model-only``
+prepares the model without an optimizer (no ``optimizer_0/``, whose Adam moments are twice the
+model); ``--rounds N`` interleaves the three N times (benchmarks/peer_rounds.py). Targets (issue 28):
+hf-merge wall <= 1.3x the copy floor at >= 3 GB, <= 0.5x accelerate's, peak anonymous memory <= 512 MB.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import bench_merge as bm  # noqa: E402
+import peer_rounds  # noqa: E402
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
               num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
-def _worker(rank: int, out: str, port: int, layers: int) -> None:
+def _worker(rank: int, out: str, port: int, layers: int, model_only: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -63,8 +67,10 @@ def _worker(rank: int, out: str, port: int, layers: int) -> None:
     torch.manual_seed(0)
     config = Qwen2Config(num_hidden_layers=layers, **CONFIG)
     model = Qwen2ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = acc.prepare(model, opt)
+    if model_only:  # save_state then writes pytorch_model_fsdp_0/ alone (no optimizer_0/: ~2x the model)
+        model = acc.prepare(model)
+    else:
+        model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     acc.save_state(str(Path(out) / "ckpt"))
     if rank == 0:
         config.save_pretrained(Path(out) / "config")
@@ -72,49 +78,53 @@ def _worker(rank: int, out: str, port: int, layers: int) -> None:
     dist.destroy_process_group()
 
 
-def make(out: Path, layers: int) -> None:
+def make(out: Path, layers: int, model_only: bool) -> None:
     if (out / "config" / "config.json").is_file():
         return
     shutil.rmtree(out, ignore_errors=True)
     code = (f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r}); import bench_accelerate as b; "
-            f"import torch.multiprocessing as mp; mp.spawn(b._worker, args=({str(out)!r}, 29750, {layers}), nprocs=2)")
+            f"import torch.multiprocessing as mp; mp.spawn(b._worker, args=({str(out)!r}, 29750, {layers}, {model_only}), nprocs=2)")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=bm.REPO / "bench_out" / "accelerate")
-    ap.add_argument("--layers", type=int, default=18, help="decoder layers (18: 1.07 GB fp32; 2: 0.33 GB)")
+    ap.add_argument("--layers", type=int, default=18,
+                    help="decoder layers (18: 1.07 GB fp32; 2: 0.33 GB; 64: 3.15 GB)")
+    ap.add_argument("--model-only", action="store_true",
+                    help="prepare and save the model without an optimizer (the checkpoint is the model's size, not 3x)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of floor, hf-merge and accelerate")
+    ap.add_argument("--keep-outputs", action="store_true", help="keep the two merged folders (deleted by default)")
+    ap.add_argument("--make-only", action="store_true", help="save the checkpoint, measure nothing")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    src = args.workdir / f"layers{args.layers}"
-    make(src, args.layers)
+    src = args.workdir / (f"layers{args.layers}" + ("-model" if args.model_only else ""))
+    make(src, args.layers, args.model_only)
+    if args.make_only:
+        return
     ckpt = src / "ckpt"
     model_dir = ckpt / "pytorch_model_fsdp_0"
     inputs = [p for p in model_dir.iterdir() if p.is_file()]
     size = f"accelerate-{args.layers}L"
     bindir = Path(sys.executable).parent
-    peer_cmd = [str(bindir / "accelerate"), "merge-weights", str(model_dir)]
     peer_out, ours_out = args.workdir / "out_accelerate", args.workdir / "out_hfm"
-    peer, peer_cpu = bm.measure_cpu(size, "accelerate merge-weights", [*peer_cmd, str(peer_out)], peer_out,
-                                    args.workdir / "accelerate.log", inputs)
     env = dict(os.environ, PYTHONPATH=str(bm.REPO), HF_HUB_DISABLE_PROGRESS_BARS="1")
-    ours, ours_cpu = bm.measure_cpu(size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(ckpt), str(ours_out),
-                                                       "--config", str(src / "config"), "--dtype", "float32"],
-                                    ours_out, args.workdir / "hfm.log", inputs, env=env)
     # the floor: cat of the .distcp files (the bytes both tools must read, ~ the output's size) into one file, fsynced
     distcp = sorted(p for p in inputs if p.suffix == ".distcp")
-    floor, floor_cpu = bm.measure_copy_floor(size, distcp, args.workdir / "floor.bin", args.workdir / "floor.log",
-                                             peer.wall_s if peer.ok else None)
-    same, detail = bm.compare_outputs(peer_out, ours_out) if peer.ok and ours.ok else (False, "a run failed")
-    ratio = ours.wall_s / peer.wall_s if peer.ok and ours.ok and peer.wall_s else None
-    print(f"  {size}: outputs {'identical' if same else 'DIFFER'} ({detail}); "
-          f"wall ratio hf-merge / accelerate = {ratio:.2f}" if ratio else f"  {size}: {detail}", flush=True)
-    result = {"layers": args.layers, "input_bytes": sum(p.stat().st_size for p in inputs), "same": same, "detail": detail,
-              "wall_ratio": ratio, "load_avg": os.getloadavg(),
-              "floor_bytes": sum(p.stat().st_size for p in distcp), "output_bytes": ours.output_bytes,
-              "cpu_s": {"accelerate": peer_cpu, "hf_merge": ours_cpu, "copy_floor": floor_cpu},
-              "accelerate": asdict(peer), "hf_merge": asdict(ours), "copy_floor": asdict(floor)}
+    tools = {
+        peer_rounds.FLOOR: lambda: bm.measure_copy_floor(size, distcp, args.workdir / "floor.bin", args.workdir / "floor.log")[0],
+        "hf-merge": lambda: bm.measure(size, "hf-merge", [sys.executable, "-m", "hf_merge.cli.app", "merge", str(ckpt),
+                                                          str(ours_out), "--config", str(src / "config"), "--dtype", "float32"],
+                                       ours_out, args.workdir / "hfm.log", inputs, env=env),
+        "accelerate": lambda: bm.measure(size, "accelerate merge-weights", [str(bindir / "accelerate"), "merge-weights",
+                                                                            str(model_dir), str(peer_out)],
+                                         peer_out, args.workdir / "accelerate.log", inputs),
+    }
+    per = peer_rounds.run(args.rounds, tools)
+    result = {"layers": args.layers, "model_only": args.model_only, "input_bytes": sum(p.stat().st_size for p in inputs),
+              "floor_bytes": sum(p.stat().st_size for p in distcp),
+              **peer_rounds.finish(size, per, "accelerate", peer_out, ours_out, args.keep_outputs)}
     (args.workdir / "results.json").write_text(json.dumps(result, indent=1))
 
 

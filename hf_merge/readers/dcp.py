@@ -34,6 +34,7 @@ a fused tensor, without reading the rest.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -156,7 +157,9 @@ def _storage_dtype(name: str) -> torch.dtype | None:
 _CHUNK_PICKLE = Allowlist.of(calls=[("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")])
 
 
+@functools.cache
 def _chunk_substitutes() -> dict[tuple[str, str], Any]:
+    """The chunk pickles' stand-ins (the same for every chunk: made once; the unpickler copies them)."""
     subs: dict[tuple[str, str], Any] = {("torch._utils", "_rebuild_tensor_v2"): _RebuildRecord}
     for module, name in torch_names().names:
         if _storage_dtype(name) is not None:
@@ -173,6 +176,23 @@ def _chunk_persistent_load(pid: Any) -> Any:
     if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
         raise UnsupportedCheckpointError(f"DCP chunk storage type {str(stype)[:60]} is not understood")
     return (str(key), dtype, int(numel))
+
+
+#: chunk pickles already read, by their bytes: the chunks of same-shaped tensors (every layer's)
+#: pickle the same bytes, so a 64-layer model's 1,542 chunks hold a few dozen distinct pickles
+_CHUNK_PICKLES: dict[bytes, Any] = {}
+_CHUNK_PICKLES_MAX = 1 << 16
+
+
+def _chunk_pickle(data: bytes, where: str) -> Any:
+    """A chunk's ``data.pkl`` read under :data:`_CHUNK_PICKLE` (the policy's walk and refusals as
+    always), once per distinct pickle: the same bytes give the same recorder, which is only read."""
+    known = _CHUNK_PICKLES.get(data)
+    if known is None:
+        known = load_pickle(data, _CHUNK_PICKLE, where, substitutes=_chunk_substitutes(), persistent_load=_chunk_persistent_load)
+        if len(_CHUNK_PICKLES) < _CHUNK_PICKLES_MAX:
+            _CHUNK_PICKLES[data] = known
+    return known
 
 
 def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layout:
@@ -194,10 +214,7 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layou
     if order is not None and os.pread(fd, min(order.size, 16), order.data_start).strip() not in (b"little", b""):
         raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
     rec_info = records[pkl[0]]
-    rec = load_pickle(
-        os.pread(fd, rec_info.size, rec_info.data_start), _CHUNK_PICKLE, f"{where}, chunk at byte {chunk.start}",
-        substitutes=_chunk_substitutes(), persistent_load=_chunk_persistent_load,
-    )
+    rec = _chunk_pickle(os.pread(fd, rec_info.size, rec_info.data_start), f"{where}, chunk at byte {chunk.start}")
     if not isinstance(rec, _RebuildRecord) or not isinstance(rec.storage, tuple):
         raise UnsupportedCheckpointError(f"{where}: chunk at byte {chunk.start} does not hold a single tensor")
     key, dtype, numel = rec.storage

@@ -11,8 +11,10 @@ record's offset):
   buffer (the ``O_DIRECT`` path, :class:`Stream` in :mod:`hf_merge.write.engine`'s sink, also in
   the CLI's head-start child), the CRC-32 (:func:`~hf_merge.readers.torch_zip.crc32`) runs over
   the bytes already in the buffer: no extra read. The reader only notes the record
-  (:func:`deferred`); a record the stream did not see whole is checked in full when the file's
-  bytes are all appended, before the file is finished;
+  (:func:`deferred`). A record whose bytes pass in pieces out of order (a DeepSpeed partition
+  cut into parameters, written in the output's order) has each piece's CRC-32 taken in the
+  buffer as well; when the file's bytes are all appended, before the file is finished, the
+  pieces' CRC-32s are combined and only the bytes no piece covered (padding) are read;
 - otherwise **in full, the first time any of its bytes are used** (a ``Shard(1)`` column piece, a
   DeepSpeed parameter that is a slice of a flat partition, a DCP box, the page-cache copy path,
   ``from_sharded_pretrained``): over a read-only mapping of the record (no copy), then used as
@@ -72,7 +74,7 @@ _checked: set[tuple[int, int, int, int]] = set()  # file key + data_start of rec
 _busy: dict[tuple[int, int, int, int], threading.Lock] = {}
 _skip = 0  # > 0 inside skipping()
 _stats = {"records": 0, "bytes": 0, "streamed": 0}
-_local = threading.local()  # .pending: records noted inside deferred() on this thread
+_local = threading.local()  # .pending: records noted inside deferred() on this thread; .placed: their pieces
 
 
 def _key(st: os.stat_result) -> tuple[int, int, int]:
@@ -104,13 +106,20 @@ def add_archive(path: "str | Path | int", records: "dict[str, Record]", where: s
     except OSError:
         return
     ordered = sorted(records.values(), key=lambda r: r.data_start)
+    starts = [r.data_start for r in ordered]
     with _lock:
         known = _archives.get(_key(st))
-        if known is not None:  # another archive in the same file: merge the lists
-            seen = set(known.starts)
-            ordered = sorted(known.records + [r for r in ordered if r.data_start not in seen], key=lambda r: r.data_start)
+        if known is not None:  # another archive in the same file (a DCP chunk): insert its records
+            # into copies of the lists (readers hold the old ones); no re-sort of the whole file's
+            # records per archive: a .distcp file holds one archive per chunk, thousands of them
+            starts, ordered, new = known.starts.copy(), known.records.copy(), ordered
+            for rec in new:
+                i = bisect.bisect_left(starts, rec.data_start)
+                if i == len(starts) or starts[i] != rec.data_start:
+                    starts.insert(i, rec.data_start)
+                    ordered.insert(i, rec)
         name = where or (known.where if known else Path(str(path)).name)
-        _archives[_key(st)] = _Archive(name, [r.data_start for r in ordered], ordered)
+        _archives[_key(st)] = _Archive(name, starts, ordered)
 
 
 def mapped_file(
@@ -175,21 +184,23 @@ def deferred(check_at_end: bool = True, pending: "dict | None" = None) -> Iterat
     (into ``pending`` when given: a :class:`Placed`'s, shared by the threads of a load).
 
     At the end of the block (when it ends without an error), every noted record that a
-    :class:`Stream` did not check as its bytes passed is checked in full, unless ``check_at_end``
-    is False (the caller has another party check them: the head-start child, for its file; a
+    :class:`Stream` did not check as its bytes passed is checked: from the CRC-32s of the pieces
+    of it the streams of this thread saw out of order (combined, as :class:`Placed` does), reading
+    only the bytes no piece covered; unless ``check_at_end`` is False (the caller has another party check them: the head-start child, for its file; a
     :class:`Placed`, at :meth:`Placed.finish`).
     """
-    outer = getattr(_local, "pending", None)
-    pending = {} if pending is None else pending
-    _local.pending = pending
+    outer, outer_placed = getattr(_local, "pending", None), getattr(_local, "placed", None)
+    placed = Placed() if check_at_end else None  # the pieces a Stream saw out of order, for the check at the end
+    if placed is not None and pending is not None:
+        placed.pending = pending
+    pending = placed.pending if placed is not None else ({} if pending is None else pending)
+    _local.pending, _local.placed = pending, placed
     try:
         yield
-        if check_at_end:
-            for key, (fd, st, rec, where) in pending.items():
-                if key not in _checked:
-                    _check(fd, st, rec.data_start, rec.size, rec.crc, where)
+        if placed is not None:
+            placed.finish()
     finally:
-        _local.pending = outer
+        _local.pending, _local.placed = outer, outer_placed
 
 
 def check_ranges(ranges: "list[tuple[int, int, int]]") -> None:
@@ -242,16 +253,19 @@ class Stream:
         if _skip:
             return
         if self._rec is None or fd != self._fd or offset != self._next:
+            self._hand_over()
             self._start(fd, offset)
-            if self._rec is None:
-                return
+        if self._rec is None or self._next + len(data) > self._end:
+            self._hand_over()  # not one record's bytes in order: kept as a piece, for the check at the end
+            placed = getattr(_local, "placed", None)
+            if placed is not None:
+                placed.place(fd, offset, data)
+            return
         self._crc = crc32(data, self._crc)
         self._next += len(data)
-        if self._next >= self._end:
+        if self._next == self._end:
             key, rec, where = self._rec
             self._rec = None
-            if self._next != self._end:
-                return  # the run went past the record: not one record, checked in full elsewhere
             if self._crc != rec.crc:
                 raise _mismatch(where, rec.crc, self._crc, rec.size)
             with _lock:
@@ -259,6 +273,14 @@ class Stream:
                 _stats["records"] += 1
                 _stats["bytes"] += rec.size
                 _stats["streamed"] += 1
+
+    def _hand_over(self) -> None:
+        """The record streamed so far was left part-way: its first bytes' CRC-32 goes to the
+        check at the end of :func:`deferred`, as a piece."""
+        placed = getattr(_local, "placed", None)
+        if self._rec is not None and placed is not None and self._next > self._rec[1].data_start:
+            placed.add(self._rec[0], self._rec[1].data_start, self._next - self._rec[1].data_start, self._crc)
+        self._rec = None
 
     def _start(self, fd: int, offset: int) -> None:
         self._rec = None
@@ -311,8 +333,12 @@ class Placed:
             crc = 0
             for j in range(a - offset, b - offset, CHUNK):
                 crc = crc32(data[j : min(j + CHUNK, b - offset)], crc)
-            with self._lock:
-                self._parts.setdefault(key, []).append((a, b - a, crc))
+            self.add(key, a, b - a, crc)
+
+    def add(self, key: tuple, offset: int, n: int, crc: int) -> None:
+        """The CRC-32 of ``n`` bytes from ``offset`` of the record ``key`` (file key + data start)."""
+        with self._lock:
+            self._parts.setdefault(key, []).append((offset, n, crc))
 
     def finish(self, pool: "Executor | None" = None) -> None:
         """Check every noted record (on ``pool``'s threads when given); raises
