@@ -644,7 +644,10 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
         return key, out
 
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        for key, tensor in compat.progress(pool.map(read, keys), total=len(keys), desc="Loading weights"):
+        # largest first: the big tensors (embedding, output layer) start together on their own threads
+        # and the small ones fill in after, instead of one big tensor read last while the others idle
+        largest_first = sorted(keys, key=lambda k: -specs[plan.assign[k]].nbytes)
+        for key, tensor in compat.progress(pool.map(read, largest_first), total=len(keys), desc="Loading weights"):
             _assign(model, key, tensor)
         placed.finish(pool)  # a damaged record raises here, before the model is returned
 
