@@ -691,7 +691,16 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
         return key, out
 
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        for key, tensor in compat.progress(pool.map(read, jobs), total=len(jobs), desc="Loading weights"):
+        # largest first: the big tensors (embedding, output layer) start together on their own threads
+        # and the small ones fill in after, instead of one big tensor read last while the others idle
+        def size(job: tuple[str, Slot | None]) -> int:
+            key, slot = job
+            if slot is not None:
+                return specs[slot.name].nbytes
+            return specs[plan.assign[key]].nbytes if key in plan.assign else meta[key].numel() * target_dtype(key).itemsize
+
+        largest_first = sorted(jobs, key=lambda job: -size(job))
+        for key, tensor in compat.progress(pool.map(read, largest_first), total=len(jobs), desc="Loading weights"):
             if tensor is not None:
                 _assign(model, key, tensor)
         for key, tensor in stacked.items():

@@ -13,7 +13,10 @@ can only come from one file at one page-aligned offset, so a piece is mapped whe
 and its place in the tensor agree modulo the page size (torch.save's 64-byte alignment makes every
 piece of a tensor agree when the pieces' byte sizes are multiples of the page, as large matrices
 are); the pages a piece shares with its neighbour, and pieces that do not agree, are read into the
-anonymous pages of the range with ``preadv``. Bytes equal the file's either way.
+anonymous pages of the range with ``preadv``. Bytes equal the file's either way. Where the pieces
+lie at different page phases (each Megatron TP rank's archive in its own file, at an offset the
+archives before it decide), the tensor starts at the phase most of its bytes agree with
+(:func:`best_shift`), never at one that would misalign its elements.
 
 Like any memory-mapped weight (``from_pretrained``'s too), the pages read the file when first
 touched: truncating or rewriting a rank file while the model lives changes or faults its weights.
@@ -73,6 +76,21 @@ def _map_count() -> int:
         return sum(1 for _ in f)
 
 
+def best_shift(runs: list[tuple[int, Piece]], row_bytes: int, itemsize: int) -> int:
+    """Where a tensor made of ``runs`` (``(first row, piece)``) should start in its first page:
+    the page phase the most file bytes agree with, so those are mapped (pieces written apart,
+    like a TP rank's archive in its own file, often start at other phases; the rest is read).
+    A phase that would misalign the tensor's elements is never chosen (0 then)."""
+    weights: dict[int, int] = {}
+    for row, piece in runs:
+        located = run_of(piece)
+        if located is not None and located.nbytes >= MIN_MAPPED_PAGES * PAGE:
+            phase = (located.offset - row * row_bytes) % PAGE
+            if phase % itemsize == 0:
+                weights[phase] = weights.get(phase, 0) + located.nbytes
+    return max(weights, key=weights.__getitem__) if weights else 0
+
+
 class Mapper:
     """Builds mapped tensors, within a share of the kernel's per-process mapping limit
     (``vm.max_map_count``; every mapped piece is one or two mappings) so the process keeps room
@@ -118,14 +136,14 @@ class Mapper:
         holds them (:meth:`hf_merge.readers.record_crc.Placed.place`). Call it when :meth:`maps`
         is true of the first run."""
         runs = iter(runs)
-        first = next(runs)
         total = dtype.itemsize * int(torch.Size(shape).numel())
         row_bytes = total // shape[0]
-        located = run_of(first[1])
-        # where the tensor starts in its first page: so that the first run's pages line up with the file's
-        shift = (located.offset - first[0] * row_bytes) % PAGE if located else 0
-        if shift % dtype.itemsize:
-            shift = 0
+        ahead: list[tuple[int, Piece]] = []  # the file runs up to the first computed one (valid until the next)
+        for row, piece in runs:
+            ahead.append((row, piece))
+            if run_of(piece) is None:
+                break
+        shift = best_shift(ahead, row_bytes, dtype.itemsize)
         length = -(-(shift + total) // PAGE) * PAGE
         self._take(1)  # the range itself
         addr = _mmap(None, length, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -135,7 +153,7 @@ class Mapper:
         try:
             view = memoryview(buffer).cast("B")
             covered, files = 0, []
-            for row, piece in itertools.chain([first], runs):
+            for row, piece in itertools.chain(ahead, runs):
                 rows = values(piece)
                 start, nbytes = row * row_bytes, rows.numel() * rows.element_size()
                 if rows.dtype != dtype or start != covered or start + nbytes > total:
@@ -167,7 +185,7 @@ class Mapper:
         lo, hi = at, at + nbytes
         page_lo, page_hi = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE
         mapped = False
-        if (lo - offset) % PAGE == 0 and page_hi - page_lo >= MIN_MAPPED_PAGES * PAGE and self._take(2):
+        if (lo - offset) % PAGE == 0 and page_hi - page_lo >= max(1, MIN_MAPPED_PAGES) * PAGE and self._take(2):
             try:
                 _mmap(addr + page_lo, page_hi - page_lo, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset + (page_lo - lo))
                 mapped = True

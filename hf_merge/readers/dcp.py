@@ -35,6 +35,7 @@ a fused tensor, without reading the rest.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import mmap
 import os
@@ -47,7 +48,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .file_runs import MappedFile
+from .file_runs import FileRun, MappedFile
 from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
@@ -248,6 +249,8 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layou
 # --------------------------------------------------------------------------------------------
 
 _HAVE_PREADV = hasattr(os, "preadv")
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16
+_MIN_ROW_BYTES = 256  # rows scattered into place by preadv from this size (smaller: read and copied)
 _DISTCP_RANK = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 
@@ -473,6 +476,36 @@ class DcpCheckpoint(LazyCheckpoint):
 
         return runs()
 
+    def file_rows(self, name: str, index: tuple[int, ...], first: int, rows: int) -> list[tuple[int, FileRun]] | None:
+        """Rows ``first .. first + rows`` of ``name[index]`` (``index`` fixes the leading dims, e.g.
+        the layer of a stacked ``[L, rows, H]`` tensor) as the file runs that hold them:
+        ``(row, run)`` in row order, ``row`` counted from ``first``. None when a chunk cuts a
+        trailing dim (its rows are not contiguous bytes) or a file does not map. Each chunk's
+        record is noted for its CRC-32 check (:func:`~hf_merge.readers.record_crc.check_record`)."""
+        spec, k = self._spec(name), len(index)
+        start = (*index, first) + (0,) * (len(spec.shape) - k - 1)
+        size = (1,) * k + (rows,) + spec.shape[k + 1:]
+        if k >= len(spec.shape) or any(s < 0 or s + n > d for s, n, d in zip(start, size, spec.shape)):
+            raise ValueError(f"{name}: rows {first}+{rows} of {list(index)} are outside shape {list(spec.shape)}")
+        runs = []
+        for chunk in self._chunks_near(name, start, size):
+            lo, hi = max(first, chunk.offsets[k]), min(first + rows, chunk.offsets[k] + chunk.sizes[k])
+            if lo >= hi or any(not o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
+                continue
+            if chunk.offsets[k + 1:] != start[k + 1:] or chunk.sizes[k + 1:] != size[k + 1:]:
+                return None
+            view = self._view(name, chunk)
+            if view is None:
+                return None
+            sub = view[tuple(i - o for i, o in zip(index, chunk.offsets))][lo - chunk.offsets[k] : hi - chunk.offsets[k]]
+            run = self._maps[chunk.file].source.run(sub)
+            if run is None:
+                return None
+            self._checked_layout(name, chunk)
+            runs.append((lo - first, run))
+        runs.sort(key=lambda r: r[0])
+        return runs if sum(len(r.tensor) for _, r in runs) == rows else None
+
     def _row_views(self, name: str, spec: TensorSpec) -> list[tuple[int, torch.Tensor, _Chunk]] | None:
         """``(first row, chunk view, chunk)`` of every non-empty chunk in row order, when the chunks are
         bands of whole rows stored in C order and their files map; else None."""
@@ -558,6 +591,13 @@ class DcpCheckpoint(LazyCheckpoint):
             if target is not None:
                 self._pread_exact(fd, target, where, name, chunk)
                 return
+        if dst.dtype == lay.dtype and _HAVE_PREADV and c_contiguous(size, lay.stride):
+            rows = _row_bytes(dst)
+            if rows is not None:
+                # dst's rows lie apart (a TP rank's columns of the caller's tensor): the box's one
+                # byte range is scattered straight into them, no intermediate buffer
+                self._pread_rows(fd, rows, where, name, chunk)
+                return
         if span * item > self.max_read_bytes:
             # Split along the first dimension that has more than one index, and recurse.
             for d, n in enumerate(size):
@@ -573,6 +613,22 @@ class DcpCheckpoint(LazyCheckpoint):
         self._pread_exact(fd, memoryview(buf), where, name, chunk)
         src = torch.frombuffer(buf, dtype=lay.dtype).as_strided(size, lay.stride)
         dst.copy_(src)
+
+    def _pread_rows(self, fd: int, rows: list[memoryview], offset: int, name: str, chunk: _Chunk) -> None:
+        """Fill ``rows`` in order from the bytes of ``fd`` at ``offset`` (``preadv`` of up to
+        ``IOV_MAX`` rows a call, short reads continued)."""
+        i, part, at = 0, 0, offset
+        while i < len(rows):
+            n = os.preadv(fd, [rows[i][part:], *rows[i + 1 : i + _IOV_MAX]], at)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"{self.path / chunk.file}: short read of {name} (row {i} of {len(rows)} at byte {at})"
+                )
+            at, n = at + n, n + part
+            while i < len(rows) and n >= len(rows[i]):
+                n -= len(rows[i])
+                i += 1
+            part = n
 
     def _pread_exact(self, fd: int, target: memoryview, offset: int, name: str, chunk: _Chunk) -> None:
         done, total = 0, target.nbytes
@@ -644,6 +700,19 @@ def _first_overlap(chunks: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
                 return a, c
         active.append(c)
     return None
+
+
+def _row_bytes(t: torch.Tensor) -> list[memoryview] | None:
+    """Writable byte views of the innermost rows of a CPU tensor whose rows are contiguous but lie
+    apart, in C order; None for rows shorter than :data:`_MIN_ROW_BYTES` (a copy is cheaper than
+    a buffer per row) or a tensor numpy cannot view."""
+    if t.dim() < 2 or t.device.type != "cpu" or t.stride(-1) != 1 or t.shape[-1] * t.element_size() < _MIN_ROW_BYTES:
+        return None
+    try:
+        arr = t.view(torch.uint8).numpy()
+    except Exception:  # no numpy, or a view numpy cannot take
+        return None
+    return [memoryview(arr[index]) for index in itertools.product(*map(range, arr.shape[:-1]))]
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview | None:

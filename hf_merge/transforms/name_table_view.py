@@ -20,6 +20,7 @@ import torch
 
 from .. import config_fields
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
+from ..readers.file_runs import Piece
 from ..errors import MappingError, MissingConfigError
 from ..spec import TensorSpec
 from .fused import FusedSplit, RowRange, read_region_into
@@ -351,7 +352,26 @@ class NameTableView(LazyCheckpoint):
             return self._rope_rows(t, dtype, max_bytes) if hasattr(self.base, "read_region_into") else None
         if not t.index and t.ranges is None:
             return self.base.read_rows(t.source, dtype, max_bytes)
+        runs = self._file_rows(t, name, dtype)
+        if runs is not None:
+            return iter(runs)
         return super().read_rows(name, dtype, max_bytes)  # row chunks by region reads, when the base has them
+
+    def _file_rows(self, t: _Target, name: str, dtype: torch.dtype) -> list[tuple[int, Piece]] | None:
+        """A layer's slice or a fused role's rows as the source's file runs, unchanged bytes in
+        place of region reads (the loader maps them, a writer copies them file to file); None
+        when the base has no file runs for them (another dtype, a chunk cut along a column)."""
+        file_rows = getattr(self.base, "file_rows", None)
+        if file_rows is None or dtype != self._specs[name].dtype or not self._specs[name].shape:
+            return None
+        ranges = t.ranges if t.ranges is not None else ((0, 0, self._specs[name].shape[0]),)
+        runs: list[tuple[int, Piece]] = []
+        for src, dst, n in sorted(ranges, key=lambda r: r[1]):
+            found = file_rows(t.source, t.index, src, n)
+            if found is None:
+                return None
+            runs.extend((dst + row, run) for row, run in found)
+        return runs
 
     def _read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
         t = self._targets[name]
