@@ -157,6 +157,45 @@ def test_idle_rank_is_read_from_the_command_line_before_the_parser(monkeypatch):
     assert not idle_torchrun_rank(["merge", src, out])  # rank 0 merges
 
 
+@pytest.mark.compat  # torch-runtime behaviour: also under make compat (torch 2.6, 2.15)
+def test_the_exchanges_tensors_outlive_the_jobs_group(monkeypatch):
+    """Every tensor a job's exchanges hand to gloo is still alive when its group is destroyed. Before
+    torch 2.8 a gloo group is destroyed with the GIL held while it joins its threads; a thread that
+    then frees the last reference to a tensor Python made needs the GIL: the rank hangs (torch 2.6:
+    one rank of the 3-rank verify below never finished, stuck in ~ProcessGroupGloo)."""
+    import datetime
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from hf_merge.write.distributed import Job
+
+    handed: list[weakref.ref] = []
+    alive_at_teardown: list[int] = []
+    all_gather, destroy = distributed_c10d.all_gather, dist.destroy_process_group
+
+    def recording_all_gather(tensor_list, tensor, *args, **kwargs):  # what torch's all_gather_object calls too
+        handed.extend(weakref.ref(t) for t in (*tensor_list, tensor))
+        return all_gather(tensor_list, tensor, *args, **kwargs)
+
+    def recording_destroy(group=None):
+        destroy(group)
+        alive_at_teardown.append(sum(r() is not None for r in handed))
+
+    for module in (dist, distributed_c10d):
+        monkeypatch.setattr(module, "all_gather", recording_all_gather)
+    monkeypatch.setattr(dist, "destroy_process_group", recording_destroy)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with Job(group=dist.new_group(backend="gloo"), owns_group=False, timeout=datetime.timedelta(seconds=60)) as job:
+            assert job.exchange(None, {"plan": "abc", "tmp": None}) == [{"plan": "abc", "tmp": None}]
+            assert job.share([3, 1], lambda mine: sorted(mine)) == [[0, 1]]
+        assert handed and alive_at_teardown == [len(handed)], (alive_at_teardown, len(handed))
+    finally:
+        destroy()
+
+
 @pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_one_node_torchrun_merge_runs_in_one_process(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`torchrun --nproc-per-node 3` running the CLI: rank 0 merges alone and says so; ranks 1 and 2
