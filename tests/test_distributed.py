@@ -7,6 +7,7 @@ merge of the same checkpoint (hf_merge.json aside: its time stamp and the "distr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -45,13 +46,35 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1", *args]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
 def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.Popen:
-    """Start ``cmd`` in its own session; on timeout kill the session (torchrun and its workers)."""
+    """Start ``cmd`` in its own session; on timeout kill the session and every process below it:
+    torchrun starts each worker in a session of its own, and a hung worker left alive holds the
+    output pipe open (the test then never ends: seen with a rank hung on torch 2.6)."""
     proc = subprocess.Popen(cmd, env=kwargs.pop("env", _env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **kwargs)
     try:
         proc.output = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
+        for pid in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.output = proc.communicate()[0]
         pytest.fail(f"{' '.join(cmd[:8])} ... did not finish in {timeout} s:\n{proc.output[-3000:]}")
