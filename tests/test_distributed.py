@@ -7,6 +7,7 @@ merge of the same checkpoint (hf_merge.json aside: its time stamp and the "distr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -45,13 +46,35 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.1", *args]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
 def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.Popen:
-    """Start ``cmd`` in its own session; on timeout kill the session (torchrun and its workers)."""
+    """Start ``cmd`` in its own session; on timeout kill the session and every process below it:
+    torchrun starts each worker in a session of its own, and a hung worker left alive holds the
+    output pipe open (the test then never ends: seen with a rank hung on torch 2.6)."""
     proc = subprocess.Popen(cmd, env=kwargs.pop("env", _env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **kwargs)
     try:
         proc.output = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
+        for pid in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.output = proc.communicate()[0]
         pytest.fail(f"{' '.join(cmd[:8])} ... did not finish in {timeout} s:\n{proc.output[-3000:]}")
@@ -155,6 +178,45 @@ def test_idle_rank_is_read_from_the_command_line_before_the_parser(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
     assert not idle_torchrun_rank(["merge", src, out])  # rank 0 merges
+
+
+@pytest.mark.compat  # torch-runtime behaviour: also under make compat (torch 2.6, 2.15)
+def test_the_exchanges_tensors_outlive_the_jobs_group(monkeypatch):
+    """Every tensor a job's exchanges hand to gloo is still alive when its group is destroyed. Before
+    torch 2.8 a gloo group is destroyed with the GIL held while it joins its threads; a thread that
+    then frees the last reference to a tensor Python made needs the GIL: the rank hangs (torch 2.6:
+    one rank of the 3-rank verify below never finished, stuck in ~ProcessGroupGloo)."""
+    import datetime
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from hf_merge.write.distributed import Job
+
+    handed: list[weakref.ref] = []
+    alive_at_teardown: list[int] = []
+    all_gather, destroy = distributed_c10d.all_gather, dist.destroy_process_group
+
+    def recording_all_gather(tensor_list, tensor, *args, **kwargs):  # what torch's all_gather_object calls too
+        handed.extend(weakref.ref(t) for t in (*tensor_list, tensor))
+        return all_gather(tensor_list, tensor, *args, **kwargs)
+
+    def recording_destroy(group=None):
+        destroy(group)
+        alive_at_teardown.append(sum(r() is not None for r in handed))
+
+    for module in (dist, distributed_c10d):
+        monkeypatch.setattr(module, "all_gather", recording_all_gather)
+    monkeypatch.setattr(dist, "destroy_process_group", recording_destroy)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with Job(group=dist.new_group(backend="gloo"), owns_group=False, timeout=datetime.timedelta(seconds=60)) as job:
+            assert job.exchange(None, {"plan": "abc", "tmp": None}) == [{"plan": "abc", "tmp": None}]
+            assert job.share([3, 1], lambda mine: sorted(mine)) == [[0, 1]]
+        assert handed and alive_at_teardown == [len(handed)], (alive_at_teardown, len(handed))
+    finally:
+        destroy()
 
 
 @pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
@@ -303,6 +365,7 @@ def _corrupt_file_of_rank(folder: Path, rank: int, ranks: int) -> str:
 
 
 @pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
+@pytest.mark.compat  # torchrun and gloo of each tested torch (on torch 2.6 a rank hung here: see the test above)
 def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`hf-merge verify` on 3 ranks: a sound folder passes, a byte flipped in a file that rank 2 checks
     fails every rank with rank 0's one report, and a rank that cannot see the target fails every rank."""

@@ -415,6 +415,26 @@ def test_fast_path_and_pure_walker_decide_the_same_on_metadata_mutations(small_m
     assert seen["ok"] > 10 and seen["refused"] > 100, seen
 
 
+def test_a_frame_longer_than_the_rest_of_the_pickle_is_corrupt(small_metadata):
+    """C pickle refuses a FRAME that claims more bytes than follow it (truncated); Python's pure
+    unpickler reads the short frame and goes on. The walk both machines start with refuses it, so
+    the fast path and the pure machine decide the same (torch 2.6's FSDP2 rank file met this in the
+    mutation test below: POP over a LONG_BINPUT whose memo index began with 0x95, FRAME)."""
+    import io
+    import pickletools
+
+    pos = next(p for op, _, p in pickletools.genops(small_metadata) if op.name == "FRAME")
+    data = small_metadata[: pos + 1] + (len(small_metadata) - pos).to_bytes(8, "little") + small_metadata[pos + 9 :]
+    allow = sp.DCP_METADATA | sp.torch_names()
+    fast = _decision(lambda: sp._fast_load(data, allow, None))
+    pure = _decision(lambda: sp._run(sp._PolicyUnpickler(io.BytesIO(data), allow, "x", resolve=True), "x"))
+    assert fast[0] == "refused" and pure[0] == "ok", (fast, pure)  # what the walk has to decide for both
+    with pytest.raises(CorruptCheckpointError, match="crafted.metadata"):
+        sp.load_pickle(data, sp.DCP_METADATA, "crafted.metadata")
+    with pytest.raises(CorruptCheckpointError, match="crafted.metadata"):
+        sp.scan_pickle(data, sp.DCP_METADATA, "crafted.metadata")
+
+
 @pytest.mark.slow  # thousands of mutated pickles, each scanned twice
 def test_c_scan_and_pure_scan_decide_the_same_on_rank_file_mutations(qwen2_fp32_ws2):
     import io

@@ -618,7 +618,9 @@ def _op_skip(reader: Callable) -> Callable:
 
 
 def _op_frame(w: _Walk, data: bytes, pos: int) -> int:
-    _, pos = _fixed("<Q")(data, pos)
+    n, pos = _U8(data, pos)
+    if pos + n > len(data):  # C pickle refuses it (truncated); Python's reads the short frame and goes on
+        raise EOFError("a frame longer than the rest of the pickle")
     return pos
 
 

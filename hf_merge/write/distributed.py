@@ -266,6 +266,7 @@ class Job:
         self.host = socket.gethostname()
         self.hosts = [self.host]
         self._store = _default_store()
+        self._sent: list[Any] = []  # every tensor an exchange handed to gloo, kept until the group is gone (_gather)
         if self.rank != 0:  # notes once, from rank 0; warnings and errors from every rank
             log = logging.getLogger("hf_merge")
             self._log_level = log.level
@@ -290,6 +291,7 @@ class Job:
                 dist.destroy_process_group(self.group)
             except Exception:  # noqa: BLE001 - a broken group is already reported
                 pass
+        self.group = None  # its last reference goes here, while self._sent still holds the tensors (_gather)
 
     # -- exchanges ---------------------------------------------------------------------------
     def exchange(self, error: BaseException | None, payload: Any = None) -> list[Any]:
@@ -297,9 +299,8 @@ class Job:
         import torch.distributed as dist
 
         mine = {"rank": self.rank, "host": self.host, "error": _describe(error) if error else None, "payload": payload}
-        gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, mine, group=self.group)
+            gathered = self._gather(mine)
         except Exception as e:  # noqa: BLE001 - a dead or hung rank breaks the group
             self.failed = True
             if error is not None:
@@ -319,6 +320,32 @@ class Job:
                 f"rank {first['rank']} of {self.world_size} (on {first['host']}) failed: {first['error']}; {self.consequence}"
             )
         return [g["payload"] for g in gathered]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, pickled as ``torch.distributed.all_gather_object`` does, but in tensors
+        this job holds until its group is destroyed. Before torch 2.8 a gloo group is destroyed with
+        the GIL held while it joins its threads; a thread that still drops a finished collective frees
+        the last reference to that collective's tensor there, which needs the GIL when Python made the
+        tensor: both wait forever (torch 2.6, tests/test_distributed.py: a rank of a 3-rank verify hung at the
+        job's end). A tensor Python still holds is only unreferenced by that thread, without the GIL.
+        The payloads come from the job's own ranks, as all_gather_object's do."""
+        import pickle
+
+        import torch
+        import torch.distributed as dist
+
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._sent += [size, *sizes]
+        dist.all_gather(sizes, size, group=self.group)
+        width = max(int(n) for n in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._sent += [mine, *every]
+        dist.all_gather(every, mine, group=self.group)
+        return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(every, sizes)]
 
     def share(self, sizes: list[int], work: Callable[[list[int]], Any]) -> list[Any]:
         """``work(indices)`` on this rank's share of the items (balanced by ``sizes``, as the merge shares
