@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import inspect
 import io
 import shutil
 import sys
@@ -71,7 +72,10 @@ class Tracer:
             if not (mod == "hf_merge" or mod.startswith("hf_merge.")):
                 flags.append(False)
                 return
-            if frame.f_code.co_name == "<module>":
+            # code that runs once, at import, not a call into the module: module-level code, class bodies
+            # (neither has CO_NEWLOCALS), and the method factory `dataclasses` execs in the module's globals
+            # while a class is being defined (``__create_fn__``)
+            if not frame.f_code.co_flags & inspect.CO_NEWLOCALS or frame.f_code.co_name == "__create_fn__":
                 with self.lock:
                     self.imported.add(mod)
                 flags.append(False)
