@@ -13,6 +13,16 @@ import torch
 from safetensors import safe_open
 
 
+def dcp_no_dist() -> dict:
+    """``no_dist=True`` for ``torch.distributed.checkpoint.save`` / ``load`` in one process where torch
+    has the argument; torch 2.6 has none and saves or loads in one process when no group is initialized."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    return {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+
+
 def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF safetensors folder (sharded or not)."""
     out = {}

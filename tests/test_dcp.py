@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError
 from hf_merge.readers import dcp as dcp_mod
 from hf_merge.readers.dcp import DcpCheckpoint, is_dcp_dir
+from helpers import dcp_no_dist
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -75,13 +76,13 @@ class ChunkedPlanner(DefaultSavePlanner):
 
 
 def save_dcp(path: Path, state_dict: dict, splits: dict[str, tuple[int, int]] | None = None) -> Path:
-    dcp.save(state_dict, storage_writer=FileSystemWriter(str(path)), planner=ChunkedPlanner(splits or {}), no_dist=True)
+    dcp.save(state_dict, storage_writer=FileSystemWriter(str(path)), planner=ChunkedPlanner(splits or {}), **dcp_no_dist())
     return path
 
 
 def official_load(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sd = {k: torch.empty_like(v) for k, v in like.items()}
-    dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    dcp.load(sd, storage_reader=FileSystemReader(str(path)), **dcp_no_dist())
     return sd
 
 

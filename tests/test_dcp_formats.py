@@ -23,6 +23,7 @@ from hf_merge.transforms.name_table import NameRule, NameTable
 from hf_merge.transforms.name_table_view import NameTableView, rope_source_rows
 
 from helpers import (
+    dcp_no_dist,
     assert_tensors_equal,
     detections_differing_from_every_probe,
     folder_tensors,
@@ -210,7 +211,7 @@ def test_unstacking_reads_one_expert_at_a_time(tmp_path):
     from hf_merge.readers.dcp import DcpCheckpoint
 
     grouped = torch.randn(3, 5, 4)
-    dcp.save({"layers.0.moe.w1_EFD": grouped}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    dcp.save({"layers.0.moe.w1_EFD": grouped}, checkpoint_id=str(tmp_path / "c"), **dcp_no_dist())
     table = NameTable("t", "s", ("x",), (NameRule("layers.{layer}.moe.w1_EFD", "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight"),))
     with NameTableView(DcpCheckpoint(tmp_path / "c"), table, {}) as view:
         assert list(view.specs()) == [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(3)]

@@ -17,6 +17,7 @@ from hf_merge.load.device_fill import DeviceStager, stages
 from hf_merge.hf_files import load_config
 from hf_merge.transforms.views import build_views
 from hf_merge.readers.dcp import DcpCheckpoint
+from helpers import dcp_no_dist
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -49,7 +50,7 @@ def test_dcp_chunks_through_the_ring(tmp_path):
     g = torch.Generator().manual_seed(0)
     state = {"emb": torch.randn(37, 16, generator=g), "w": torch.randn(5, 3, 4, generator=g).bfloat16(),
              "scalar": torch.tensor(1.5), "ids": torch.arange(10)}
-    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "dcp")), no_dist=True)
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "dcp")), **dcp_no_dist())
     with DcpCheckpoint(tmp_path / "dcp") as ck:
         _every_tensor_through(ck, DeviceStager("cpu", slot_bytes=256, slots=2))
         _every_tensor_through(ck, DeviceStager("cpu", slot_bytes=256, slots=2), torch.float16)

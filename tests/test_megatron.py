@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import detections_differing_from_every_probe, run_cli
+from helpers import dcp_no_dist, detections_differing_from_every_probe, run_cli
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from hf_merge.readers import file_runs
@@ -98,7 +98,7 @@ def test_tensors_are_exact_splits_of_the_dcp(megatron_root):
     dist = root / "dist_ckpt"
     ours = DcpCheckpoint(dist)
     official = {k: torch.empty(s.shape, dtype=s.dtype) for k, s in ours.specs().items()}
-    dcp.load(official, storage_reader=FileSystemReader(str(dist)), no_dist=True)
+    dcp.load(official, storage_reader=FileSystemReader(str(dist)), **dcp_no_dist())
     for k, t in official.items():
         assert torch.equal(ours.read(k), t), k
     ckpt = open_megatron(root)
@@ -248,7 +248,7 @@ def synthetic(tmp_path: Path, tensors: dict, config: dict | None, *, name: str =
     dist = role / "dist_ckpt"
     dist.mkdir(parents=True)
     if tensors:
-        dcp.save(dict(tensors), storage_writer=FileSystemWriter(str(dist)), no_dist=True)
+        dcp.save(dict(tensors), storage_writer=FileSystemWriter(str(dist)), **dcp_no_dist())
     (dist / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     if config is not None:
         (role / "huggingface").mkdir()

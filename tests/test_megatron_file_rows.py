@@ -21,6 +21,7 @@ from hf_merge.readers.torch_zip import read_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import make_megatron_checkpoint as mk  # noqa: E402
+from helpers import dcp_no_dist  # noqa: E402
 
 LINUX = pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping files needs Linux")
 SPLIT = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -152,7 +153,7 @@ def test_column_pieces_are_read_straight_into_their_rows(megatron_root, monkeypa
     dist = root / "dist_ckpt"
     with DcpCheckpoint(dist) as plain:
         official = {k: torch.empty(s.shape, dtype=s.dtype) for k, s in plain.specs().items()}
-    dcp_api.load(official, storage_reader=FileSystemReader(str(dist)), no_dist=True)
+    dcp_api.load(official, storage_reader=FileSystemReader(str(dist)), **dcp_no_dist())
     ckpt = open_megatron(root)
     fam = mk.FAMILIES["qwen2"]
     targets: list[list[int]] = []

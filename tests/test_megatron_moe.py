@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "tests"))
 import make_megatron_moe_checkpoint as mk  # noqa: E402
-from helpers import folder_tensors  # noqa: E402
+from helpers import dcp_no_dist, folder_tensors  # noqa: E402
 
 # variant -> folder under the fixture root
 SOURCES = {
@@ -50,7 +50,7 @@ def _dcp_load(dist: Path, keys) -> dict[str, torch.Tensor]:
 
     meta = FileSystemReader(str(dist)).read_metadata()
     state = {k: torch.empty(meta.state_dict_metadata[k].size, dtype=meta.state_dict_metadata[k].properties.dtype) for k in keys}
-    dcp.load(state, storage_reader=FileSystemReader(str(dist)), no_dist=True)
+    dcp.load(state, storage_reader=FileSystemReader(str(dist)), **dcp_no_dist())
     return state
 
 

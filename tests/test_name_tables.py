@@ -17,6 +17,7 @@ from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.transforms import Renamed
 from hf_merge.transforms.name_table import NameRule, NameTable, all_tables, find_table, gate_up
 from hf_merge.transforms.name_table_view import NameTableView
+from helpers import dcp_no_dist
 
 
 def test_every_table_file_is_found_and_valid():
@@ -65,7 +66,7 @@ def stacked_dcp(tmp_path_factory):
         "blocks.router": torch.randn(L, E, H, generator=g),
     }
     path = tmp_path_factory.mktemp("stacked") / "dcp"
-    dcp.save(dict(tensors), checkpoint_id=str(path), no_dist=True)
+    dcp.save(dict(tensors), checkpoint_id=str(path), **dcp_no_dist())
     return path, tensors
 
 

@@ -28,6 +28,7 @@ from hf_merge.readers import rank_records
 from hf_merge.readers import safe_pickle as sp
 from hf_merge.readers.dcp import load_dcp_metadata
 from test_security import _call, _glob, _str  # the opcode writers of the first round's payloads
+from helpers import dcp_no_dist
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -395,7 +396,7 @@ def small_metadata(tmp_path_factory) -> bytes:
     from torch.distributed.checkpoint import FileSystemWriter
 
     path = tmp_path_factory.mktemp("dcp-small")
-    dcp.save({"w": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    dcp.save({"w": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}, storage_writer=FileSystemWriter(str(path)), **dcp_no_dist())
     return (path / ".metadata").read_bytes()
 
 

@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from helpers import folder_tensors
+from helpers import dcp_no_dist, folder_tensors
 from test_quantize import MODES, assert_same_as_transformers, bnb_config, load, logits, needs_bnb
 
 import hf_merge
@@ -40,7 +40,7 @@ def moe_source(tmp_path_factory):
     model = Qwen3MoeForCausalLM(cfg).eval()
     root = tmp_path_factory.mktemp("moe_quant")
     model.save_pretrained(root / "reference")
-    dcp.save(model.state_dict(), checkpoint_id=str(root / "ckpt"), no_dist=True)
+    dcp.save(model.state_dict(), checkpoint_id=str(root / "ckpt"), **dcp_no_dist())
     return root / "ckpt", root / "reference"
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import folder_tensors
+from helpers import dcp_no_dist, folder_tensors
 
 import hf_merge
 from hf_merge.hf_files import load_config, tied_pairs
@@ -55,7 +55,7 @@ def tied_source(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(root / "reference")
     state = model.state_dict()
-    dcp.save(state, checkpoint_id=str(root / "ckpt"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(root / "ckpt"), **dcp_no_dist())
     return request.param, root / "ckpt", root / "reference", state
 
 
