@@ -239,7 +239,9 @@ class Stream:
     (the descriptor, the file offset, the bytes). A piece that starts a known record (and
     the pieces that follow it without a gap) are run through the CRC-32; at the record's last
     byte its CRC is compared and the record is marked checked, or :class:`SourceCrcError` raised.
-    Pieces that start elsewhere are ignored (their records are checked in full instead).
+    Pieces that start elsewhere, and a record left part-way, go as pieces (their CRC-32s) to the
+    :class:`Placed` of this thread's :func:`deferred` block, which combines them at its end; outside
+    such a block (or with ``check_at_end=False``) they are dropped and the record is checked in full.
     """
 
     def __init__(self) -> None:
