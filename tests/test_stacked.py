@@ -124,3 +124,37 @@ def test_a_dcp_checkpoint_with_one_tensor_per_expert(tmp_path, monkeypatch):
     assert sorted(got) == sorted(want)
     for key, value in got.items():
         assert torch.equal(value, want[key]), key
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_slot_on_a_device_numpy_cannot_view_is_read_and_still_checked(tmp_path):
+    """A stacked parameter on a device that is neither the CPU nor staged (``mps``, ``xpu``; the
+    meta device stands in for them here): the expert's file run cannot be handed to the CRC-32 as
+    the bytes the model holds (no numpy view of them), so it is read and copied there, its record
+    checked in full at the end. Before: ``TypeError`` from ``numpy()`` on the device tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    from hf_merge.load.stacked import read_slot
+    from hf_merge.readers import record_crc
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    for name in ("good", "bad"):
+        dcp.save({"w": torch.randn(64, 32)}, checkpoint_id=str(tmp_path / name))
+    with DcpCheckpoint(tmp_path / "bad") as view:  # one byte of the expert's record flipped
+        chunk = view._chunks["w"][0]
+        at = view._layout("w", chunk).data_start + 100
+    path = tmp_path / "bad" / chunk.file
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    for name in ("good", "bad"):
+        placed = record_crc.Placed()
+        with DcpCheckpoint(tmp_path / name) as view:
+            with record_crc.deferred(check_at_end=False, pending=placed.pending):
+                read_slot(view, "w", torch.empty(64, 32, device="meta"), placed.place)
+            assert placed.pending
+            if name == "good":
+                placed.finish()
+            else:
+                with pytest.raises(record_crc.SourceCrcError):
+                    placed.finish()

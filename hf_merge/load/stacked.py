@@ -90,8 +90,10 @@ def read_slot(view: "LazyCheckpoint", name: str, dst: torch.Tensor, placed: OnPl
     dense fill reads a tensor it does not map: a tensor the checkpoint holds as file runs is
     ``preadv``-ed run by run into place and each run's bytes, as the model now holds them, given to
     ``placed`` (the load's CRC-32 check, :class:`hf_merge.readers.record_crc.Placed`); any other
-    (a box of a stacked Megatron tensor, a cast) is ``read_into`` its place."""
-    if not dst.is_contiguous():
+    (a box of a stacked Megatron tensor, a cast) is ``read_into`` its place. A ``dst`` that is not
+    contiguous, or not on the CPU (``mps``, ``xpu``: no numpy view of the bytes it holds for the
+    CRC-32), is read and copied in; its record is then checked in full."""
+    if not dst.is_contiguous() or dst.device.type != "cpu":
         dst.copy_(view.read(name))
         return
     runs = file_rows(view, name, dst.dtype) if dst.dim() else None
