@@ -491,6 +491,91 @@ def test_deepspeed_partitions_are_checked_from_the_pieces_the_writer_copied(name
     assert sum(reread) < checked // 20, (sum(reread), checked)  # ... from what the writer copied, not read again
 
 
+def _reread_log(monkeypatch, log: Path) -> None:
+    """Append the size of every byte range the check reads to ``log`` (also from forked writers)."""
+    real = record_crc._crc
+
+    def counted(fd, start, size, where):
+        fd_log = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd_log, f"{size}\n".encode())
+        finally:
+            os.close(fd_log)
+        return real(fd, start, size, where)
+
+    monkeypatch.setattr(record_crc, "_crc", counted)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("name", ["z3_fp32_ws3", "z2_bf16_align_ws3", "z1_bf16_tied_ws2"])
+def test_a_zero_partition_split_over_output_files_is_read_once(name, workers, tmp_path, monkeypatch):
+    """A ZeRO partition whose parameters land in several output files, written by one writer or
+    by forked ones: the pieces' CRC-32s of all the files are combined at the end of the merge (also
+    the first bytes of a record a file ends in), so only the bytes no file's piece covered are read
+    again. Before: each file's writer read what it had not copied itself."""
+    ckpt = _copy(DEEPSPEED / name, tmp_path / "run")
+    log = tmp_path / "reread.log"
+    _reread_log(monkeypatch, log)
+    before = record_crc.stats()
+    hf_merge.merge(ckpt, tmp_path / "out", config=DEEPSPEED / name / "reference" / "step2" / "config",
+                   dtype="float32", workers=workers, max_shard_size=8000)  # the fp32 partitions' bytes
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) >= 6
+    partitions = sum(p.stat().st_size for p in ckpt.rglob("*optim_states.pt"))
+    checked = record_crc.stats()["bytes"] - before["bytes"]
+    reread = sum(int(n) for n in log.read_text().split()) if log.exists() else 0
+    # what no file's piece covered: small parameters the writer copied from memory (0.2-2 % of the
+    # checked bytes here); before: 46-96 % with one writer, more with three (each file's writer read
+    # what it had not copied itself)
+    assert reread < checked // 20, (reread, checked)
+    assert checked > partitions // 4  # the fp32 partitions, combined in this process (also from forked writers)
+
+
+def _a_piece_in_the_second_file(ckpt: Path, monkeypatch) -> tuple[Path, int]:
+    """Merge ``ckpt`` with one writer into small files; the source file and byte offset of a
+    partition piece the second output file copied."""
+    from hf_merge.write import shards
+
+    current: list[str] = []
+    pieces: list[tuple[str, tuple, int, int]] = []
+    real_write, real_add = shards.write_file, record_crc.Placed.add
+
+    def write_file(ckpt_, plan, *args, **kwargs):
+        current.append(plan.name)
+        return real_write(ckpt_, plan, *args, **kwargs)
+
+    def add(self, key, offset, n, crc):
+        pieces.append((current[-1], key, offset, n))
+        real_add(self, key, offset, n, crc)
+
+    with monkeypatch.context() as m:
+        m.setattr(shards, "write_file", write_file)
+        m.setattr(record_crc.Placed, "add", add)
+        hf_merge.merge(ckpt, ckpt.parent / "probe", config=DEEPSPEED / ckpt.name / "reference" / "step2" / "config",
+                       dtype="auto", workers=1, max_shard_size=8000)
+    second = sorted(set(current))[1]
+    _file, key, offset, n = next(p for p in pieces if p[0] == second and p[3] >= 8)
+    path = next(p for p in ckpt.rglob("*optim_states.pt") if p.stat().st_ino == key[1])
+    return path, offset + n // 2
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_flipped_byte_in_a_zero3_piece_of_the_second_file_fails_the_merge(workers, tmp_path, monkeypatch):
+    """The pieces a (forked) writer of a later file copied are still checked: the merge fails with
+    the file's name and leaves neither a target nor a temporary folder."""
+    name = "z3_fp32_ws3"
+    good = _copy(DEEPSPEED / name, tmp_path / name)
+    shutil.copytree(DEEPSPEED / name / "reference", good / "reference")
+    path, at = _a_piece_in_the_second_file(good, monkeypatch)
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(record_crc.SourceCrcError, match=path.name):
+        hf_merge.merge(good, tmp_path / "out", config=DEEPSPEED / name / "reference" / "step2" / "config",
+                       dtype="auto", workers=workers, max_shard_size=8000)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf-merge")]
+
+
 def test_a_hub_cache_snapshot_is_read_through_its_blob_links(qwen2_fp32_ws2, tmp_path, capsys):
     """A Hugging Face cache snapshot is made of links into its repository's blobs/ folder: read
     (``verify --against`` it, ``--base-model``-style opening); a link elsewhere is refused."""

@@ -240,6 +240,11 @@ class Sink:
             offset += k
             n -= k
 
+    def sources_done(self) -> None:
+        """Every byte is appended: a source record whose first bytes streamed in order, and whose
+        rest another file holds, is handed to the check as a piece (call it on the filling thread)."""
+        self._crc.end()
+
     def add_memory(self, data: memoryview) -> None:
         if self._hash is not None:
             self._hash.ahead_memory(data)

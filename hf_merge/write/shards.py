@@ -43,29 +43,37 @@ WHOLE_TENSOR_LIMIT = 256 << 20
 
 def write_file(
     ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: ProgressFn | None = None, *, sha256: bool = False,
-    cores: int = 1,
+    cores: int = 1, crc: "record_crc.Placed | None" = None,
 ) -> str | None:
     """Write one planned safetensors file into ``folder``; return its sha256 when asked. ``cores``:
-    the CPUs this writer may use (a second one hashes: :func:`hf_merge.write.engine.hash_apart`)."""
+    the CPUs this writer may use (a second one hashes: :func:`hf_merge.write.engine.hash_apart`).
+    ``crc``: the merge's account of source records (see :func:`fill_file`)."""
     path = Path(folder) / plan.name
     fd = engine.open_output(path)
     try:
-        return fill_file(ckpt, plan, fd, path, progress, sha256=sha256, cores=cores)
+        return fill_file(ckpt, plan, fd, path, progress, sha256=sha256, cores=cores, crc=crc)
     finally:
         os.close(fd)  # after the writer threads stopped (finish or cancel)
 
 
 def fill_file(ckpt: "LazyCheckpoint", plan: FilePlan, fd: int, path: Path, progress: ProgressFn | None = None, *,
-              sha256: bool = False, cores: int = 1, nice: int = 0) -> str | None:
+              sha256: bool = False, cores: int = 1, nice: int = 0,
+              crc: "record_crc.Placed | None" = None) -> str | None:
     """Write ``plan``'s file into the open descriptor ``fd`` (of ``path``), front to back; the
-    filling thread ``nice`` levels below the sink's threads (which inherit the level they start at)."""
+    filling thread ``nice`` levels below the sink's threads (which inherit the level they start at).
+
+    The source records whose bytes pass the sink whole are checked as they pass; the others when
+    the file's bytes are all appended, or, with ``crc`` (the merge's :class:`record_crc.Placed`),
+    when the caller finishes it after its last file: a ZeRO partition cut into several files is
+    then combined from the pieces of all of them, not read again for each."""
     sink = engine.Sink(fd, path, sha256, progress, unreported=plan.data_start, hash_thread=engine.hash_apart(cores))
 
     def fill() -> None:
         if nice:
             engine.lower_this_thread(nice)
-        with record_crc.deferred():  # records the sink saw whole are checked as they passed, the rest here
+        with record_crc.deferred(into=crc):  # records the sink saw whole are checked as they passed
             _fill(sink, ckpt, plan)
+            sink.sources_done()
 
     return engine.fill_and_finish(sink, fill)
 
@@ -112,11 +120,13 @@ def _add_tensor(sink: engine.Sink, piece: "file_runs.Piece") -> int:
 
 
 def _write_files(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, progress: ProgressFn | None, sha256: bool, cores: int
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, progress: ProgressFn | None, sha256: bool, cores: int,
+    crc: "record_crc.Placed",
 ) -> Iterator[tuple[str, str | None]]:
-    """Write ``files`` one after the other; yield ``(name, sha256)`` as each is done."""
+    """Write ``files`` one after the other; yield ``(name, sha256)`` as each is done. The source
+    records not checked as they streamed are left in ``crc`` for the caller to finish."""
     for plan in files:
-        yield plan.name, write_file(ckpt, plan, folder, progress=progress, sha256=sha256, cores=cores)
+        yield plan.name, write_file(ckpt, plan, folder, progress=progress, sha256=sha256, cores=cores, crc=crc)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -154,9 +164,13 @@ def _worker(
     import torch
 
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
+    inherited = _open_descriptors()  # the parent's too: it keeps its readers open until the merge ends
+    crc = record_crc.Placed()
     try:
-        for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, cores):
+        for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, cores, crc):
             queue.put(("sha256", (name, digest)))
+        queue.put(("crc", crc.hand_over(inherited)))  # records other writers hold pieces of: the parent combines
+        crc.finish()  # the rest: read here, in parallel with the other writers
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
         try:
             queue.put(("error", e))
@@ -166,6 +180,14 @@ def _worker(
         queue.join_thread()  # flushed before _exit, so the parent gets the typed error (e.g. disk full)
         os._exit(1)
     queue.put(("done", None))
+
+
+def _open_descriptors() -> set[int]:
+    """This process's open file descriptors (none known where ``/proc`` or ``/dev/fd`` lacks)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return {int(n) for n in os.listdir(folder)}
+    return set()
 
 
 def die_with_parent(parent: int) -> None:
@@ -231,10 +253,12 @@ def write_shards(
 
                 bar = stack.enter_context(progress_bar(total=sum(f.data_size for f in share), unit="B", desc=desc))
                 progress = bar.update
+            crc = record_crc.Placed()  # the records whose pieces the files' writers copied: one account
             if n == 1:
-                digests.update(_write_files(ckpt, share, folder, progress, sha256, cores))
+                digests.update(_write_files(ckpt, share, folder, progress, sha256, cores, crc))
             else:
-                digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256, cores))
+                digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256, cores, crc))
+            crc.finish()  # before the caller fsyncs and renames; only what no file's piece covered is read
     if files is None:
         write_index(plan, folder)
     return {fp.name: digests[fp.name] for fp in share}
@@ -247,7 +271,8 @@ def write_index(plan: ShardPlan, folder: Path) -> None:
 
 
 def _write_parallel(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, sha256: bool, cores: int
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, sha256: bool, cores: int,
+    crc: "record_crc.Placed",
 ) -> dict[str, str | None]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -277,6 +302,8 @@ def _write_parallel(
                 update(value)
             elif kind == "sha256":
                 digests[value[0]] = value[1]
+            elif kind == "crc":
+                crc.take(value)
             else:
                 done += 1
         for p in procs:
