@@ -327,6 +327,24 @@ def _record_of(path: Path, tensor_name: str) -> str:
     return next(r.name.split("/", 1)[1] for r in records.values() if r.data_start == offset)
 
 
+def test_a_rank_file_damaged_in_place_with_its_mtime_kept_is_checked_again_in_the_same_process(fsdp_copy, tmp_path):
+    """The records found good are remembered per file version for the life of the process. A file
+    rewritten in place (same inode) with its modification time set back (``cp -p``, ``rsync -t``)
+    kept device, inode and mtime: before, a second merge in the same process took its damaged
+    record as checked and wrote it without a word (a fresh process refused it)."""
+    hf_merge.merge(str(fsdp_copy), str(tmp_path / "first"), dtype="float32")
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    before = os.stat(rank1)
+    record = _record_of(rank1, "model.embed_tokens.weight")
+    _flip(rank1, record.encode())
+    os.utime(rank1, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(rank1)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    with pytest.raises(record_crc.SourceCrcError, match=rank1.name):
+        hf_merge.merge(str(fsdp_copy), str(tmp_path / "second"), dtype="float32")
+    assert not (tmp_path / "second").exists()
+
+
 def test_a_flipped_byte_in_a_rank_file_stops_the_merge(fsdp_copy, tmp_path, capsys):
     """Before: exit 0 and a different embed_tokens. Now: one error line naming the file and the
     record, no target; ``--no-source-crc`` merges it (and ``verify --against`` reports it)."""

@@ -74,16 +74,20 @@ class _Archive:
 
 
 _lock = threading.Lock()
-_archives: dict[tuple[int, int, int], _Archive] = {}  # (st_dev, st_ino, st_mtime_ns) -> its records
-_checked: set[tuple[int, int, int, int]] = set()  # file key + data_start of records found good
-_busy: dict[tuple[int, int, int, int], threading.Lock] = {}
+_archives: dict[tuple[int, ...], _Archive] = {}  # file key (_key) -> its records
+_checked: set[tuple[int, ...]] = set()  # file key + data_start of records found good
+_busy: dict[tuple[int, ...], threading.Lock] = {}
 _skip = 0  # > 0 inside skipping()
 _stats = {"records": 0, "bytes": 0, "streamed": 0}
 _local = threading.local()  # .pending: records noted inside deferred() on this thread; .placed: their pieces
 
 
-def _key(st: os.stat_result) -> tuple[int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+def _key(st: os.stat_result) -> tuple[int, ...]:
+    """One version of one file. The change time is in it because writing a file in place and then
+    setting its modification time back (``cp -p``, ``rsync -t``, ``os.utime``; a re-copy that reuses
+    the inode) keeps device, inode and modification time: without it a long-lived process (a notebook
+    merging or loading twice) would take the new bytes for records already found good, unchecked."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def enabled() -> bool:
@@ -378,7 +382,7 @@ class Placed:
         """Add records and pieces another process's account handed over (:meth:`hand_over`)."""
         for key, entry, parts in handed:
             try:
-                same = _key(os.fstat(entry[0])) == key[:3]
+                same = _key(os.fstat(entry[0])) == key[:-1]
             except OSError:
                 same = False
             if not same:  # the forking process holds its readers' descriptors open until the end
