@@ -202,9 +202,14 @@ def deferred(check_at_end: bool = True, pending: "dict | None" = None, into: "Pl
     :class:`Placed`, at :meth:`Placed.finish`).
     """
     outer, outer_placed = getattr(_local, "pending", None), getattr(_local, "placed", None)
-    placed = into if into is not None else Placed() if check_at_end else None  # pieces a Stream saw out of order
-    if into is None and placed is not None and pending is not None:
-        placed.pending = pending
+    if into is not None:  # its owner finishes it
+        placed = into
+    elif check_at_end:  # the pieces the streams see out of order, combined at the end of this block
+        placed = Placed()
+        if pending is not None:
+            placed.pending = pending
+    else:
+        placed = None
     pending = placed.pending if placed is not None else ({} if pending is None else pending)
     _local.pending, _local.placed = pending, placed
     try:
@@ -280,13 +285,7 @@ class Stream:
         if self._next == self._end:
             key, rec, where = self._rec
             self._rec = None
-            if self._crc != rec.crc:
-                raise _mismatch(where, rec.crc, self._crc, rec.size)
-            with _lock:
-                _checked.add(key)
-                _stats["records"] += 1
-                _stats["bytes"] += rec.size
-                _stats["streamed"] += 1
+            _conclude(key, where, rec.crc, self._crc, rec.size, streamed=True)
 
     def end(self) -> None:
         """The writer's last bytes are in: a record streamed part-way goes to the check as a piece."""
@@ -412,12 +411,7 @@ class Placed:
             if start > at:  # bytes no piece covered: read them
                 crc = crc32_combine(crc, _crc(fd, at, start - at, where), start - at)
             crc, at = crc32_combine(crc, part, n), start + n
-        if crc != rec.crc:
-            raise _mismatch(where, rec.crc, crc, rec.size)
-        with _lock:
-            _checked.add(key)
-            _stats["records"] += 1
-            _stats["bytes"] += rec.size
+        _conclude(key, where, rec.crc, crc, rec.size)
 
 
 def check_record(fd: int, data_start: int, size: int, crc: int, where: str) -> None:
@@ -438,14 +432,21 @@ def _check(fd: int, st: os.stat_result, data_start: int, size: int, crc: int, wh
     with busy:  # another thread checking the same record: wait for its answer
         if key in _checked:
             return
-        got = _crc(fd, data_start, size, where)
-        if got != crc:
-            raise _mismatch(where, crc, got, size)
-        with _lock:
-            _checked.add(key)
-            _busy.pop(key, None)
-            _stats["records"] += 1
-            _stats["bytes"] += size
+        _conclude(key, where, crc, _crc(fd, data_start, size, where), size)
+
+
+def _conclude(key: tuple, where: str, expected: int, got: int, size: int, *, streamed: bool = False) -> None:
+    """The verdict on one record, however its CRC-32 was taken (streamed, combined from pieces,
+    read): :class:`SourceCrcError` unless ``got`` is what the zip directory says, else the record is
+    remembered as found good."""
+    if got != expected:
+        raise _mismatch(where, expected, got, size)
+    with _lock:
+        _checked.add(key)
+        _busy.pop(key, None)
+        _stats["records"] += 1
+        _stats["bytes"] += size
+        _stats["streamed"] += streamed
 
 
 def _mismatch(where: str, expected: int, got: int, size: int) -> SourceCrcError:
