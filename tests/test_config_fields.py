@@ -69,14 +69,15 @@ def test_a_megatron_config_lookup_does_not_import_transformers():
 
 
 def test_stated_attribute_maps_are_the_classes_own():
-    """Every map read from a config class's source equals the imported class's ``attribute_map``;
-    the common families are read that way (not declined)."""
+    """Every map read from a config class's source (an empty one too) equals the imported class's
+    ``attribute_map``; the common families are read that way (not declined). 7-12 s: it imports
+    every config class the source reading does not decline (510 of 831 with transformers 5.25)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
     common = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral", "deepseek_v3", "gpt2"}
     stated = {mt: config_fields._stated_map(mt) for mt in CONFIG_MAPPING_NAMES}
     assert all(stated[mt] is not None for mt in common)
-    checked = [mt for mt, amap in stated.items() if amap or mt in common]
-    assert len(checked) > 50
+    checked = [mt for mt, amap in stated.items() if amap is not None]
+    assert len(checked) > len(stated) // 2
     for mt in checked:
         assert stated[mt] == dict(CONFIG_MAPPING[mt].attribute_map), mt
