@@ -19,8 +19,12 @@ one installed, whose attribute_map does not know the new name yet).
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import logging
+import sys
+from pathlib import Path
 from typing import Any, Mapping
 
 logger = logging.getLogger(__name__)
@@ -54,9 +58,83 @@ def _config_class(model_type: Any):
 @functools.lru_cache(maxsize=64)
 def attribute_map(model_type: str | None) -> dict[str, str]:
     """The ``attribute_map`` of transformers' config class for ``model_type`` (``{}`` when
-    transformers is absent or does not know the type)."""
+    transformers is absent or does not know the type).
+
+    Read from the class's source file where it states the map plainly (:func:`_stated_map`):
+    importing transformers' config registry costs a process that has not imported transformers
+    1.3 s of CPU (``import transformers`` builds its lazy module table from every model folder),
+    which a merge otherwise never pays. Else (or when the registry is already imported) from the
+    class itself."""
+    if "transformers.models.auto.configuration_auto" not in sys.modules:
+        stated = _stated_map(model_type)
+        if stated is not None:
+            return stated
     amap = getattr(_config_class(model_type), "attribute_map", None)
     return {str(k): str(v) for k, v in amap.items()} if isinstance(amap, Mapping) else {}
+
+
+#: bases and decorators of a config class whose ``attribute_map`` is the one its body states
+_PLAIN_BASES = frozenset({"PreTrainedConfig", "PretrainedConfig"})
+_PLAIN_DECORATORS = frozenset({"auto_docstring", "strict"})
+
+
+def _stated_map(model_type: Any) -> dict[str, str] | None:
+    """The ``attribute_map`` that the installed transformers' ``models/<type>/configuration_<type>.py``
+    states for the config class whose ``model_type`` is ``model_type``, read without importing
+    transformers; None where that is not certain (no such file or class, a base class other than
+    ``PreTrainedConfig`` that could hold the map, a decorator that could change it, a map that is
+    not a literal): the caller then imports the class."""
+    if not isinstance(model_type, str) or not model_type.replace("-", "_").isidentifier():
+        return None
+    try:
+        spec = importlib.util.find_spec("transformers")  # finds the package; does not import it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    module = model_type.replace("-", "_")
+    source = Path(list(spec.submodule_search_locations)[0]) / "models" / module / f"configuration_{module}.py"
+    try:
+        tree = ast.parse(source.read_bytes(), str(source))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    found = [node for node in tree.body if isinstance(node, ast.ClassDef) and _class_constant(node, "model_type") == model_type]
+    if len(found) != 1:
+        return None
+    cls = found[0]
+    decorators = [d.func if isinstance(d, ast.Call) else d for d in cls.decorator_list]
+    if cls.keywords or {_name(b) for b in cls.bases} - _PLAIN_BASES or {_name(d) for d in decorators} - _PLAIN_DECORATORS:
+        return None
+    amap = _class_constant(cls, "attribute_map", default={})
+    if not isinstance(amap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in amap.items()):
+        return None
+    return amap
+
+
+def _name(node: ast.expr) -> str | None:
+    return node.id if isinstance(node, ast.Name) else None
+
+
+_UNSTATED = object()
+
+
+def _class_constant(cls: ast.ClassDef, field: str, default: Any = _UNSTATED) -> Any:
+    """The literal a class body assigns to ``field`` (``default`` when it assigns none; a value no
+    literal gives, or an assignment made twice, gives :data:`_UNSTATED`)."""
+    values = []
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(_name(t) == field for t in node.targets):
+            values.append(node.value)
+        elif isinstance(node, ast.AnnAssign) and _name(node.target) == field and node.value is not None:
+            values.append(node.value)
+    if not values:
+        return default
+    if len(values) > 1:
+        return _UNSTATED
+    try:
+        return ast.literal_eval(values[0])
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _UNSTATED
 
 
 @functools.lru_cache(maxsize=64)

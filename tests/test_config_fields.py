@@ -48,3 +48,36 @@ def test_dtype_and_rope_spellings():
         assert config_fields.rope_settings(config) == {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0,
                                                        **({"type": "linear"} if "rope_scaling" in config else {})}
     assert config_fields.get(old, "rope_parameters") == old["rope_scaling"]
+
+
+def test_a_megatron_config_lookup_does_not_import_transformers():
+    """A Qwen2 config without ``head_dim`` (the Megatron reader checks it is a positive integer):
+    the field's other spellings come from the config class's source, not from importing
+    transformers (1.3 s of CPU a merge never needed otherwise; before: imported)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from hf_merge import config_fields as c; "
+        "assert c.get({'model_type': 'qwen2'}, 'head_dim') is None; "
+        "assert c.get({'model_type': 'gpt2', 'n_head': 4}, 'num_attention_heads') == 4; "
+        "assert c.get({'model_type': 'qwen3_moe', 'num_local_experts': 8}, 'num_experts') == 8; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_stated_attribute_maps_are_the_classes_own():
+    """Every map read from a config class's source (an empty one too) equals the imported class's
+    ``attribute_map``; the common families are read that way (not declined). 7-12 s: it imports
+    every config class the source reading does not decline (510 of 831 with transformers 5.25)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    common = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral", "deepseek_v3", "gpt2"}
+    stated = {mt: config_fields._stated_map(mt) for mt in CONFIG_MAPPING_NAMES}
+    assert all(stated[mt] is not None for mt in common)
+    checked = [mt for mt, amap in stated.items() if amap is not None]
+    assert len(checked) > len(stated) // 2
+    for mt in checked:
+        assert stated[mt] == dict(CONFIG_MAPPING[mt].attribute_map), mt

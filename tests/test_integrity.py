@@ -780,3 +780,45 @@ def test_a_flipped_byte_in_a_zero3_partition_stops_the_load(where, tmp_path, mon
     target.write_bytes(bytes(raw))
     with pytest.raises(record_crc.SourceCrcError, match=file):
         AutoModelForCausalLM.from_sharded_pretrained(bad, config=config, dtype="keep")
+
+
+@pytest.mark.parametrize("flip", [None, "inside a run", "in the gap"])
+def test_runs_of_pieces_from_inside_a_record_are_checked_as_one(flip, tmp_path, monkeypatch):
+    """A flat partition (one ``torch.save`` record, 1.5 MB) copied as two parameters, each in
+    256 KiB pieces that start inside the record (as the engine copies a ZeRO parameter): the pieces
+    of one parameter are one run; at the end only the bytes no run covered are read (the gap
+    between the parameters and the record's ends), and a flipped byte anywhere fails the check."""
+    path = tmp_path / "partition.pt"
+    torch.save({"flat": torch.arange(393216, dtype=torch.float32)}, path)
+    with open(path, "rb") as f:
+        records = read_records(f, path.name)
+    rec = next(r for r in records.values() if r.name.endswith("data/0"))
+    params = [(rec.data_start + 4096, 700_000), (rec.data_start + 720_000, 800_000)]  # inside the record, a gap between
+    if flip is not None:
+        raw = bytearray(path.read_bytes())
+        raw[params[1][0] + 300_000 if flip == "inside a run" else rec.data_start + 710_000] ^= 0x01
+        path.write_bytes(bytes(raw))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        record_crc.add_archive(fd, records, path.name)
+        read: list[int] = []
+        crc_of = record_crc._crc
+        monkeypatch.setattr(record_crc, "_crc", lambda fd, start, size, where: read.append(size) or crc_of(fd, start, size, where))
+        placed = record_crc.Placed()
+        stream = record_crc.Stream()
+        with record_crc.deferred(into=placed):
+            record_crc.check_record(fd, rec.data_start, rec.size, rec.crc, path.name)
+            for start, n in params:
+                for at in range(start, start + n, 256 << 10):
+                    stream.feed(fd, at, memoryview(os.pread(fd, min(256 << 10, start + n - at), at)))
+            stream.end()
+        parts = placed._parts[next(iter(placed.pending))]
+        assert [(a, n) for a, n, _ in parts] == params  # one piece per run, not one per 256 KiB
+        if flip is None:
+            placed.finish()
+            assert sorted(read) == sorted([4096, 720_000 - 4096 - 700_000, rec.data_start + rec.size - 1_520_000 - rec.data_start])
+        else:
+            with pytest.raises(record_crc.SourceCrcError, match=path.name):
+                placed.finish()
+    finally:
+        os.close(fd)

@@ -256,13 +256,17 @@ class Stream:
     (the descriptor, the file offset, the bytes). A piece that starts a known record (and
     the pieces that follow it without a gap) are run through the CRC-32; at the record's last
     byte its CRC is compared and the record is marked checked, or :class:`SourceCrcError` raised.
-    Pieces that start elsewhere, and a record left part-way, go as pieces (their CRC-32s) to the
-    :class:`Placed` of this thread's :func:`deferred` block, which combines them at its end; outside
-    such a block (or with ``check_at_end=False``) they are dropped and the record is checked in full.
+    Pieces that start elsewhere in a record, and a record left part-way, go as pieces (their
+    CRC-32s) to the :class:`Placed` of this thread's :func:`deferred` block, which combines them at
+    its end; outside such a block (or with ``check_at_end=False``) they are dropped and the record
+    is checked in full. Pieces that follow each other in one record (a DeepSpeed parameter copied
+    256 KiB at a time) are one run: one CRC-32 carried on, one piece handed over when the run ends,
+    not a record look-up and a ``crc32_combine`` per 256 KiB.
     """
 
     def __init__(self) -> None:
         self._fd = -1
+        self._first = -1  # file offset where the current run began (the record's start: streamed whole)
         self._next = -1
         self._end = 0
         self._crc = 0
@@ -275,7 +279,7 @@ class Stream:
             self._hand_over()
             self._start(fd, offset)
         if self._rec is None or self._next + len(data) > self._end:
-            self._hand_over()  # not one record's bytes in order: kept as a piece, for the check at the end
+            self._hand_over()  # not within one record: kept as pieces, for the check at the end
             placed = getattr(_local, "placed", None)
             if placed is not None:
                 placed.place(fd, offset, data)
@@ -284,6 +288,9 @@ class Stream:
         self._next += len(data)
         if self._next == self._end:
             key, rec, where = self._rec
+            if self._first != rec.data_start:
+                self._hand_over()
+                return
             self._rec = None
             _conclude(key, where, rec.crc, self._crc, rec.size, streamed=True)
 
@@ -292,29 +299,33 @@ class Stream:
         self._hand_over()
 
     def _hand_over(self) -> None:
-        """The record streamed so far was left part-way: its first bytes' CRC-32 goes to the
-        check at the end of :func:`deferred`, as a piece."""
+        """The run so far (a record's first bytes, or bytes from inside it) did not cover the
+        record: its CRC-32 goes to the check at the end of :func:`deferred`, as a piece."""
         placed = getattr(_local, "placed", None)
-        if self._rec is not None and placed is not None and self._next > self._rec[1].data_start:
-            placed.add(self._rec[0], self._rec[1].data_start, self._next - self._rec[1].data_start, self._crc)
+        if self._rec is not None and placed is not None and self._next > self._first:
+            placed.add(self._rec[0], self._first, self._next - self._first, self._crc)
         self._rec = None
 
     def _start(self, fd: int, offset: int) -> None:
+        """A run from ``offset``: at a record's start, or (when a :class:`Placed` takes the
+        pieces) inside one."""
         self._rec = None
         st = os.fstat(fd)
         with _lock:
             archive = _archives.get(_key(st))
         if archive is None:
             return
-        i = bisect.bisect_left(archive.starts, offset)
-        if i == len(archive.starts) or archive.starts[i] != offset:
+        i = bisect.bisect_right(archive.starts, offset) - 1
+        if i < 0:
             return
         rec = archive.records[i]
+        if offset >= rec.data_start + rec.size or (offset != rec.data_start and getattr(_local, "placed", None) is None):
+            return
         key = _key(st) + (rec.data_start,)
-        if key in _checked or rec.size == 0:
+        if key in _checked:
             return
         self._rec = (key, rec, f"{archive.where}: zip record {rec.name[:160]!r}")
-        self._fd, self._next, self._end, self._crc = fd, offset, offset + rec.size, 0
+        self._fd, self._first, self._next, self._end, self._crc = fd, offset, offset, rec.data_start + rec.size, 0
 
 
 class Placed:
