@@ -68,6 +68,16 @@ def test_a_megatron_config_lookup_does_not_import_transformers():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_common_families_maps_are_read_from_source_and_are_the_classes_own():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for mt in ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral", "deepseek_v3", "gpt2"):
+        stated = config_fields._stated_map(mt)
+        assert stated is not None, mt
+        assert stated == dict(CONFIG_MAPPING[mt].attribute_map), mt
+
+
+@pytest.mark.slow
 def test_stated_attribute_maps_are_the_classes_own():
     """Every map read from a config class's source (an empty one too) equals the imported class's
     ``attribute_map``; the common families are read that way (not declined). 7-12 s: it imports
