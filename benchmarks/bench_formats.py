@@ -29,6 +29,7 @@ Markdown and JSON go to ``WORKDIR/formats.md`` / ``formats.json``. ``--make NAME
 NAME's folder is missing, ``bash -c CMD`` (``python`` = this interpreter) writes it first and it is
 deleted after NAME's rounds (inputs that are cheap to remake need not stay on disk). The merged folder is deleted after each
 format unless ``--keep-outputs``. Arguments may come from a file, one per line: ``@FILE``.
+``--render A.json [B.json ...]`` measures nothing: it prints the tables of saved runs, concatenated.
 Targets (issue 28): merge <= 1.3x the floor, load + first forward <= 1.5x from_pretrained's,
 at >= 3 GB, peak anonymous memory of the merge <= 512 MB.
 """
@@ -129,7 +130,7 @@ def bench_one(inp: Input, workdir: Path, rounds: int) -> dict:
         return bm.measure_copy_floor(inp.name, floor_files, work / "floor.bin", work / "floor.log")[0]
 
     tools = {
-        peer_rounds.FLOOR: lambda: floor(),
+        peer_rounds.FLOOR: floor,
         MERGE: lambda: bm.measure(inp.name, MERGE, argv, merged, work / "merge.log", files, env=env),
         SHARDED: lambda: load(SHARDED, inp.dir),
         PRETRAINED: lambda: load(PRETRAINED, merged),
@@ -190,18 +191,21 @@ def format_table(r: dict) -> str:
 
 
 def summary_table(results: list[dict]) -> str:
-    lines = ["| format | GB read | merge / floor (median) | merge s / floor s | merge peak anon MB "
-             "| load+fwd / from_pretrained+fwd (median) | ours s / theirs s | load avg |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| format | GB (files / floor) | merge / floor (median of rounds) | merge s / floor s | CPU s merge / floor "
+             "| merge peak anon MB | load+fwd / from_pretrained+fwd (median of rounds) | ours s / theirs s "
+             "| CPU s ours / theirs | load peak anon MB ours / theirs | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | FAILED | | | | | | |")
+            lines.append(f"| {r['name']} | FAILED |" + " |" * 9)
             continue
         t, m, l = r["tools"], r[f"{MERGE} / {peer_rounds.FLOOR}"], r[f"{SHARDED} / {PRETRAINED}"]
+        f, ours, ref = t[peer_rounds.FLOOR], t[SHARDED], t[PRETRAINED]
         lines.append(
-            f"| {r['name']} | {r['input_bytes'] / 1e9:.2f} | {m['median']:.2f}x | {t[MERGE]['median_wall_s']:.2f} / "
-            f"{t[peer_rounds.FLOOR]['median_wall_s']:.2f} | {t[MERGE]['peak_anon_mb']:,.0f} | {l['median']:.2f}x "
-            f"| {t[SHARDED]['median_wall_s']:.2f} / {t[PRETRAINED]['median_wall_s']:.2f} "
+            f"| {r['name']} | {r['input_bytes'] / 1e9:.2f} / {r['floor_bytes'] / 1e9:.2f} | {m['median']:.2f}x "
+            f"| {t[MERGE]['median_wall_s']:.2f} / {f['median_wall_s']:.2f} | {t[MERGE]['median_cpu_s']:.2f} / {f['median_cpu_s']:.2f} "
+            f"| {t[MERGE]['peak_anon_mb']:,.0f} | {l['median']:.2f}x | {ours['median_wall_s']:.2f} / {ref['median_wall_s']:.2f} "
+            f"| {ours['median_cpu_s']:.2f} / {ref['median_cpu_s']:.2f} | {ours['peak_anon_mb']:,.0f} / {ref['peak_anon_mb']:,.0f} "
             f"| {min(r['load_avg']):.1f}-{max(r['load_avg']):.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -209,7 +213,9 @@ def summary_table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  fromfile_prefix_chars="@")
-    ap.add_argument("inputs", nargs="+", metavar="NAME=DIR[:MERGE ARGS]")
+    ap.add_argument("inputs", nargs="*", metavar="NAME=DIR[:MERGE ARGS]")
+    ap.add_argument("--render", nargs="+", type=Path, metavar="JSON",
+                    help="measure nothing: print the tables of earlier runs' formats.json files, concatenated")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the four (default 3)")
     ap.add_argument("--workdir", type=Path, default=bm.REPO / "bench_out" / "formats")
     ap.add_argument("--make", action="append", default=[], metavar="NAME=CMD",
@@ -217,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these inputs (repeatable)")
     ap.add_argument("--keep-outputs", action="store_true", help="keep every WORKDIR/NAME/merged")
     a = ap.parse_intermixed_args(argv)  # inputs and --make lines in any order
+    if a.render:
+        results = [r for f in a.render for r in json.loads(f.read_text())]
+        print("\n".join(format_table(r) for r in results) + "\n## Summary\n\n" + summary_table(results))
+        return 0
     inputs = [Input(s) for s in a.inputs]
     inputs = [i for i in inputs if not a.only or i.name in a.only]
     makers = dict(m.partition("=")[::2] for m in a.make)
