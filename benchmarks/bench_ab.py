@@ -59,11 +59,13 @@ def main() -> None:
     ap.add_argument("--a", type=Path, required=True, help="tree A (holds hf_merge/)")
     ap.add_argument("--b", type=Path, required=True, help="tree B (holds hf_merge/)")
     ap.add_argument("--runs", type=int, default=4, help="runs per tree, interleaved A, B, A, B ...")
-    ap.add_argument("--out-root", type=Path, default=Path(tempfile.gettempdir()) / "hf-merge-ab")
+    ap.add_argument("--out-root", type=Path, default=Path(tempfile.gettempdir()) / "hf-merge-ab",
+                    help="where the runs write (OUT_ROOT/out); removed at the end only if this run made it")
     ap.add_argument("--fresh-cache", action="store_true", help="an empty plan cache for every run")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="-- then the hf-merge arguments; {out} is the output folder")
     ns = ap.parse_args()
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    made_root = not ns.out_root.exists()  # a folder given that already exists is left as it was
     ns.out_root.mkdir(parents=True, exist_ok=True)
     trees = {"A": ns.a.resolve(), "B": ns.b.resolve()}
     results: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
@@ -77,7 +79,8 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in results[label]) for k in ("wall", "user", "sys", "cpu")}
         print(f"median {label} ({tree}): wall {med['wall']:.2f} s, user {med['user']:.2f} s, sys {med['sys']:.2f} s, "
               f"cpu {med['cpu']:.2f} s over {ns.runs} runs")
-    shutil.rmtree(ns.out_root, ignore_errors=True)
+    if made_root:
+        shutil.rmtree(ns.out_root, ignore_errors=True)
 
 
 if __name__ == "__main__":
