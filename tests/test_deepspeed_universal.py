@@ -90,3 +90,31 @@ def test_bad_universal_folders(tmp_path):
     shutil.rmtree(zero / "model.norm.weight")
     with pytest.raises(CorruptCheckpointError, match="model.norm.weight"):
         open_checkpoint(root)
+
+
+def test_masters_are_file_runs_and_a_damaged_one_is_refused(tmp_path):
+    """Each fp32.pt master is handed out as a run of its file (copied file to file, mapped on load)
+    and its zip record is CRC-32-checked: before, the masters came as plain tensors, never checked."""
+    import hf_merge
+    from hf_merge.readers import record_crc
+    from hf_merge.readers.file_runs import run_of
+
+    root = tmp_path / "u"
+    shutil.copytree(UNIVERSAL / "z3_bf16_tied_ws2", root)
+    config = reference("z3_bf16_tied_ws2") / "config"
+    with open_checkpoint(root) as ck:
+        runs = list(ck.read_rows("model.layers.0.mlp.down_proj.weight", torch.float32))
+        assert runs and all(run_of(piece) is not None for _, piece in runs)
+    master = root / "global_step2_universal" / "zero" / "model.layers.0.mlp.down_proj.weight" / "fp32.pt"
+    raw = bytearray(master.read_bytes())
+    with open(master, "rb") as f:
+        from hf_merge.readers.torch_zip import read_records
+
+        record = next(r for r in read_records(f, master.name).values() if r.name.endswith("data/0"))
+    raw[record.data_start + 5] ^= 0x10
+    master.write_bytes(bytes(raw))
+    with pytest.raises(record_crc.SourceCrcError, match="down_proj"):
+        hf_merge.merge(str(root), str(tmp_path / "out"), config=str(config), dtype="float32")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(record_crc.SourceCrcError, match="down_proj"):
+        hf_merge.from_sharded_pretrained(str(root), config=str(config), dtype=torch.float32)

@@ -16,26 +16,34 @@ named in ``shared_params`` is read from its source's fp32 master instead, so bot
 trained master (what the source checkpoint itself gives).
 
 Every file goes through the same pickle policy as the rest of hf-merge (:mod:`.safe_pickle`): the
-fp32.pt and model_states files need nothing beyond torch's tensor records.
+fp32.pt and model_states files need nothing beyond torch's tensor records. Each fp32.pt's record is
+handed out as a file run and CRC-32-checked like any rank file's (:mod:`.record_crc`), while the
+reader keeps at most :data:`OPEN_FILES` of them open (then the masters are read as plain mapped
+tensors, unchecked, as torch.load would).
 """
 
 from __future__ import annotations
 
 import math
+import resource
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import contained
+from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError
 from ..spec import TensorSpec
+from .file_runs import MappedFile, read_into
 from .safe_pickle import TENSOR_FILE, torch_load
 
 ZERO_DIR = "zero"
 MASTER_FILE = "fp32.pt"
 LATEST = "latest_universal"
+#: fp32.pt files kept open for file runs and CRC checks: a quarter of the process's open-file limit
+#: (a universal checkpoint has one per parameter: tens of thousands for a large MoE)
+OPEN_FILES = max(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
 
 
 def is_universal_tag_dir(folder: Path) -> bool:
@@ -62,6 +70,7 @@ class UniversalCheckpoint(LazyCheckpoint):
         self.info = info
         zero = Path(tag_dir) / ZERO_DIR
         self._tensors: dict[str, torch.Tensor] = {}
+        self._sources: dict[str, MappedFile] = {}  # name -> the fp32.pt its master is a run of
         self._specs: dict[str, TensorSpec] = {}
         ms = model_states[0]
         shapes: dict[str, tuple[int, ...]] = {}
@@ -75,7 +84,8 @@ class UniversalCheckpoint(LazyCheckpoint):
         for name in order:
             if name in shared and shared[name] in found:
                 continue  # an alias: read from its source below
-            tensor = _master(zero / name / MASTER_FILE, name)
+            path = zero / name / MASTER_FILE
+            tensor = _master(path, name)
             shape = shapes.get(name, tuple(tensor.shape))
             if tensor.numel() != math.prod(shape):
                 raise CorruptCheckpointError(
@@ -84,6 +94,10 @@ class UniversalCheckpoint(LazyCheckpoint):
                 )
             self._tensors[name] = tensor.reshape(shape) if tensor.is_contiguous() else tensor.contiguous().reshape(shape)
             self._specs[name] = TensorSpec(name, shape, tensor.dtype)
+            if len(self._sources) < OPEN_FILES:
+                source = record_crc.mapped_file(path, [tensor], where=f"{ZERO_DIR}/{name}/{MASTER_FILE}")
+                if source is not None:
+                    self._sources[name] = source
         module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
         for name in ms.get("buffer_names") or []:  # buffers are not parameters: only in the module
             if name not in self._specs and isinstance(module.get(name), torch.Tensor):
@@ -99,19 +113,35 @@ class UniversalCheckpoint(LazyCheckpoint):
             if source in self._specs and alias not in self._specs:
                 self._tensors[alias] = self._tensors[source]
                 self._specs[alias] = self._specs[source].renamed(alias)
+                if source in self._sources:
+                    self._sources[alias] = self._sources[source]
 
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
 
+    def _checked(self, name: str) -> tuple[torch.Tensor, MappedFile | None]:
+        """The master of ``name``, its record's CRC-32 checked, and the file it is a run of."""
+        tensor, source = self._tensors[name], self._sources.get(name)
+        record_crc.check_tensor(tensor, source)
+        return tensor, source
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
-        out.copy_(self._tensors[name])
+        tensor, source = self._checked(name)
+        if source is not None and out.is_contiguous():
+            read_into(source.piece(tensor), out.view(tensor.shape))
+        else:
+            out.copy_(tensor)
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         tensor = self._tensors[name]
         if not tensor.dim() or tensor.shape[0] == 0:
             return None
-        return row_runs(tensor, 0, dtype, max_bytes)
+        tensor, source = self._checked(name)
+        return row_runs(tensor, 0, dtype, max_bytes, source)
 
     def close(self) -> None:
+        for source in set(self._sources.values()):
+            source.close()
+        self._sources.clear()
         self._tensors.clear()
