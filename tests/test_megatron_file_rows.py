@@ -175,3 +175,16 @@ def test_column_pieces_are_read_straight_into_their_rows(megatron_root, monkeypa
             assert targets and all(lo <= p < hi for ptrs in targets for p in ptrs), name
             assert max(len(ptrs) for ptrs in targets) == out.shape[0]  # one call: a row slice per row
     ckpt.close()
+
+
+def test_preadv_batch_size_when_the_system_sets_no_iov_limit(monkeypatch):
+    """``sysconf(SC_IOV_MAX)`` is -1 where the system sets no fixed limit: the row scatter must still
+    pass a positive number of buffers per ``preadv`` (-1 sliced the row list from the wrong end)."""
+    import os
+
+    from hf_merge.readers import dcp
+
+    monkeypatch.setattr(os, "sysconf", lambda name: -1)
+    assert dcp._iov_max() == 16
+    monkeypatch.setattr(os, "sysconf", lambda name: 4096)
+    assert dcp._iov_max() == 1024

@@ -249,7 +249,17 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layou
 # --------------------------------------------------------------------------------------------
 
 _HAVE_PREADV = hasattr(os, "preadv")
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16
+def _iov_max() -> int:
+    """Buffers one ``preadv`` takes: the system's ``IOV_MAX`` up to 1024; 16 where it is not told
+    (``sysconf`` gives -1 for "no fixed limit", or has no such name)."""
+    try:
+        told = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError, AttributeError):
+        return 16
+    return min(told, 1024) if told > 0 else 16
+
+
+_IOV_MAX = _iov_max()
 _MIN_ROW_BYTES = 256  # rows scattered into place by preadv from this size (smaller: read and copied)
 _DISTCP_RANK = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
