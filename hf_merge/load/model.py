@@ -615,6 +615,8 @@ def _load_model(
         resolved_map = compat.infer_device_map(model, device_map, max_memory) if device_map is not None else None
     offloads_to_disk = resolved_map is not None and "disk" in {str(d) for d in resolved_map.values()}
     if quantized or plan.needs_converters or offloads_to_disk:
+        if prefetch is not None:
+            prefetch.close()  # transformers' own loop reads every tensor: nothing prefetched is used
         return _load_with_transformers(
             model_class,
             config,

@@ -13,7 +13,8 @@ can only come from one file at one page-aligned offset, so a piece is mapped whe
 and its place in the tensor agree modulo the page size (torch.save's 64-byte alignment makes every
 piece of a tensor agree when the pieces' byte sizes are multiples of the page, as large matrices
 are); the pages a piece shares with its neighbour, and pieces that do not agree, are read into the
-anonymous pages of the range with ``preadv``. Bytes equal the file's either way. Where the pieces
+anonymous pages of the range with ``preadv`` (a piece read whole has its pages populated first,
+:func:`populate`: one ``madvise`` per 32 MiB instead of a page fault per page). Bytes equal the file's either way. Where the pieces
 lie at different page phases (each Megatron TP rank's archive in its own file, at an offset the
 archives before it decide), the tensor starts at the phase most of its bytes agree with
 (:func:`best_shift`), never at one that would misalign its elements.

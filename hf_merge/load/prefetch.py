@@ -9,8 +9,8 @@ the rest into fresh pages, the CRC-32 of each piece as the model holds it) is a 
 tensor that run outside the GIL, so it can run beside the import without slowing it much.
 
 :class:`Prefetch` starts those builds on its own threads as soon as the view is known: every tensor
-of at least :data:`MIN_BYTES` the view holds in the load dtype, largest first, whose first run is
-file bytes the mapper maps. ``_fill`` then :meth:`Prefetch.take` s the tensor for a key whose
+of at least :data:`MIN_BYTES` the view holds in the load dtype, largest first, whose runs are all
+file bytes (listed on the calling thread first: the threads make only big GIL-releasing calls). ``_fill`` then :meth:`Prefetch.take` s the tensor for a key whose
 checkpoint name, shape and dtype match what it would build, and builds as before otherwise (a
 cast, a ``keep_in_fp32`` module, a stacked expert slot). The threads note their records in the
 load's :class:`~hf_merge.readers.record_crc.Placed` and place their pieces there, so a damaged
@@ -73,7 +73,11 @@ class Prefetch:
         todo = []
         with record_crc.deferred(check_at_end=False, pending=self.placed.pending):
             for name in sorted(names, key=lambda n: -specs[n].nbytes):
-                runs = self._file_runs(name)
+                try:
+                    runs = self._file_runs(name)
+                except Exception as e:  # the fill reads it again and raises the reader's error in its turn
+                    logger.debug("not prefetched: %s (%s)", name, e)
+                    continue
                 if runs is not None:
                     todo.append((name, tuple(specs[name].shape), runs))
         if not todo:
