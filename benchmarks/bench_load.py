@@ -24,6 +24,12 @@ mapping pages.
 ``--no-crc-row`` adds ``from_sharded_pretrained(source_crc=False)``: the load without the CRC-32
 check of the zip records (torch.save files), which reads every mapped byte once.
 
+``--warm-imports`` imports ``transformers.modeling_utils`` and the model's modeling module in
+each child before the timed call (as a second load in the same process finds them): what is left
+when there is no import for the load to overlap its reads with. Every ``from_sharded_pretrained``
+child also times its ``_resolve_model_class`` call (the first import of the model's code, when
+not warm), printed below the table: whether the reads beside it slowed the import down.
+
 ``--floor`` adds the copy floor: the rank files' bytes ``preadv``-ed into fresh ``torch.empty``
 buffers (page cache to anonymous memory, nothing else), on 1 and on 2 threads, in fresh
 interpreters like the loads. ``--code NAME=DIR`` adds ``from_sharded_pretrained`` as imported from
@@ -217,8 +223,37 @@ def _phases(stats) -> dict[str, float]:
     return out
 
 
+def _warm_imports(config_dir: str) -> None:
+    """Import what a first load imports: ``transformers.modeling_utils`` and the causal-LM class of
+    the model in ``config_dir`` (its modeling module)."""
+    import transformers
+    import transformers.modeling_utils  # noqa: F401
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(transformers.AutoConfig.from_pretrained(config_dir))]
+
+
+class _ClassTimer:
+    """Seconds spent in ``hf_merge.load.model._resolve_model_class`` (either tree's)."""
+
+    def __init__(self):
+        import hf_merge.load.model as model
+
+        self.seconds = 0.0
+        real = model._resolve_model_class
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        model._resolve_model_class = timed
+
+
 def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, device_map: str | None = None,
-          config: str | None = None, breakdown_path: str | None = None) -> dict:
+          config: str | None = None, breakdown_path: str | None = None, warm_from: str | None = None) -> dict:
     t_import = time.perf_counter()
     import torch
     import transformers
@@ -228,7 +263,10 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, devi
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
+    if warm_from:
+        _warm_imports(warm_from)
     import_s = time.perf_counter() - t_import
+    class_timer = _ClassTimer() if tool.startswith("from_sharded_pretrained") else None
     if device_map and device_map != "cpu":  # CUDA's start-up and cuBLAS's first call are not the load's
         x = torch.ones(256, 256, device="cuda")
         (x @ x).sum().item()
@@ -301,6 +339,8 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, devi
         "class": type(model).__name__,
         "dtype": str(model.dtype),
     }
+    if class_timer is not None:
+        result["class_s"] = class_timer.seconds
     if fingerprint_path:
         Path(fingerprint_path).write_text(json.dumps(_fingerprint(model)))
     return result
@@ -394,8 +434,11 @@ def ensure_merged(ckpt: Path, workdir: Path, dtype: str, config: Path | None = N
 
 
 def run_child(tool: str, source: Path, dtype: str, fingerprint: Path | None, code: Path = REPO,
-              device_map: str | None = None, config: Path | None = None, breakdown: Path | None = None) -> dict:
+              device_map: str | None = None, config: Path | None = None, breakdown: Path | None = None,
+              warm_from: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", tool, str(source), "--dtype", dtype]
+    if warm_from:
+        cmd += ["--warm-from", str(warm_from)]
     if device_map:
         cmd += ["--device-map", device_map]
     if config:
@@ -494,10 +537,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", action="store_true", help="also time the preadv copy floor on 1 and 2 threads")
     p.add_argument("--code", action="append", default=[], metavar="NAME=DIR",
                    help="also run from_sharded_pretrained from the hf_merge tree in DIR (repeatable)")
+    p.add_argument("--warm-imports", action="store_true",
+                   help="import transformers.modeling_utils and the model's modeling module before each timed load")
     p.add_argument("--device-map", default=None, help="device_map for both loads, e.g. cuda (default: none, the CPU)")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "SOURCE"), help=argparse.SUPPRESS)
     p.add_argument("--fingerprint", help=argparse.SUPPRESS)
     p.add_argument("--breakdown-out", help=argparse.SUPPRESS)
+    p.add_argument("--warm-from", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         tool, source = a.child
@@ -505,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(floor_child(source, int(tool[len("floor"):]))))
         else:
             print(json.dumps(child(tool, source, a.dtype, a.fingerprint, a.device_map,
-                                   str(a.config) if a.config else None, a.breakdown_out)))
+                                   str(a.config) if a.config else None, a.breakdown_out, a.warm_from)))
         return 0
 
     codes = {"from_sharded_pretrained": REPO}
@@ -531,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
             source = merged if tool == "from_pretrained" else ckpt
             warm_cache(source)
             fp = merged.parent / f"fingerprint-{tool}.json" if i == 0 and not tool.startswith("floor") else None
-            r = run_child(tool, source, a.dtype, fp, codes.get(tool, REPO), a.device_map, a.config)
+            r = run_child(tool, source, a.dtype, fp, codes.get(tool, REPO), a.device_map, a.config,
+                          warm_from=merged if a.warm_imports else None)
             if fp:
                 prints[tool] = fp
             rows.append(r)
@@ -539,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  run {i + 1} {r['tool']}: {r['wall_s']:.2f} s + forward {r['forward_s']:.2f} s, CPU {r['cpu_s']:.2f} s "
                 f"(system {r['sys_s']:.2f}) + {r['forward_cpu_s']:.2f} s"
-                + (f", peak anon {r['peak_anon'] / MB:,.0f} MB, peak RSS {r['peak_rss'] / MB:,.0f} MB" if "peak_anon" in r else ""),
+                + (f", peak anon {r['peak_anon'] / MB:,.0f} MB, peak RSS {r['peak_rss'] / MB:,.0f} MB" if "peak_anon" in r else "")
+                + (f", model class {r['class_s']:.2f} s" if "class_s" in r else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -551,20 +599,25 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{ckpt} ({src_bytes / 1e9:.2f} GB of rank files), device_map {a.device_map or 'none (CPU)'} -> {loaded[0]['class']} in {loaded[0]['dtype']}, "
         f"model {model_bytes / MB:,.0f} MB; imports {statistics.median(r['import_s'] for r in loaded):.1f} s (not counted); "
-        f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} (1 min, sampled after each run)\n"
+        f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} (1 min, sampled after each run)"
+        + ("; transformers.modeling_utils and the model's module imported before each timed load (--warm-imports)"
+           if a.warm_imports else "") + "\n"
     )
     names = {"floor1": "preadv floor (1 thread)", "floor2": "preadv floor (2 threads)"}
     for r in rows:
         r["tool"] = names.get(r["tool"], r["tool"])
     print(table(rows, model_bytes, [names.get(t, t) for t in tools]))
     print(f"\nsame weights: {'yes' if equal else 'NO'} ({'; '.join(d for _, d in details)})")
+    print("in _resolve_model_class (the model code's first import unless warm), median s: " + ", ".join(
+        f"{t} {statistics.median(r['class_s'] for r in rows if r['tool'] == t):.2f}" for t in codes))
     breakdowns = {}
     if a.breakdown:
         for tool in [t for t in tools if not t.startswith("floor")]:
             source = merged if tool == "from_pretrained" else ckpt
             warm_cache(source)
             out = merged.parent / f"breakdown-{tool}.json"
-            run_child(tool, source, a.dtype, None, codes.get(tool, REPO), a.device_map, a.config, out)
+            run_child(tool, source, a.dtype, None, codes.get(tool, REPO), a.device_map, a.config, out,
+                      warm_from=merged if a.warm_imports else None)
             breakdowns[tool] = json.loads(out.read_text())
         print("\n" + breakdown_table(breakdowns))
     (merged.parent / "results.json").write_text(json.dumps(

@@ -58,9 +58,14 @@ class _Fixtures:
 
 @pytest.mark.parametrize("fmt", sorted(SOURCES))
 def test_load_equals_from_pretrained_of_the_merge(fmt, request, tmp_path):
+    assert_load_equals_the_merge(*SOURCES[fmt](_Fixtures(request)), tmp_path)
+
+
+def assert_load_equals_the_merge(source: Path, config: Path | None, tmp_path: Path) -> None:
+    """Every tensor and the logits of ``from_sharded_pretrained(source)`` equal ``from_pretrained``
+    of its fp32 merge."""
     from transformers import AutoModelForCausalLM
 
-    source, config = SOURCES[fmt](_Fixtures(request))
     merged = tmp_path / "merged"
     hf_merge.merge(source, merged, config=config, dtype="float32")
     ref = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)

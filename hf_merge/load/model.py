@@ -49,6 +49,7 @@ from ..errors import LoraError, MappingError, MissingConfigError, QuantizationEr
 from ..hf_files import find_config_dir, load_config
 from .page_mapper import Mapper
 from .device_fill import StagerPool, stages
+from .prefetch import Prefetch
 from .stacked import Slot, first_piece, flat_runs, read_slot, slots, tiling
 from ..readers import contained, record_crc
 from ..pipeline import Fill, run_in_process
@@ -181,6 +182,7 @@ def from_sharded_pretrained(
 
     ckpt = open_checkpoint(source, backend=backend, config=config_dir_arg, is_value_model=is_value_model)
     opened: list[LazyCheckpoint] = [ckpt]
+    prefetch: Prefetch | None = None
     try:
         if config_obj is not None:
             hf_dir = ckpt.info.hf_dir if ckpt.info.hf_dir and (Path(ckpt.info.hf_dir) / "config.json").is_file() else None
@@ -213,8 +215,12 @@ def from_sharded_pretrained(
         for warning in ckpt.info.warnings:
             logger.warning(warning)
 
-        model_class, config_obj = _resolve_model_class(auto_class, config_obj, hf_dir, trust_remote_code)
         load_dtype = out_dtype or _dominant_float_dtype(view) or torch.get_default_dtype()
+        if _prefetches(device_map, quantization_config, config_obj, map_weights=not disable_mmap):
+            # the big tensors are built on the load threads while the model's code imports (below)
+            # (one core left to the import: it is one thread of Python, the prefetch's calls run beside it)
+            prefetch = Prefetch(view, load_dtype, threads=max(1, LOAD_THREADS - 1), skip=_stacked_names(view))
+        model_class, config_obj = _resolve_model_class(auto_class, config_obj, hf_dir, trust_remote_code)
         _set_config_dtype(config_obj, load_dtype)
         config_obj.name_or_path = str(source)
         if attn_implementation is not None:
@@ -235,6 +241,7 @@ def from_sharded_pretrained(
             offload_buffers=offload_buffers,
             name=str(source),
             map_weights=not disable_mmap,
+            prefetch=prefetch,
         )
         model.eval()
         _set_generation_config(model, hf_dir, generation_config)
@@ -242,8 +249,28 @@ def from_sharded_pretrained(
             model = _attach_adapter(model, adapter)
         return model
     finally:
+        if prefetch is not None:
+            prefetch.close()  # an error before the fill: the threads are joined, their tensors dropped
         for item in reversed(opened):
             item.close()
+
+
+def _prefetches(device_map, quantization_config, config, *, map_weights: bool) -> bool:
+    """Whether the fill will map CPU tensors the way :class:`Prefetch` builds them: a CPU load
+    without quantization that may map the rank files (transformers >= 5's own fill)."""
+    if not map_weights or quantization_config is not None or getattr(config, "quantization_config", None) is not None:
+        return False
+    if not compat.has_weight_conversions():
+        return False
+    if isinstance(device_map, dict):
+        return set(map(str, device_map.values())) == {"cpu"}
+    return device_map is None or str(device_map) == "cpu"
+
+
+def _stacked_names(view: LazyCheckpoint) -> set[str]:
+    """The view's per-expert MoE weights: transformers 5 stacks them into fused parameters, which
+    the fill maps or reads slot by slot, so a prefetched copy of one would be read twice."""
+    return {name for name in view.specs() if ".experts." in name}
 
 
 def load_tokenizer(
@@ -567,6 +594,7 @@ def _load_model(
     offload_buffers: bool,
     name: str,
     map_weights: bool = True,
+    prefetch: Prefetch | None = None,
 ):
     if not compat.has_weight_conversions():
         return _load_legacy(
@@ -587,6 +615,8 @@ def _load_model(
         resolved_map = compat.infer_device_map(model, device_map, max_memory) if device_map is not None else None
     offloads_to_disk = resolved_map is not None and "disk" in {str(d) for d in resolved_map.values()}
     if quantized or plan.needs_converters or offloads_to_disk:
+        if prefetch is not None:
+            prefetch.close()  # transformers' own loop reads every tensor: nothing prefetched is used
         return _load_with_transformers(
             model_class,
             config,
@@ -603,7 +633,7 @@ def _load_model(
             name=name,
         )
     fill = Fill(lambda: _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype,
-                              map_weights=map_weights))
+                              map_weights=map_weights, prefetch=prefetch))
     run_in_process(fill, None)  # the in-memory output of the merge pipeline (hf_merge.pipeline)
     _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
@@ -612,10 +642,11 @@ def _load_model(
 
 
 def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool,
-          map_weights: bool = True) -> None:
+          map_weights: bool = True, prefetch: Prefetch | None = None) -> None:
     """Allocate every planned tensor on its device, in its dtype, and read it into place; a CPU
     tensor the checkpoint holds as memory-mapped pieces in that dtype is mapped instead
-    (:mod:`hf_merge.load.page_mapper`: the rank files' pages, no copy)."""
+    (:mod:`hf_merge.load.page_mapper`: the rank files' pages, no copy), or taken from
+    ``prefetch`` where it built that tensor already (:mod:`hf_merge.load.prefetch`)."""
     meta = model.state_dict()
     specs = view.specs()
     keys = list(plan.assign) + list(plan.stacked)
@@ -632,9 +663,12 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
             return have
         return want
 
-    mapper = Mapper() if map_weights else None
+    if prefetch is not None and map_weights:  # one account of mappings and of the records' pieces
+        mapper, placed = prefetch.mapper, prefetch.placed
+    else:
+        mapper = Mapper() if map_weights else None
+        placed = record_crc.Placed()  # the records' CRC-32 over the bytes as the model holds them
     stagers = StagerPool()
-    placed = record_crc.Placed()  # the records' CRC-32 over the bytes as the model holds them
 
     def maps(key: str, name: str, nbytes: int) -> bool:
         """Whether CPU tensor ``key`` is built by the mapper from checkpoint tensor ``name``'s file runs."""
@@ -682,6 +716,9 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
     def read_one(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
         if maps(key, name, specs[name].nbytes):
+            built = prefetch.take(name, shape, dtype) if prefetch is not None else None
+            if built is not None:
+                return key, built
             return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype), placed.place)
         out = torch.empty(shape, dtype=dtype, device=devices[key])
         if stages(out.device):
@@ -705,6 +742,8 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
                 _assign(model, key, tensor)
         for key, tensor in stacked.items():
             _assign(model, key, tensor)
+        if prefetch is not None:
+            prefetch.close()  # its threads joined: no record is noted while they are checked
         placed.finish(pool)  # a damaged record raises here, before the model is returned
 
 

@@ -60,6 +60,10 @@ if TYPE_CHECKING:
 
 #: bytes per ``pread`` of a record being checked
 CHUNK = 8 << 20
+#: bytes per CRC-32 call over bytes already in memory (:meth:`Placed.place`): each call releases the
+#: GIL and takes it back, which costs a thread switch while another thread runs Python (a load's
+#: import of the model code beside its prefetch, :mod:`hf_merge.load.prefetch`)
+PLACED_CHUNK = 1 << 30
 
 
 class SourceCrcError(CorruptCheckpointError):
@@ -359,8 +363,8 @@ class Placed:
             if a >= b or key in _checked:
                 continue
             crc = 0
-            for j in range(a - offset, b - offset, CHUNK):
-                crc = crc32(data[j : min(j + CHUNK, b - offset)], crc)
+            for j in range(a - offset, b - offset, PLACED_CHUNK):
+                crc = crc32(data[j : min(j + PLACED_CHUNK, b - offset)], crc)
             self.add(key, a, b - a, crc)
 
     def add(self, key: tuple, offset: int, n: int, crc: int) -> None:
