@@ -249,6 +249,8 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layou
 # --------------------------------------------------------------------------------------------
 
 _HAVE_PREADV = hasattr(os, "preadv")
+
+
 def _iov_max() -> int:
     """Buffers one ``preadv`` takes: the system's ``IOV_MAX`` up to 1024; 16 where it is not told
     (``sysconf`` gives -1 for "no fixed limit", or has no such name)."""

@@ -128,14 +128,11 @@ class UniversalCheckpoint(LazyCheckpoint):
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
         tensor, source = self._checked(name)
-        if source is not None and out.is_contiguous():
-            read_into(source.piece(tensor), out.view(tensor.shape))
-        else:
-            out.copy_(tensor)
+        read_into(source.piece(tensor) if source is not None else tensor, out)  # preadv where it can, else copy_
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        tensor = self._tensors[name]
-        if not tensor.dim() or tensor.shape[0] == 0:
+        shape = self._specs[name].shape
+        if not shape or shape[0] == 0:
             return None
         tensor, source = self._checked(name)
         return row_runs(tensor, 0, dtype, max_bytes, source)
