@@ -715,10 +715,11 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
 
     def read_one(key: str) -> tuple[str, torch.Tensor]:
         name, shape, dtype = plan.assign[key], tuple(meta[key].shape), target_dtype(key)
+        # the prefetch built only tensors the mapper maps: taken without probing their first row again
+        built = prefetch.take(name, shape, dtype) if prefetch is not None and str(devices[key]) == "cpu" else None
+        if built is not None:
+            return key, built
         if maps(key, name, specs[name].nbytes):
-            built = prefetch.take(name, shape, dtype) if prefetch is not None else None
-            if built is not None:
-                return key, built
             return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype), placed.place)
         out = torch.empty(shape, dtype=dtype, device=devices[key])
         if stages(out.device):

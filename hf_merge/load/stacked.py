@@ -96,7 +96,7 @@ def read_slot(view: "LazyCheckpoint", name: str, dst: torch.Tensor, placed: OnPl
     if not dst.is_contiguous() or dst.device.type != "cpu":
         dst.copy_(view.read(name))
         return
-    runs = file_rows(view, name, dst.dtype) if dst.dim() else None
+    runs = rows_from_files(view, name, dst.dtype) if dst.dim() else None
     if runs is None:
         view.read_into(name, dst)
         return
@@ -116,7 +116,7 @@ def first_piece(view: "LazyCheckpoint", name: str, dtype: torch.dtype) -> Piece 
     return None if first is None else first[1]
 
 
-def file_rows(view: "LazyCheckpoint", name: str, dtype: torch.dtype) -> Iterator[tuple[int, Piece]] | None:
+def rows_from_files(view: "LazyCheckpoint", name: str, dtype: torch.dtype) -> Iterator[tuple[int, Piece]] | None:
     """``view.read_rows(name, dtype)`` when its first run is file bytes unchanged (a
     :class:`~hf_merge.readers.file_runs.FileRun`), else None (no runs, a cast, computed rows)."""
     first = first_piece(view, name, dtype)
@@ -158,4 +158,4 @@ def flat_runs(view: "LazyCheckpoint", tiles: list[tuple[int, Slot]], dtype: torc
             yield offset + first * row, piece
 
 
-__all__ = ["Slot", "file_rows", "first_piece", "flat_runs", "read_slot", "slots", "tiling"]
+__all__ = ["Slot", "first_piece", "flat_runs", "read_slot", "rows_from_files", "slots", "tiling"]
