@@ -70,6 +70,25 @@ def test_tied_embeddings_written_once(llama_tied_bf16_ws4, tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+def test_a_config_that_ties_an_untied_model_is_refused(qwen2_fp32_ws2, tmp_path):
+    """An untied checkpoint merged under a config that says tie_word_embeddings: dropping the
+    trained lm_head would go unnoticed (the folder loads, with the embeddings as the head)."""
+    import shutil
+
+    config = tmp_path / "config"
+    shutil.copytree(qwen2_fp32_ws2.hf_dir, config)
+    cfg = read_json(config / "config.json")
+    assert cfg.get("tie_word_embeddings") is False
+    (config / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    target = tmp_path / "merged"
+    r = run_cli("merge", str(qwen2_fp32_ws2.actor), str(target), "--config", str(config))
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "lm_head.weight differs from its model.embed_tokens.weight" in lines[0], r.stderr
+    assert "tie_word_embeddings: false" in lines[0]
+    assert not target.exists() and no_leftovers(target)
+
+
 @pytest.mark.compat
 def test_side_files_copied(qwen2_fp32_ws2, tmp_path):
     target = tmp_path / "merged"
