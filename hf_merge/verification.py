@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
-from .errors import HfMergeError, VerificationError
+from .errors import HfMergeError, UnsupportedCheckpointError, VerificationError
 from .readers.formats import is_hf_folder
 from .write.atomic import PROVENANCE_FILE
 
@@ -218,6 +218,7 @@ def verify(
 def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *, config, lora_alpha, use_rslora,
             base_model, source_options) -> VerifyReport:
     target, against_path = Path(target), Path(against)
+    _refuse_gguf(target)
     report = VerifyReport(target, str(against))
     kind = backend if backend != "auto" else detect_backend(against_path)
     options = dict(
@@ -235,6 +236,16 @@ def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *
         for check in _on_one_rank(sharer, lambda: _check_logits(target, against_path if is_hf_folder(kind) else None, logits_atol)):
             report.add(*check)
     return report
+
+
+def _refuse_gguf(target: Path) -> None:
+    """A ``--gguf`` output holds no safetensors: say so, and what checks it, instead of "no *.safetensors"."""
+    ggufs = sorted(p.name for p in target.glob("*.gguf")) if target.is_dir() else []
+    if ggufs and not any(target.glob("*.safetensors")):
+        raise UnsupportedCheckpointError(
+            f"{target} holds a GGUF file ({ggufs[0]}), which verify does not compare (it reads safetensors folders): "
+            f"compare its sha256 (sha256sum) with the one in {PROVENANCE_FILE}, or merge without --gguf and verify that folder"
+        )
 
 
 def _verify_folder(
