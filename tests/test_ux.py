@@ -260,6 +260,13 @@ def test_verl_test_subcommand(qwen2_fp32_ws2, tmp_path, capsys):
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     rc, out, err = cli(capsys, "test", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", bad)
     assert rc == 1 and "model.norm.weight: max abs diff" in out and "does not match" in err
+    # a mistyped folder: one line saying which and what to pass (before: "error: X is not a folder")
+    for args, needle in (
+        (("--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", tmp_path / "nope"), "pass the reference Hugging Face folder"),
+        (("--local_dir", tmp_path / "nope", "--test_hf_dir", ref), "pass the checkpoint's actor/ or global_step_N folder"),
+    ):
+        rc, out, err = cli(capsys, "test", "--backend", "fsdp", *args)
+        assert rc == 2 and err.count("error: ") == 1 and f"{tmp_path / 'nope'} does not exist; {needle}" in err, err
 
 
 def test_help_texts(capsys):
