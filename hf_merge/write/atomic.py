@@ -81,7 +81,9 @@ def check_free_space(target: Path, planned: int) -> None:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+    from ..progress import human_bytes  # kB to TB: "0.00 GB" told a small merge nothing
+
+    return human_bytes(n)
 
 
 def check_target(target: Path, *, overwrite: bool) -> None:
