@@ -23,7 +23,7 @@ from .readers.formats import find_format, weights_label
 from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
 from .publish.card import write_card
 from .options import MergeOptions
-from .write.atomic import check_free_space, check_target, holds_side_files_only
+from .write.atomic import check_apart, check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
 from .write.plan import ShardPlan, plan_shards
 from .provenance import merge_record, write_record
@@ -100,6 +100,7 @@ def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, he
         from .gguf.convert import GgufFile as kind
     else:
         kind = HfFolder
+    check_apart(source, target)
     overwrite = kind.check(target, options)  # before anything is read
 
     def prepare():

@@ -88,6 +88,30 @@ def test_existing_target_is_refused_before_reading(qwen2_fp32_ws2, tmp_path):
     assert (target / "keep.txt").read_text() == "mine" and len(list(target.iterdir())) == 1
 
 
+@pytest.mark.parametrize("where", ["source itself", "its parent", "a symlink to it"])
+def test_a_target_holding_the_source_is_refused_even_with_overwrite(where, qwen2_fp32_ws2, tmp_path):
+    """Before: `hf-merge merge ckpts ckpts --overwrite` (or a TARGET that is the global_step_N above
+    the actor/ given) exited 0 and replaced the training checkpoint by the merged model; without
+    --overwrite the refusal suggested passing it. Now one line refuses both, the checkpoint intact,
+    from the CLI and from hf_merge.merge."""
+    import hf_merge
+    from hf_merge.errors import TargetExistsError
+
+    root = shutil.copytree(qwen2_fp32_ws2.root, tmp_path / "ckpts")
+    actor = qwen2_fp32_ws2.actor.relative_to(qwen2_fp32_ws2.root)
+    source, target = {"source itself": (root, root), "its parent": (root / actor, (root / actor).parent),
+                      "a symlink to it": (root, tmp_path / "link")}[where]
+    if where == "a symlink to it":
+        target.symlink_to(root)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    for flags in ((), ("--overwrite",)):
+        line = error_line(run_cli("merge", source, target, *flags))
+        assert "holds the source checkpoint" in line and "--overwrite" not in line, line
+    with pytest.raises(TargetExistsError, match="holds the source checkpoint"):
+        hf_merge.merge(source, target, overwrite=True)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
 def test_shard_shape_inconsistent_with_placement(actor_copy, tmp_path):
     """A rank file whose local shard does not fit its DTensor placement is refused, naming it."""
     path = actor_copy / "model_world_size_2_rank_1.pt"

@@ -86,6 +86,17 @@ def _gb(n: int) -> str:
     return human_bytes(n)
 
 
+def check_apart(source: "str | Path", target: "str | Path") -> None:
+    """Refuse a target that is the source or holds it (its parent, a symlink to it): replacing it,
+    as ``--overwrite`` would, deletes the training checkpoint. A target inside the source (verl's
+    ``actor/huggingface``) is fine."""
+    src, tgt = Path(os.path.realpath(source)), Path(os.path.realpath(target))
+    if tgt == src or tgt in src.parents:
+        raise TargetExistsError(
+            f"{target} holds the source checkpoint {source}; choose another target folder (writing there would replace the checkpoint)"
+        )
+
+
 def check_target(target: Path, *, overwrite: bool) -> None:
     """Refuse early (before reading anything) a target that exists and would be clobbered."""
     target = resolve_target(target)
