@@ -88,7 +88,7 @@ def test_existing_target_is_refused_before_reading(qwen2_fp32_ws2, tmp_path):
     assert (target / "keep.txt").read_text() == "mine" and len(list(target.iterdir())) == 1
 
 
-@pytest.mark.parametrize("where", ["source itself", "its parent", "a symlink to it"])
+@pytest.mark.parametrize("where", ["source itself", "its parent", "a symlink to it", "the step it reads"])
 def test_a_target_holding_the_source_is_refused_even_with_overwrite(where, qwen2_fp32_ws2, tmp_path):
     """Before: `hf-merge merge ckpts ckpts --overwrite` (or a TARGET that is the global_step_N above
     the actor/ given) exited 0 and replaced the training checkpoint by the merged model; without
@@ -100,7 +100,7 @@ def test_a_target_holding_the_source_is_refused_even_with_overwrite(where, qwen2
     root = shutil.copytree(qwen2_fp32_ws2.root, tmp_path / "ckpts")
     actor = qwen2_fp32_ws2.actor.relative_to(qwen2_fp32_ws2.root)
     source, target = {"source itself": (root, root), "its parent": (root / actor, (root / actor).parent),
-                      "a symlink to it": (root, tmp_path / "link")}[where]
+                      "a symlink to it": (root, tmp_path / "link"), "the step it reads": (root, root / actor)}[where]
     if where == "a symlink to it":
         target.symlink_to(root)
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
@@ -110,6 +110,15 @@ def test_a_target_holding_the_source_is_refused_even_with_overwrite(where, qwen2
     with pytest.raises(TargetExistsError, match="holds the source checkpoint"):
         hf_merge.merge(source, target, overwrite=True)
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+def test_a_target_inside_the_source_that_is_no_checkpoint_is_written(qwen2_fp32_ws2, tmp_path):
+    """ckpts/merged, merged again with --overwrite, and actor/huggingface (verl's) stay allowed."""
+    root = shutil.copytree(qwen2_fp32_ws2.root, tmp_path / "ckpts")
+    for _ in range(2):
+        assert run_cli("merge", root, root / "merged", "--overwrite").returncode == 0
+    actor = root / qwen2_fp32_ws2.actor.relative_to(qwen2_fp32_ws2.root)
+    assert run_cli("merge", actor, actor / "huggingface").returncode == 0
 
 
 def test_shard_shape_inconsistent_with_placement(actor_copy, tmp_path):
