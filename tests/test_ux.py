@@ -280,7 +280,26 @@ def test_help_texts(capsys):
         app.main(["merge", "--help"])
     out = capsys.readouterr().out
     assert "--use_cpu_initialization" in out and "bf16" in out
-    assert "DCP" not in parser.description
+    # `hf-merge --help` names every source family the README does (it said verl FSDP / Megatron only)
+    for family in ("verl FSDP", "Megatron", "DeepSpeed", "accelerate", "torchtitan", "PyTorch DCP", "ColossalAI", "GGUF"):
+        assert family in parser.description, family
+
+
+def test_readme_merge_table_and_merge_help_name_the_same_options(capsys):
+    """The README says its `merge` option table is all of them, as `hf-merge merge --help` says.
+    Before: `-q` (in the table, "anywhere") was missing from `merge --help`."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("`hf-merge merge [SOURCE] [TARGET]` options", 1)[1].split("\n\n", 2)[1]
+    in_readme = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", "\n".join(ln.split(" | ")[0] for ln in table.splitlines())))
+    with pytest.raises(SystemExit):
+        app.main(["merge", "--help"])
+    help_text = capsys.readouterr().out
+    parser = next(a for a in app.build_parser()._actions if a.dest == "command").choices["merge"]
+    in_help = {o for a in parser._actions for o in a.option_strings if o not in ("-h", "--help")}
+    assert in_readme - {"--hf_model_path", "--hf_upload_path"} <= in_help, in_readme - in_help
+    assert all(o in help_text for o in in_readme), [o for o in in_readme if o not in help_text]
+    firsts = {a.option_strings[0] for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"}
+    assert firsts <= in_readme, firsts - in_readme
 
 
 # --- 5: arguments ---------------------------------------------------------------------------

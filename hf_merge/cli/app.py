@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="hf-merge",
-        description="Turn distributed training checkpoints (verl FSDP, verl Megatron / Megatron-Core torch_dist) into Hugging Face models.",
+        description="Turn distributed training checkpoints (verl FSDP / Megatron, DeepSpeed ZeRO, accelerate FSDP, torchtitan, "
+        "PyTorch DCP, ColossalAI) into Hugging Face models or a GGUF file.",
     )
     parser.add_argument("--version", action="version", version=f"hf-merge {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors: no notes, no progress bars")

@@ -84,6 +84,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-source-crc", dest="source_crc", action="store_false",
                    help="do not check the CRC-32 of the source's zip records as they are read (on by default; see docs/integrity.md)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    # app.main moves -q to the front wherever it is; listed here so that --help shows it (no default:
+    # the top-level value stands)
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="anywhere on the line: warnings and errors only, no notes or progress bars")
     q = p.add_argument_group("quantized output (needs bitsandbytes: pip install bitsandbytes)")
     q.add_argument("--quantize", choices=["nf4", "fp4", "int8"], default=None, help="write bitsandbytes 4-bit (nf4, fp4) or 8-bit (int8) weights, as transformers saves them")
     q.add_argument("--double-quant", action="store_true", help="4-bit: quantize the scales too (bnb_4bit_use_double_quant)")
