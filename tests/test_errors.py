@@ -79,6 +79,25 @@ def test_no_hf_config(actor_copy, tmp_path):
     _fails(tmp_path, actor_copy, match="--config")
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("intermediate_size", 96, "model.layers.0.mlp.up_proj.weight is (128, 64), config.json says intermediate_size 96"),
+    ("vocab_size", 151936, "model.embed_tokens.weight is (128, 64), config.json says vocab_size 151936"),
+    ("hidden_size", 896, "model.embed_tokens.weight is (128, 64), config.json says hidden_size 896"),
+    ("num_hidden_layers", 24, "the checkpoint has 2 decoder layers, config.json says num_hidden_layers 24"),
+])
+def test_a_config_of_another_model_is_refused(field, value, says, actor_copy, tmp_path):
+    """--config of another model (here the checkpoint's own config with one size changed). Before:
+    exit 0 and a folder that from_pretrained refuses (size mismatch) or loads re-initialised."""
+    other = shutil.copytree(actor_copy / "huggingface", tmp_path / "other-model")
+    shutil.rmtree(actor_copy / "huggingface")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, field: value}))
+    target = tmp_path / "out"
+    line = error_line(run_cli("merge", actor_copy, target, "--config", other))
+    assert f"the config in {other} does not describe this checkpoint's model: {says}" in line, line
+    assert "pass --config with the config of the model that was trained" in line and no_leftovers(target)
+
+
 def test_existing_target_is_refused_before_reading(qwen2_fp32_ws2, tmp_path):
     target = tmp_path / "out"
     target.mkdir()
