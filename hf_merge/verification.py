@@ -218,7 +218,7 @@ def verify(
 def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *, config, lora_alpha, use_rslora,
             base_model, source_options) -> VerifyReport:
     target, against_path = Path(target), Path(against)
-    _refuse_gguf(target)
+    _refuse_unmerged(target)
     report = VerifyReport(target, str(against))
     kind = backend if backend != "auto" else detect_backend(against_path)
     options = dict(
@@ -238,14 +238,24 @@ def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *
     return report
 
 
-def _refuse_gguf(target: Path) -> None:
-    """A ``--gguf`` output holds no safetensors: say so, and what checks it, instead of "no *.safetensors"."""
-    ggufs = sorted(p.name for p in target.glob("*.gguf")) if target.is_dir() else []
-    if ggufs and not any(target.glob("*.safetensors")):
+def _refuse_unmerged(target: Path) -> None:
+    """A target without safetensors: a ``--gguf`` output, or the checkpoint given first; say so
+    (and what to do) instead of "no *.safetensors"."""
+    if not target.is_dir() or any(target.glob("*.safetensors")):
+        return
+    ggufs = sorted(p.name for p in target.glob("*.gguf"))
+    if ggufs:
         raise UnsupportedCheckpointError(
             f"{target} holds a GGUF file ({ggufs[0]}), which verify does not compare (it reads safetensors folders): "
             f"compare its sha256 (sha256sum) with the one in {PROVENANCE_FILE}, or merge without --gguf and verify that folder"
         )
+    try:
+        found = detect_backend(target)
+    except (HfMergeError, OSError):
+        return
+    raise UnsupportedCheckpointError(
+        f"{target} is a {found} checkpoint, not a merged folder: hf-merge verify MERGED --against CHECKPOINT"
+    )
 
 
 def _verify_folder(
