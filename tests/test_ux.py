@@ -249,6 +249,15 @@ def test_merge_into_verls_actor_huggingface_keeps_its_files(actor_copy, qwen2_fp
     assert rc == 2 and "pass --overwrite" in err
 
 
+def test_local_dir_with_one_positional_takes_it_as_the_target(qwen2_fp32_ws2, tmp_path, capsys):
+    """`hf-merge merge --local_dir X ./merged`: before, "both SOURCE and --local_dir given; pass one"
+    (./merged was read as SOURCE). The one positional is the target, as `X --target_dir Y` makes it the source."""
+    rc, _, err = cli(capsys, "merge", "--local_dir", qwen2_fp32_ws2.actor, tmp_path / "m")
+    assert rc == 0 and (tmp_path / "m" / "model.safetensors").is_file(), err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.root, tmp_path / "x", "--local_dir", qwen2_fp32_ws2.actor)
+    assert rc == 2 and "both SOURCE and --local_dir given; pass one" in err
+
+
 def test_verl_test_subcommand(qwen2_fp32_ws2, tmp_path, capsys):
     ref = qwen2_fp32_ws2.reference
     rc, out, err = cli(capsys, "test", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", ref)

@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from ..write.distributed import launched_by_torchrun
     from ..preflight import check_merge
 
+    if args.local_dir and args.source and not args.target and not args.target_dir:
+        args.source, args.target = None, args.source  # `merge --local_dir X ./merged`: the one positional is TARGET
     source = args.source or args.local_dir
     target = args.target or args.target_dir
     if args.source and args.local_dir and args.source != args.local_dir:
