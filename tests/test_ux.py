@@ -258,6 +258,18 @@ def test_local_dir_with_one_positional_takes_it_as_the_target(qwen2_fp32_ws2, tm
     assert rc == 2 and "both SOURCE and --local_dir given; pass one" in err
 
 
+def test_options_that_change_nothing_here_say_so(qwen2_fp32_ws2, tmp_path, capsys):
+    """--dist-writers without torchrun and --max-shard-size with --gguf were taken without a word."""
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "a", "--dist-writers", "rank")
+    assert rc == 0 and "note: --dist-writers rank changes nothing without torchrun" in err, err
+    pytest.importorskip("gguf")
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "b", "--gguf", "f16", "--gguf-pre-tokenizer", "gpt-2",
+                     "--max-shard-size", "100kB")
+    assert rc == 0 and "note: --max-shard-size changes nothing with --gguf" in err, err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "c")
+    assert rc == 0 and "changes nothing" not in err, err
+
+
 def test_verl_test_subcommand(qwen2_fp32_ws2, tmp_path, capsys):
     ref = qwen2_fp32_ws2.reference
     rc, out, err = cli(capsys, "test", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", ref)

@@ -123,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
+    if args.dist_writers != "node" and not launched_by_torchrun():
+        logger.info(f"--dist-writers {args.dist_writers} changes nothing without torchrun: this one process writes every file")
+    if args.gguf is not None and args.max_shard_size != size_arg("5GB"):
+        logger.info("--max-shard-size changes nothing with --gguf: one GGUF file is written")
     options = merge_options(args)
     with _head_start(args, source, target, options) as head:  # the first file written while torch is imported
         from ..merging import run as merge
