@@ -14,8 +14,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from .version import SUMMARY
+
 SHORT_NAME = "merge"
-DESCRIPTION = "Merge distributed training checkpoints (verl FSDP / Megatron) into Hugging Face models"
+DESCRIPTION = f"Merge {SUMMARY}"
 
 
 def extensions_root() -> Path:

@@ -19,11 +19,12 @@ import torch
 
 from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
+from .config_fit import check_config_fits
 from .readers.formats import find_format, weights_label
 from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
 from .publish.card import write_card
 from .options import MergeOptions
-from .write.atomic import check_free_space, check_target, holds_side_files_only
+from .write.atomic import check_apart, check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
 from .write.plan import ShardPlan, plan_shards
 from .provenance import merge_record, write_record
@@ -100,6 +101,7 @@ def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, he
         from .gguf.convert import GgufFile as kind
     else:
         kind = HfFolder
+    check_apart(source, target)
     overwrite = kind.check(target, options)  # before anything is read
 
     def prepare():
@@ -323,6 +325,8 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
     try:
         config_dir, cfg = checkpoint_config(ckpt.info)
         views = build_views(ckpt, cfg, dtype=dtype, lora=options.lora, **options.lora_kwargs())
+        if views.model is not None:  # a --config of another model: refused before anything is written
+            check_config_fits({n: s.shape for n, s in views.model.specs().items()}, cfg, config_dir)
         qview = None
         if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
             views.model = qview = Quantized(views.model, cfg, quantize)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import QuantizationError, SourceNotFoundError
 from .readers.formats import check_name
-from .write.atomic import check_target, holds_side_files_only
+from .write.atomic import check_apart, check_target, holds_side_files_only
 
 QUANTIZE_MODES = ("nf4", "fp4", "int8")
 INSTALL_HINT = "pip install 'hf-merge[quantize]' (or: pip install bitsandbytes)"
@@ -45,6 +45,7 @@ def check_merge(
         check_folder(config, "--config", "pass the folder holding config.json and the tokenizer")
     if base_model is not None:
         check_folder(base_model, "--base-model", "pass the base model's Hugging Face folder")
+    check_apart(source, target)
     # verl scripts merge into actor/huggingface (config and tokenizer only): filled in place
     check_target(Path(target), overwrite=overwrite or holds_side_files_only(Path(target)))
     if isinstance(quantize, str):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
-from .errors import HfMergeError, VerificationError
+from .errors import HfMergeError, UnsupportedCheckpointError, VerificationError
 from .readers.formats import is_hf_folder
 from .write.atomic import PROVENANCE_FILE
 
@@ -218,6 +218,7 @@ def verify(
 def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *, config, lora_alpha, use_rslora,
             base_model, source_options) -> VerifyReport:
     target, against_path = Path(target), Path(against)
+    _refuse_unmerged(target)
     report = VerifyReport(target, str(against))
     kind = backend if backend != "auto" else detect_backend(against_path)
     options = dict(
@@ -235,6 +236,26 @@ def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *
         for check in _on_one_rank(sharer, lambda: _check_logits(target, against_path if is_hf_folder(kind) else None, logits_atol)):
             report.add(*check)
     return report
+
+
+def _refuse_unmerged(target: Path) -> None:
+    """A target without safetensors: a ``--gguf`` output, or the checkpoint given first; say so
+    (and what to do) instead of "no *.safetensors"."""
+    if not target.is_dir() or any(target.glob("*.safetensors")):
+        return
+    ggufs = sorted(p.name for p in target.glob("*.gguf"))
+    if ggufs:
+        raise UnsupportedCheckpointError(
+            f"{target} holds a GGUF file ({ggufs[0]}), which verify does not compare (it reads safetensors folders): "
+            f"compare its sha256 (sha256sum) with the one in {PROVENANCE_FILE}, or merge without --gguf and verify that folder"
+        )
+    try:
+        found = detect_backend(target)
+    except (HfMergeError, OSError):
+        return
+    raise UnsupportedCheckpointError(
+        f"{target} is a {found} checkpoint, not a merged folder: hf-merge verify MERGED --against CHECKPOINT"
+    )
 
 
 def _verify_folder(

@@ -232,6 +232,10 @@ def test_free_space_is_checked_before_writing(gguf, qwen2_fp32_ws2, tmp_path, mo
     assert proc.returncode == 3, proc.stderr
     line = error_line(proc)
     assert "not enough free space" in line and "choose a target on another file system" in line, line
+    if gguf is None:  # sizes a user can act on (before: "writes 0.00 GB ... free 0.00 GB or more")
+        from hf_merge.progress import human_bytes
+
+        assert f"the merge writes {human_bytes(weights)} (plus up to 67.1 MB" in line and "free 1 B or more" in line, line
     assert not (tmp_path / "space").exists()  # nothing written, the parent folder made for it gone too
     _statvfs_with(needed, tmp_path / "space", monkeypatch)
     proc = run_cli("merge", args[0], target, *args[1:])

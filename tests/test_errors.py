@@ -79,6 +79,25 @@ def test_no_hf_config(actor_copy, tmp_path):
     _fails(tmp_path, actor_copy, match="--config")
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("intermediate_size", 96, "model.layers.0.mlp.up_proj.weight is (128, 64), config.json says intermediate_size 96"),
+    ("vocab_size", 151936, "model.embed_tokens.weight is (128, 64), config.json says vocab_size 151936"),
+    ("hidden_size", 896, "model.embed_tokens.weight is (128, 64), config.json says hidden_size 896"),
+    ("num_hidden_layers", 24, "the checkpoint has 2 decoder layers, config.json says num_hidden_layers 24"),
+])
+def test_a_config_of_another_model_is_refused(field, value, says, actor_copy, tmp_path):
+    """--config of another model (here the checkpoint's own config with one size changed). Before:
+    exit 0 and a folder that from_pretrained refuses (size mismatch) or loads re-initialised."""
+    other = shutil.copytree(actor_copy / "huggingface", tmp_path / "other-model")
+    shutil.rmtree(actor_copy / "huggingface")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, field: value}))
+    target = tmp_path / "out"
+    line = error_line(run_cli("merge", actor_copy, target, "--config", other))
+    assert f"the config in {other} does not describe this checkpoint's model: {says}" in line, line
+    assert "pass --config with the config of the model that was trained" in line and no_leftovers(target)
+
+
 def test_existing_target_is_refused_before_reading(qwen2_fp32_ws2, tmp_path):
     target = tmp_path / "out"
     target.mkdir()
@@ -86,6 +105,39 @@ def test_existing_target_is_refused_before_reading(qwen2_fp32_ws2, tmp_path):
     line = error_line(run_cli("merge", qwen2_fp32_ws2.actor, target))
     assert "--overwrite" in line
     assert (target / "keep.txt").read_text() == "mine" and len(list(target.iterdir())) == 1
+
+
+@pytest.mark.parametrize("where", ["source itself", "its parent", "a symlink to it", "the step it reads"])
+def test_a_target_holding_the_source_is_refused_even_with_overwrite(where, qwen2_fp32_ws2, tmp_path):
+    """Before: `hf-merge merge ckpts ckpts --overwrite` (or a TARGET that is the global_step_N above
+    the actor/ given) exited 0 and replaced the training checkpoint by the merged model; without
+    --overwrite the refusal suggested passing it. Now one line refuses both, the checkpoint intact,
+    from the CLI and from hf_merge.merge."""
+    import hf_merge
+    from hf_merge.errors import TargetExistsError
+
+    root = shutil.copytree(qwen2_fp32_ws2.root, tmp_path / "ckpts")
+    actor = qwen2_fp32_ws2.actor.relative_to(qwen2_fp32_ws2.root)
+    source, target = {"source itself": (root, root), "its parent": (root / actor, (root / actor).parent),
+                      "a symlink to it": (root, tmp_path / "link"), "the step it reads": (root, root / actor)}[where]
+    if where == "a symlink to it":
+        target.symlink_to(root)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    for flags in ((), ("--overwrite",)):
+        line = error_line(run_cli("merge", source, target, *flags))
+        assert "holds the source checkpoint" in line and "--overwrite" not in line, line
+    with pytest.raises(TargetExistsError, match="holds the source checkpoint"):
+        hf_merge.merge(source, target, overwrite=True)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+def test_a_target_inside_the_source_that_is_no_checkpoint_is_written(qwen2_fp32_ws2, tmp_path):
+    """ckpts/merged, merged again with --overwrite, and actor/huggingface (verl's) stay allowed."""
+    root = shutil.copytree(qwen2_fp32_ws2.root, tmp_path / "ckpts")
+    for _ in range(2):
+        assert run_cli("merge", root, root / "merged", "--overwrite").returncode == 0
+    actor = root / qwen2_fp32_ws2.actor.relative_to(qwen2_fp32_ws2.root)
+    assert run_cli("merge", actor, actor / "huggingface").returncode == 0
 
 
 def test_shard_shape_inconsistent_with_placement(actor_copy, tmp_path):

@@ -79,3 +79,17 @@ def test_distributed_program_exits_normally(qwen2_fp32_ws2):
     assert proc.returncode == 0, proc.stderr
     assert "TEARDOWN" in proc.stderr  # a live process group: the interpreter's own exit
     assert json.loads(proc.stdout)
+
+
+def test_a_read_only_target_says_what_to_do(capsys):
+    """A target on a read-only mount (seen with `mount -o remount,bind,ro`: the lock file beside the
+    target is the first write). Before: "error: Read-only file system (PATH)", nothing to do."""
+    import errno
+
+    from hf_merge.cli._errors import report
+
+    code = report(OSError(errno.EROFS, "Read-only file system", "/mnt/ro/.merged.hf-merge-lock"))
+    line = capsys.readouterr().err.strip()
+    assert code == 3 and line == (
+        "error: read-only file system: cannot write /mnt/ro/.merged.hf-merge-lock; choose a target on a writable file system"
+    ), line

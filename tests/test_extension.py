@@ -19,6 +19,11 @@ def test_hf_merge_runs_as_hf_extension(qwen2_fp32_ws2, tmp_path):
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((tmp_path / "home/.local/share/hf/extensions/hf-merge/manifest.json").read_text())
     assert manifest["short_name"] == "merge" and Path(manifest["executable_path"]).is_file()
+    # `hf extensions list` shows this: the formats hf-merge reads, as `hf-merge --help` says (it said verl only)
+    from hf_merge.cli.app import build_parser
+    from hf_merge.version import SUMMARY
+
+    assert SUMMARY in manifest["description"] and SUMMARY in build_parser().description and "DeepSpeed" in SUMMARY
     proc = subprocess.run([str(bindir / "hf"), "merge", "inspect", str(qwen2_fp32_ws2.actor), "--json"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

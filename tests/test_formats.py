@@ -193,3 +193,20 @@ def test_a_plain_fsdp_merge_imports_only_what_it_uses(qwen2_fp32_ws2, tmp_path):
     ]
     result = fresh_merge_imports(["merge", qwen2_fp32_ws2.actor, tmp_path / "out"], mods)
     assert result == {"code": 0, **dict.fromkeys(mods, False)}
+
+
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed", "accelerate", "colossalai", "torchtitan", "dcp", "hf"])
+def test_a_wrong_backend_names_the_format_the_folder_has(backend, qwen2_fp32_ws2, tmp_path, capsys):
+    """A verl FSDP checkpoint opened with another ``--backend``. Before, each reader said only what
+    it missed, some of it wrong for the user: `dcp`/`torchtitan`/`accelerate` asked for --config
+    (the config was there; the format was not), `colossalai` said it "holds ColossalAI shard files
+    ()", `hf` said "no *.safetensors files" with nothing to do. Now the line also names the
+    format detected and the flag that reads it."""
+    from hf_merge.cli.app import main
+
+    code = main(["merge", str(qwen2_fp32_ws2.root), str(tmp_path / "o"), "--backend", backend])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"{qwen2_fp32_ws2.root} is in the fsdp format, not {backend}: pass --backend fsdp or leave --backend out ({backend}: " in lines[0]
+    assert "()" not in lines[0] and not (tmp_path / "o").exists()

@@ -485,6 +485,17 @@ def test_refusals(qwen2_fp32_ws2, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_verify_of_a_gguf_folder_says_what_it_can_check(qwen2_fp32_ws2, qwen2_q8, capsys):
+    """Before: `hf-merge verify GGUF_DIR --against SRC` said "no *.safetensors files in GGUF_DIR",
+    as if the folder were damaged. Now one line says verify compares safetensors folders and what
+    to check a GGUF file with."""
+    assert main(["verify", str(qwen2_q8.parent), "--against", str(qwen2_fp32_ws2.root)]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"holds a GGUF file ({qwen2_q8.name})" in lines[0] and "sha256" in lines[0] and "without --gguf" in lines[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # model card and push
 # ------------------------------------------------------------------------------------------------

@@ -374,6 +374,26 @@ def test_a_flipped_byte_is_found_by_every_writer(flags, fsdp_copy, tmp_path, cap
     _merge_refused(capsys, fsdp_copy, tmp_path, rank1.name, record, "CRC-32", flags=flags)
 
 
+@pytest.mark.parametrize("word", [b"_rebuild", b"Shard", b"model.norm"], ids=["global name", "placement", "key"])
+def test_a_flipped_byte_in_a_rank_files_pickle_is_called_damaged(word, fsdp_copy, tmp_path, capsys):
+    """data.pkl is a zip record like the others, with its CRC-32 in the directory. Before, it was
+    never checked: a flipped byte in a global's name was reported as a pickle outside the allowlist
+    ("re-save the checkpoint ... torch.load(weights_only=False)"), and one in a dict key merged into
+    a wrong name. Now one line calls the file damaged, with or without ``--no-source-crc`` (the
+    pickle says where every tensor is: nothing merged from a damaged one can be right)."""
+    rank1 = fsdp_copy / "model_world_size_2_rank_1.pt"
+    raw = rank1.read_bytes()
+    h = _local_header(raw, b"/data.pkl")
+    data = h + 30 + struct.unpack_from("<H", raw, h + 26)[0] + struct.unpack_from("<H", raw, h + 28)[0]
+    _flip(rank1, b"/data.pkl", at=raw.index(word, data) - data + 1)
+    for flags in ((), ("--no-source-crc",)):
+        line = _merge_refused(capsys, fsdp_copy, tmp_path, rank1.name, "data.pkl", "CRC-32", "re-copy", flags=flags)
+        assert "allowlist" not in line and "--no-source-crc" not in line
+    _one_error(cli(["inspect", str(fsdp_copy)]), capsys.readouterr().err, "data.pkl", "CRC-32")
+    with pytest.raises(CorruptCheckpointError, match="data.pkl.*CRC-32"):
+        AutoModelForCausalLM.from_sharded_pretrained(fsdp_copy, dtype="float32", source_crc=False)
+
+
 def test_a_flipped_byte_in_a_shard1_column_piece_is_found(qwen2_shard1, tmp_path, capsys):
     """A Shard(1) piece is read column block by column block; its record is checked once, in full,
     the first time any of it is read."""

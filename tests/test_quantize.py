@@ -432,6 +432,17 @@ def test_user_skip_modules_keep_the_defaults(qwen2_fp32_ws2, plain, tmp_path):
 
 
 @needs_bnb
+def test_a_skip_that_matches_no_layer_is_warned(qwen2_fp32_ws2, tmp_path):
+    """`--quant-skip-modules down_poj` (a typo): before, every layer was quantized without a word.
+    Now a warning names the list and what matches; a list that matches stays quiet."""
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "typo", "--quantize", "nf4", "--quant-skip-modules", "down_poj")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: --quant-skip-modules down_poj matches no layer that would be quantized" in proc.stderr, proc.stderr
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "ok", "--quantize", "nf4", "--quant-skip-modules", "down_proj")
+    assert proc.returncode == 0 and "--quant-skip-modules" not in proc.stderr, proc.stderr
+
+
+@needs_bnb
 def test_tied_embeddings_world_size_4(llama_tied_bf16_ws4, tmp_path):
     plain_dir, out = tmp_path / "plain", tmp_path / "nf4"
     merge(llama_tied_bf16_ws4.actor, plain_dir)

@@ -639,6 +639,11 @@ def test_bad_latest_step_file_falls_back_to_the_highest_step(qwen2_fp32_ws2, tmp
         (root / "latest_checkpointed_iteration.txt").write_bytes(content)
         assert cli(["inspect", str(root)]) == 0
         assert "the highest of" in capsys.readouterr().out
+    # a step number with no folder (steps copied without the newest): said, not only "the highest"
+    (root / "latest_checkpointed_iteration.txt").write_text("7\n")
+    assert cli(["inspect", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "latest_checkpointed_iteration.txt names step 7, which is not here; using global_step_1 (the highest of 1 steps)" in out, out
 
 
 def test_malformed_megatron_manifest_is_a_typed_error(megatron_root, tmp_path, capsys):

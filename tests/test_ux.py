@@ -249,6 +249,27 @@ def test_merge_into_verls_actor_huggingface_keeps_its_files(actor_copy, qwen2_fp
     assert rc == 2 and "pass --overwrite" in err
 
 
+def test_local_dir_with_one_positional_takes_it_as_the_target(qwen2_fp32_ws2, tmp_path, capsys):
+    """`hf-merge merge --local_dir X ./merged`: before, "both SOURCE and --local_dir given; pass one"
+    (./merged was read as SOURCE). The one positional is the target, as `X --target_dir Y` makes it the source."""
+    rc, _, err = cli(capsys, "merge", "--local_dir", qwen2_fp32_ws2.actor, tmp_path / "m")
+    assert rc == 0 and (tmp_path / "m" / "model.safetensors").is_file(), err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.root, tmp_path / "x", "--local_dir", qwen2_fp32_ws2.actor)
+    assert rc == 2 and "both SOURCE and --local_dir given; pass one" in err
+
+
+def test_options_that_change_nothing_here_say_so(qwen2_fp32_ws2, tmp_path, capsys):
+    """--dist-writers without torchrun and --max-shard-size with --gguf were taken without a word."""
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "a", "--dist-writers", "rank")
+    assert rc == 0 and "note: --dist-writers rank changes nothing without torchrun" in err, err
+    pytest.importorskip("gguf")
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "b", "--gguf", "f16", "--gguf-pre-tokenizer", "gpt-2",
+                     "--max-shard-size", "100kB")
+    assert rc == 0 and "note: --max-shard-size changes nothing with --gguf" in err, err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "c")
+    assert rc == 0 and "changes nothing" not in err, err
+
+
 def test_verl_test_subcommand(qwen2_fp32_ws2, tmp_path, capsys):
     ref = qwen2_fp32_ws2.reference
     rc, out, err = cli(capsys, "test", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", ref)
@@ -260,6 +281,13 @@ def test_verl_test_subcommand(qwen2_fp32_ws2, tmp_path, capsys):
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     rc, out, err = cli(capsys, "test", "--backend", "fsdp", "--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", bad)
     assert rc == 1 and "model.norm.weight: max abs diff" in out and "does not match" in err
+    # a mistyped folder: one line saying which and what to pass (before: "error: X is not a folder")
+    for args, needle in (
+        (("--local_dir", qwen2_fp32_ws2.actor, "--test_hf_dir", tmp_path / "nope"), "pass the reference Hugging Face folder"),
+        (("--local_dir", tmp_path / "nope", "--test_hf_dir", ref), "pass the checkpoint's actor/ or global_step_N folder"),
+    ):
+        rc, out, err = cli(capsys, "test", "--backend", "fsdp", *args)
+        assert rc == 2 and err.count("error: ") == 1 and f"{tmp_path / 'nope'} does not exist; {needle}" in err, err
 
 
 def test_help_texts(capsys):
@@ -273,7 +301,26 @@ def test_help_texts(capsys):
         app.main(["merge", "--help"])
     out = capsys.readouterr().out
     assert "--use_cpu_initialization" in out and "bf16" in out
-    assert "DCP" not in parser.description
+    # `hf-merge --help` names every source family the README does (it said verl FSDP / Megatron only)
+    for family in ("verl FSDP", "Megatron", "DeepSpeed", "accelerate", "torchtitan", "PyTorch DCP", "ColossalAI", "GGUF"):
+        assert family in parser.description, family
+
+
+def test_readme_merge_table_and_merge_help_name_the_same_options(capsys):
+    """The README says its `merge` option table is all of them, as `hf-merge merge --help` says.
+    Before: `-q` (in the table, "anywhere") was missing from `merge --help`."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("`hf-merge merge [SOURCE] [TARGET]` options", 1)[1].split("\n\n", 2)[1]
+    in_readme = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", "\n".join(ln.split(" | ")[0] for ln in table.splitlines())))
+    with pytest.raises(SystemExit):
+        app.main(["merge", "--help"])
+    help_text = capsys.readouterr().out
+    parser = next(a for a in app.build_parser()._actions if a.dest == "command").choices["merge"]
+    in_help = {o for a in parser._actions for o in a.option_strings if o not in ("-h", "--help")}
+    assert in_readme - {"--hf_model_path", "--hf_upload_path"} <= in_help, in_readme - in_help
+    assert all(o in help_text for o in in_readme), [o for o in in_readme if o not in help_text]
+    firsts = {a.option_strings[0] for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"}
+    assert firsts <= in_readme, firsts - in_readme
 
 
 # --- 5: arguments ---------------------------------------------------------------------------

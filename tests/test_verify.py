@@ -82,3 +82,13 @@ def test_logits_check_runs_a_forward_pass(merged, qwen2_fp32_ws2):
     report = verify(merged, qwen2_fp32_ws2.reference, atol=1e-2, logits=True, logits_atol=0.1)
     names = {c.name: c for c in report.checks}
     assert names["logits finite"].ok and names["logits vs reference"].ok, report.table()
+
+
+def test_swapped_arguments_say_which_goes_where(merged, qwen2_fp32_ws2):
+    """`hf-merge verify CHECKPOINT --against MERGED` (the two swapped). Before: "no *.safetensors
+    files in CHECKPOINT; pass a Hugging Face model folder". Now one line says what each is."""
+    proc = run_cli("verify", qwen2_fp32_ws2.actor, "--against", merged)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"{qwen2_fp32_ws2.actor} is a fsdp checkpoint, not a merged folder" in lines[0], lines[0]
+    assert "hf-merge verify MERGED --against CHECKPOINT" in lines[0], lines[0]

@@ -15,6 +15,8 @@ from ..settings import DEBUG_VAR, debug
 def _os_error(e: OSError) -> str:
     if e.errno == errno.ENOSPC:
         return f"no space left on the device while writing {e.filename or 'the output'}; free space or choose another target"
+    if e.errno == errno.EROFS:
+        return f"read-only file system: cannot write {e.filename or 'the output'}; choose a target on a writable file system"
     if e.errno in (errno.EACCES, errno.EPERM):
         return f"permission denied: {e.filename}; check the folder's permissions"
     return f"{e.strerror or e} ({e.filename})" if e.filename else str(e)

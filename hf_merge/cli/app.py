@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from ..version import __version__
+from ..version import SUMMARY, __version__
 from ..errors import redact_credentials
 
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="hf-merge",
-        description="Turn distributed training checkpoints (verl FSDP, verl Megatron / Megatron-Core torch_dist) into Hugging Face models.",
+        description=f"Turn {SUMMARY}.",
     )
     parser.add_argument("--version", action="version", version=f"hf-merge {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors: no notes, no progress bars")

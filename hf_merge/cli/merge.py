@@ -84,6 +84,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-source-crc", dest="source_crc", action="store_false",
                    help="do not check the CRC-32 of the source's zip records as they are read (on by default; see docs/integrity.md)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    # app.main moves -q to the front wherever it is; listed here so that --help shows it (no default:
+    # the top-level value stands)
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="anywhere on the line: warnings and errors only, no notes or progress bars")
     q = p.add_argument_group("quantized output (needs bitsandbytes: pip install bitsandbytes)")
     q.add_argument("--quantize", choices=["nf4", "fp4", "int8"], default=None, help="write bitsandbytes 4-bit (nf4, fp4) or 8-bit (int8) weights, as transformers saves them")
     q.add_argument("--double-quant", action="store_true", help="4-bit: quantize the scales too (bnb_4bit_use_double_quant)")
@@ -105,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from ..write.distributed import launched_by_torchrun
     from ..preflight import check_merge
 
+    if args.local_dir and args.source and not args.target and not args.target_dir:
+        args.source, args.target = None, args.source  # `merge --local_dir X ./merged`: the one positional is TARGET
     source = args.source or args.local_dir
     target = args.target or args.target_dir
     if args.source and args.local_dir and args.source != args.local_dir:
@@ -117,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
+    if args.dist_writers != "node" and not launched_by_torchrun():
+        logger.info(f"--dist-writers {args.dist_writers} changes nothing without torchrun: this one process writes every file")
+    if args.gguf is not None and args.max_shard_size != size_arg("5GB"):
+        logger.info("--max-shard-size changes nothing with --gguf: one GGUF file is written")
     options = merge_options(args)
     with _head_start(args, source, target, options) as head:  # the first file written while torch is imported
         from ..merging import run as merge

@@ -86,9 +86,13 @@ def run_test(args: argparse.Namespace) -> int:
     from ..errors import HfMergeError
     from ..verification import check_source
 
+    from ..preflight import check_folder
+
     source = args.source or args.local_dir
     if not source:
         raise HfMergeError("need the checkpoint: hf-merge test --local_dir SOURCE --test_hf_dir HF_DIR")
+    check_folder(source, "SOURCE", "pass the checkpoint's actor/ or global_step_N folder")
+    check_folder(args.test_hf_dir, "--test_hf_dir", "pass the reference Hugging Face folder")
     atol, rtol = VERL_TOLERANCES.get(args.backend, DEFAULT_TOLERANCE)
     report = check_source(
         source, args.test_hf_dir, atol=atol if args.atol is None else args.atol, rtol=rtol if args.rtol is None else args.rtol,

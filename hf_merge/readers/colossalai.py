@@ -211,6 +211,11 @@ class ColossalAICheckpoint(LazyCheckpoint):
         index = _index(self.folder)
         if index is None:
             stages = [p.name for p in self.folder.iterdir() if SHARD.match(p.name)]
+            if not stages:
+                raise SourceNotFoundError(
+                    f"{self.folder} holds no ColossalAI save (no model shard files, index or "
+                    "pytorch_model-meta-dist-*.json); pass the folder booster.save_model wrote"
+                )
             raise SourceNotFoundError(
                 f"{self.folder} holds ColossalAI shard files ({', '.join(sorted(stages)[:3])}) but no "
                 f"{' or '.join(INDEX_NAMES)}; copy the index the save wrote beside them"

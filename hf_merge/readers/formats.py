@@ -329,6 +329,7 @@ def _what_is_there(path: Path, limit: int = 6) -> str:
 
 def open_source(path: Path, name: str, config_dir: Path | None, options: dict[str, Any]) -> "LazyCheckpoint":
     """Open ``path`` with format ``name`` (``auto``: detect), passing only the options it takes."""
+    from ..errors import HfMergeError
     from .contained import reading
 
     notes: list[str] = []
@@ -341,7 +342,31 @@ def open_source(path: Path, name: str, config_dir: Path | None, options: dict[st
         else:
             fmt = get_format(name)
         given = {k: v for k, v in options.items() if v is not None}
-        ckpt = fmt.open(path, config_dir=config_dir, **{k: v for k, v in given.items() if k in fmt.options})
+        try:
+            ckpt = fmt.open(path, config_dir=config_dir, **{k: v for k, v in given.items() if k in fmt.options})
+        except HfMergeError as e:
+            hinted = e if name == "auto" else _with_detected(e, path, fmt.name)
+            if hinted is e:
+                raise
+            raise hinted from e
     ckpt.info.reader = fmt.name
     ckpt.info.notes[:0] = notes
     return ckpt
+
+
+def _with_detected(error: "HfMergeError", path: Path, asked: str) -> "HfMergeError":
+    """``error`` of a format named by ``--backend``; where detection finds another format in ``path``,
+    the same error with what to pass instead (a reader knows only what it missed)."""
+    from ..errors import HfMergeError
+
+    try:
+        found = detect(path).chosen.name
+    except (HfMergeError, OSError):
+        return error
+    if found == asked:
+        return error
+    hint = f"{path} is in the {found} format, not {asked}: pass --backend {found} or leave --backend out ({asked}: {error})"
+    try:
+        return type(error)(hint)
+    except TypeError:  # an error class that takes other arguments: left as it is
+        return error

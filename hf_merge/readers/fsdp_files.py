@@ -96,12 +96,15 @@ def choose_step(root: Path) -> tuple[Path, str] | None:
     if not steps:
         return None
     latest_file = root / "latest_checkpointed_iteration.txt"
+    missing = ""
     if contained.check(latest_file).is_file():
         text = latest_file.read_bytes()[:64].decode("ascii", "replace").strip()
-        if re.fullmatch(r"[0-9]{1,18}", text) and int(text) in steps:
-            return steps[int(text)], f"using global_step_{int(text)} (from latest_checkpointed_iteration.txt)"
+        if re.fullmatch(r"[0-9]{1,18}", text):
+            if int(text) in steps:
+                return steps[int(text)], f"using global_step_{int(text)} (from latest_checkpointed_iteration.txt)"
+            missing = f"latest_checkpointed_iteration.txt names step {int(text)}, which is not here; "
     chosen = max(steps)
-    return steps[chosen], f"using global_step_{chosen} (the highest of {len(steps)} steps)"
+    return steps[chosen], f"{missing}using global_step_{chosen} (the highest of {len(steps)} steps)"
 
 
 def detect_world_size(folder: Path) -> tuple[int, list[str]]:

@@ -43,7 +43,7 @@ class HfDirCheckpoint(LazyCheckpoint):
         else:
             files = sorted(self.folder.glob("*.safetensors"))
         if not files:
-            raise SourceNotFoundError(f"no *.safetensors files in {self.folder}")
+            raise SourceNotFoundError(f"no *.safetensors files in {self.folder}; pass a Hugging Face model folder")
         self._handles = {}
         self._where: dict[str, object] = {}
         self._specs: dict[str, TensorSpec] = {}

@@ -404,9 +404,14 @@ class Quantized(LazyCheckpoint):
         first_skips = None
         if opts.skip_modules:
             # An explicit list replaces transformers' defaults; add them back (lm_head, tied).
-            _, defaults, _ = _converted_modules(config, bnb_config(opts, compute, None))
+            by_default, defaults, _ = _converted_modules(config, bnb_config(opts, compute, None))
             first_skips = sorted(set(defaults) | set(opts.skip_modules))
         candidates, not_convert, linear = _converted_modules(config, bnb_config(opts, compute, first_skips))
+        if opts.skip_modules and by_default and set(by_default) <= set(candidates):  # a typo: nothing kept plain
+            logger.warning(
+                f"--quant-skip-modules {','.join(opts.skip_modules)} matches no layer that would be quantized (layers are "
+                f"named like {min(by_default)}: give a name, a suffix such as mlp.down_proj, or a regex); every layer is quantized"
+            )
 
         # Drop what cannot be written or run; those are named in llm_int8_skip_modules.
         extra: dict[str, str] = {}

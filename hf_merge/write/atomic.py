@@ -81,7 +81,34 @@ def check_free_space(target: Path, planned: int) -> None:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+    from ..progress import human_bytes  # kB to TB: "0.00 GB" told a small merge nothing
+
+    return human_bytes(n)
+
+
+def check_apart(source: "str | Path", target: "str | Path") -> None:
+    """Refuse a target that is the source or holds it (its parent, a symlink to it): replacing it,
+    as ``--overwrite`` would, deletes the training checkpoint. A target inside the source (verl's
+    ``actor/huggingface``) is fine."""
+    src, tgt = Path(os.path.realpath(source)), Path(os.path.realpath(target))
+    if tgt == src or tgt in src.parents or (src in tgt.parents and _holds_checkpoint(tgt)):
+        raise TargetExistsError(
+            f"{target} holds the source checkpoint {source}; choose another target folder (writing there would replace the checkpoint)"
+        )
+
+
+def _holds_checkpoint(folder: Path) -> bool:
+    """A folder inside the source that a format other than a Hugging Face folder reads (the
+    ``actor/`` of ``ckpts/``); a former merge output or ``actor/huggingface`` is not one."""
+    from ..errors import HfMergeError
+    from ..readers.formats import detect, is_hf_folder
+
+    if not folder.is_dir() or holds_side_files_only(folder):
+        return False
+    try:
+        return not is_hf_folder(detect(folder).chosen.name)
+    except (HfMergeError, OSError):
+        return False
 
 
 def check_target(target: Path, *, overwrite: bool) -> None:
