@@ -277,3 +277,40 @@ def test_row_chunks_are_runs_copied_from_the_file(sample):
     for fd in fds:  # closed: never copied through the file again
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def _records_or_error(fd: int, chunk, ends: int):
+    from hf_merge.readers.torch_zip import Window, read_records
+
+    try:
+        return read_records(Window(fd, chunk.start, chunk.length, ends=ends), "chunk", base=chunk.start)
+    except CorruptCheckpointError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("damage", [None, b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02", b"PK\x05\x06"])
+def test_prefetched_chunk_archive_decides_as_small_reads(damage, tmp_path):
+    """A chunk's archive is checked from its two ends read up front (``Window(ends=...)``) instead of
+    ~27 small reads: every prefetch size, none included, finds the same records, or the same error
+    for damage in the head (a local header), at the tensor's end (its data descriptor) or in the
+    tail (the central directory and its end record)."""
+    path = save_dcp(tmp_path / "c", {"w": torch.randn(64, 80), "b": torch.randn(3)}, {"w": (0, 2)})
+    ck = DcpCheckpoint(path)
+    chunks = [c for cs in ck._chunks.values() for c in cs]
+    ck.close()
+    assert len(chunks) == 3
+    data = path / chunks[0].file
+    if damage is not None:  # the last such signature of the first chunk's archive
+        raw = bytearray(data.read_bytes())
+        at = raw.rfind(damage, chunks[0].start, chunks[0].start + chunks[0].length)
+        assert at >= 0
+        raw[at + 3] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    for chunk in chunks:
+        with open(path / chunk.file, "rb") as f:
+            results = [_records_or_error(f.fileno(), chunk, ends) for ends in (0, 1, 200, dcp_mod._ARCHIVE_ENDS, chunk.length, 3 * chunk.length)]
+        assert all(r == results[0] for r in results), results
+        if damage is not None and chunk is chunks[0]:
+            assert isinstance(results[0], str), results[0]
+        else:
+            assert isinstance(results[0], dict) and any(n.endswith("data.pkl") for n in results[0])

@@ -42,7 +42,7 @@ import os
 import re
 import threading
 from bisect import bisect_left
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -60,7 +60,7 @@ from ..errors import (
 from ..spec import TensorSpec, c_contiguous
 from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, torch_names
 from .dcp_metadata import check_tensor_properties, metadata_substitutes
-from .torch_zip import Window, read_records
+from .torch_zip import Record, Window, read_records
 
 METADATA_FILE = ".metadata"
 DEFAULT_MAX_READ_BYTES = 64 << 20
@@ -196,26 +196,31 @@ def _chunk_pickle(data: bytes, where: str) -> Any:
     return known
 
 
+#: bytes read up front at each end of a chunk's archive: its small records before the tensor's data
+#: (~1 KB: data.pkl, byteorder, ...) and its central directory after it (~1 KB), in one read each
+_ARCHIVE_ENDS = 4096
+
+
 def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layout:
     """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout.
 
     The archive's records are checked first (:func:`~hf_merge.readers.torch_zip.read_records`:
     stored, local headers agree with the central directory, records tile the archive).
     """
-    window = Window(fd, chunk.start, chunk.length)
+    window = Window(fd, chunk.start, chunk.length, ends=_ARCHIVE_ENDS)
     records = read_records(window, f"{where}, chunk at byte {chunk.start}", base=chunk.start)
     # for the writer's CRC stream; every chunk archive has an "archive/data/0": say whose it is
-    record_crc.add_archive(fd, {k: replace(r, name=f"{r.name} of {tensor[:80]} (archive at byte {chunk.start})")
-                                for k, r in records.items()}, chunk.file)
+    whose = f" of {tensor[:80]} (archive at byte {chunk.start})"
+    record_crc.add_archive(fd, {k: Record(r.name + whose, r.data_start, r.size, r.crc) for k, r in records.items()}, chunk.file)
     pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pkl) != 1:
         raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} has no single data.pkl record")
     prefix = pkl[0][: -len("data.pkl")]
     order = records.get(prefix + "byteorder")
-    if order is not None and os.pread(fd, min(order.size, 16), order.data_start).strip() not in (b"little", b""):
+    if order is not None and window.pread(min(order.size, 16), order.data_start - chunk.start).strip() not in (b"little", b""):
         raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
     rec_info = records[pkl[0]]
-    rec = _chunk_pickle(os.pread(fd, rec_info.size, rec_info.data_start), f"{where}, chunk at byte {chunk.start}")
+    rec = _chunk_pickle(window.pread(rec_info.size, rec_info.data_start - chunk.start), f"{where}, chunk at byte {chunk.start}")
     if not isinstance(rec, _RebuildRecord) or not isinstance(rec.storage, tuple):
         raise UnsupportedCheckpointError(f"{where}: chunk at byte {chunk.start} does not hold a single tensor")
     key, dtype, numel = rec.storage
