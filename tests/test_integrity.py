@@ -842,3 +842,26 @@ def test_runs_of_pieces_from_inside_a_record_are_checked_as_one(flip, tmp_path, 
                 placed.finish()
     finally:
         os.close(fd)
+
+
+def test_chunk_archives_added_in_any_order_are_found_by_offset(tmp_path):
+    """A .distcp holds one archive per chunk, added as the merge reaches them (not in file order):
+    the records of all of them are found by offset, in file order, whichever order they came in,
+    and an archive added twice is kept once."""
+    import random
+
+    from hf_merge.readers.torch_zip import Record
+
+    path = tmp_path / "chunks.distcp"
+    path.write_bytes(b"\0" * 64)
+    chunks = [{f"c{i}/{k}": Record(f"c{i}/{k}", i * 1000 + k * 100, 50, k) for k in range(3)} for i in range(200)]
+    order = list(range(200))
+    random.Random(0).shuffle(order)
+    for i in order + order[:10]:
+        record_crc.add_archive(path, chunks[i], "chunks.distcp")
+    with open(path, "rb") as f:
+        _st, archive, records = record_crc._touched(f.fileno(), 0, 200 * 1000)
+        assert [r.name for r in records] == [f"c{i}/{k}" for i in range(200) for k in range(3)]
+        _st, _archive, records = record_crc._touched(f.fileno(), 57 * 1000 + 120, 200)
+        assert [r.name for r in records] == ["c57/1", "c57/2"]
+        assert record_crc._record_at(os.fstat(f.fileno()), 99 * 1000 + 249)[1].name == "c99/2"

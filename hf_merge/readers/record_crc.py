@@ -122,17 +122,26 @@ def add_archive(path: "str | Path | int", records: "dict[str, Record]", where: s
     starts = [r.data_start for r in ordered]
     with _lock:
         known = _archives.get(_key(st))
-        if known is not None:  # another archive in the same file (a DCP chunk): insert its records
-            # into copies of the lists (readers hold the old ones); no re-sort of the whole file's
-            # records per archive: a .distcp file holds one archive per chunk, thousands of them
-            starts, ordered, new = known.starts.copy(), known.records.copy(), ordered
-            for rec in new:
-                i = bisect.bisect_left(starts, rec.data_start)
-                if i == len(starts) or starts[i] != rec.data_start:
-                    starts.insert(i, rec.data_start)
-                    ordered.insert(i, rec)
-        name = where or (known.where if known else Path(str(path)).name)
-        _archives[_key(st)] = _Archive(name, starts, ordered)
+        if known is None:
+            _archives[_key(st)] = _Archive(where or Path(str(path)).name, starts, ordered)
+            return
+        # another archive in the same file (a DCP chunk: a .distcp holds one per tensor piece, tens of
+        # thousands for a large MoE): its records go in place, in one slice where they fall between
+        # two known records (lookups bisect under this lock); copying the lists per archive was
+        # quadratic (20,000 chunks: 8.1 s)
+        if where:
+            known.where = where
+        i = bisect.bisect_left(known.starts, starts[0]) if starts else 0
+        fits = i == len(known.starts) or known.starts[i] > starts[-1]
+        if fits:
+            known.starts[i:i] = starts
+            known.records[i:i] = ordered
+            return
+        for rec in ordered:
+            i = bisect.bisect_left(known.starts, rec.data_start)
+            if i == len(known.starts) or known.starts[i] != rec.data_start:
+                known.starts.insert(i, rec.data_start)
+                known.records.insert(i, rec)
 
 
 def mapped_file(
@@ -165,14 +174,9 @@ def check_tensor(tensor: "torch.Tensor", source: "MappedFile | None") -> None:
         return
     fd, offset, nbytes = span
     st = os.fstat(fd)
-    with _lock:
-        archive = _archives.get(_key(st))
-    if archive is None:
+    archive, rec = _record_at(st, offset)
+    if rec is None:
         return
-    i = bisect.bisect_right(archive.starts, offset) - 1
-    if i < 0:
-        return
-    rec = archive.records[i]
     if offset + nbytes > rec.data_start + rec.size:
         raise CorruptCheckpointError(
             f"{archive.where}: a tensor's bytes {offset}..{offset + nbytes} run past zip record "
@@ -239,18 +243,29 @@ def _touched(fd: int, offset: int, n: int) -> "tuple[os.stat_result, _Archive | 
     """The records of ``fd``'s archive (none when it is not a known one) that its bytes
     ``offset .. offset + n`` overlap, in file order."""
     st = os.fstat(fd)
-    with _lock:
-        archive = _archives.get(_key(st))
-    if archive is None:
-        return st, None, []
     records = []
-    i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
-    while i < len(archive.records) and archive.records[i].data_start < offset + n:
-        rec = archive.records[i]
-        if rec.data_start + rec.size > offset:
-            records.append(rec)
-        i += 1
+    with _lock:  # add_archive inserts in place
+        archive = _archives.get(_key(st))
+        if archive is None:
+            return st, None, []
+        i = max(0, bisect.bisect_right(archive.starts, offset) - 1)
+        while i < len(archive.records) and archive.records[i].data_start < offset + n:
+            rec = archive.records[i]
+            if rec.data_start + rec.size > offset:
+                records.append(rec)
+            i += 1
     return st, archive, records
+
+
+def _record_at(st: os.stat_result, offset: int) -> "tuple[_Archive | None, Record | None]":
+    """The archive of the file ``st`` is a version of, and its last record starting at or before
+    ``offset`` (None, None when the file is not a known archive)."""
+    with _lock:  # add_archive inserts in place
+        archive = _archives.get(_key(st))
+        if archive is None:
+            return None, None
+        i = bisect.bisect_right(archive.starts, offset) - 1
+        return archive, (archive.records[i] if i >= 0 else None)
 
 
 class Stream:
@@ -315,14 +330,9 @@ class Stream:
         pieces) inside one."""
         self._rec = None
         st = os.fstat(fd)
-        with _lock:
-            archive = _archives.get(_key(st))
-        if archive is None:
+        archive, rec = _record_at(st, offset)
+        if rec is None:
             return
-        i = bisect.bisect_right(archive.starts, offset) - 1
-        if i < 0:
-            return
-        rec = archive.records[i]
         if offset >= rec.data_start + rec.size or (offset != rec.data_start and getattr(_local, "placed", None) is None):
             return
         key = _key(st) + (rec.data_start,)
