@@ -86,6 +86,21 @@ class DistributedError(HfMergeError):
     """A rank of a distributed (torchrun) merge failed, died or timed out; no target was written."""
 
 
+class PickleRefusedError(UnsafeCheckpointError):
+    """The pickle allowlist refused something a pickle asks for (nothing from it ran). ``where`` is
+    the file, ``what`` what it asked for; ``advice`` what to do (by default: re-save with plain
+    tensors or convert it yourself, trusting it; a reader whose files hold only allowlisted things
+    says instead that the file is damaged)."""
+
+    RESAVE = ("Re-save the checkpoint with plain tensors, or only if you fully trust the file convert it "
+              "yourself with torch.load(weights_only=False)")
+
+    def __init__(self, where: str, what: str, advice: str = RESAVE):
+        super().__init__(f"{where}: the pickle {what}, which is outside hf_merge's pickle allowlist; refused, "
+                         f"nothing from it was run. {advice}")
+        self.where, self.what = where, what
+
+
 class PickleLimitError(UnsafeCheckpointError):
     """A pickle would cost work out of proportion to its size (nesting depth, memo size, hash cost);
     refused before anything was built."""
