@@ -42,6 +42,11 @@ class CorruptCheckpointError(HfMergeError):
     """A checkpoint file is truncated, garbage, or inconsistent with its siblings."""
 
 
+class IncompleteStepError(CorruptCheckpointError):
+    """The newest ``global_step_N`` of a checkpoints folder is empty or incomplete (a run stopped
+    while saving it); the message names the newest complete step to pass instead."""
+
+
 class UnsafeCheckpointError(HfMergeError):
     """A pickle asks for code outside the allowlist; nothing from it was executed."""
 
