@@ -53,10 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="output dtype (aliases fp32, bf16, fp16); default: the dtype in the checkpoint's config.json; "
         "auto: keep the shards' dtype",
     )
-    p.add_argument("--max-shard-size", default="5GB", type=size_arg, metavar="SIZE",
+    p.add_argument("--max-shard-size", default=None, type=size_arg, metavar="SIZE",
                    help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
     p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per CPU, at most 8)")
-    p.add_argument("--dist-writers", choices=("node", "rank"), default="node",
+    p.add_argument("--dist-writers", choices=("node", "rank"), default=None,
                    help="under torchrun: which ranks write the files: node (default: one process per node, with "
                    "forked writers on its CPUs) or rank (every rank writes a share)")
     p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
@@ -123,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, message in IGNORED_VERL_FLAGS.items():
         if getattr(args, flag, False):
             logger.info(message)
-    if args.dist_writers != "node" and not launched_by_torchrun():
+    if args.dist_writers is not None and not launched_by_torchrun():  # given, even as the default
         logger.info(f"--dist-writers {args.dist_writers} changes nothing without torchrun: this one process writes every file")
-    if args.gguf is not None and args.max_shard_size != size_arg("5GB"):
+    if args.gguf is not None and args.max_shard_size is not None:
         logger.info("--max-shard-size changes nothing with --gguf: one GGUF file is written")
     options = merge_options(args)
     with _head_start(args, source, target, options) as head:  # the first file written while torch is imported
@@ -189,9 +189,9 @@ def merge_options(args: argparse.Namespace):
     return MergeOptions(
         backend=args.backend,
         dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=size_arg("5GB") if args.max_shard_size is None else args.max_shard_size,
         workers=args.workers,
-        dist_writers=args.dist_writers,
+        dist_writers=args.dist_writers or "node",
         config=args.config,
         overwrite=args.overwrite,
         lora=args.lora,
