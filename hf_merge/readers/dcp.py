@@ -309,14 +309,17 @@ class DcpCheckpoint(LazyCheckpoint):
         for rel in sorted(files):
             p = contained.check(self.path / rel)
             if not p.is_file():
-                raise CorruptCheckpointError(f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing")
+                raise CorruptCheckpointError(
+                    f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing; copy it from the training run "
+                    f"(if it was never written there, {METADATA_FILE} is damaged or not of this folder)"
+                )
             self._file_sizes[rel] = p.stat().st_size
         for key, chunks in self._chunks.items():
             for c in chunks:
                 if c.start + c.length > self._file_sizes[c.file]:
                     raise CorruptCheckpointError(
                         f"{self.path / c.file}: truncated (ends at byte {self._file_sizes[c.file]}, "
-                        f"{key} needs bytes up to {c.start + c.length})"
+                        f"{key} needs bytes up to {c.start + c.length}); re-copy it from the training run"
                     )
         self._fds: dict[str, int] = {}
         self._maps: dict[str, _Mapped | None] = {}
