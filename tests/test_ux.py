@@ -269,6 +269,12 @@ def test_options_that_change_nothing_here_say_so(qwen2_fp32_ws2, tmp_path, capsy
         rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / size, "--gguf", "f16", "--gguf-pre-tokenizer",
                          "gpt-2", "--max-shard-size", size)
         assert rc == 0 and "note: --max-shard-size changes nothing with --gguf" in err, err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "w", "--gguf", "f16", "--gguf-pre-tokenizer",
+                     "gpt-2", "--workers", "2")
+    assert rc == 0 and "note: --workers changes nothing with --gguf" in err, err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "p", "--private", "--gguf-pre-tokenizer", "gpt-2")
+    assert rc == 0 and "note: --private changes nothing without --push-to-hub" in err, err
+    assert "note: --gguf-pre-tokenizer changes nothing without --gguf" in err, err
     rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "c")
     assert rc == 0 and "changes nothing" not in err, err
 

@@ -120,13 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if not launched_by_torchrun():  # a rank of a distributed merge reports to the others instead
         check_merge(source, target, overwrite=args.overwrite, backend=args.backend, config=args.config,
                     base_model=args.base_model, quantize=args.quantize)  # before torch is imported
-    for flag, message in IGNORED_VERL_FLAGS.items():
-        if getattr(args, flag, False):
-            logger.info(message)
-    if args.dist_writers is not None and not launched_by_torchrun():  # given, even as the default
-        logger.info(f"--dist-writers {args.dist_writers} changes nothing without torchrun: this one process writes every file")
-    if args.gguf is not None and args.max_shard_size is not None:
-        logger.info("--max-shard-size changes nothing with --gguf: one GGUF file is written")
+    for message in unused_options(args, torchrun=launched_by_torchrun()):
+        logger.info(message)
     options = merge_options(args)
     with _head_start(args, source, target, options) as head:  # the first file written while torch is imported
         from ..merging import run as merge
@@ -146,6 +141,22 @@ def run(args: argparse.Namespace) -> int:
         if result.url:
             print(f"pushed to {result.url}", file=sys.stderr)
     return 0
+
+
+def unused_options(args: argparse.Namespace, *, torchrun: bool) -> list[str]:
+    """One note for each option given that changes nothing in this merge (they were taken without a word)."""
+    notes = [message for flag, message in IGNORED_VERL_FLAGS.items() if getattr(args, flag, False)]
+    if args.dist_writers is not None and not torchrun:  # given, even as the default
+        notes.append(f"--dist-writers {args.dist_writers} changes nothing without torchrun: this one process writes every file")
+    if args.gguf is not None:
+        for flag, given in (("--max-shard-size", args.max_shard_size), ("--workers", args.workers)):
+            if given is not None:
+                notes.append(f"{flag} changes nothing with --gguf: one GGUF file is written, by this process")
+    elif args.gguf_pre_tokenizer is not None:
+        notes.append("--gguf-pre-tokenizer changes nothing without --gguf: it names the tokenizer in a GGUF file")
+    if args.private is not None and not args.push_to_hub:
+        notes.append(f"--{'' if args.private else 'no-'}private changes nothing without --push-to-hub: nothing is uploaded")
+    return notes
 
 
 def summary_line(result) -> str:
