@@ -113,6 +113,9 @@ def check_target(target: Path, *, overwrite: bool) -> None:
     target = resolve_target(target)
     if target.exists() and not target.is_dir():
         raise TargetExistsError(f"{target} exists and is a file; choose another target folder")
+    above = next((p for p in Path(target).absolute().parents if os.path.lexists(p)), None)
+    if above is not None and not above.is_dir():  # the folders above the target cannot be made
+        raise TargetExistsError(f"{above} is a file, so the target {target} cannot be made under it; choose another target folder")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise TargetExistsError(f"{target} exists and is not empty; pass --overwrite to replace it, or choose another folder")
 
