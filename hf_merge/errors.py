@@ -42,6 +42,11 @@ class CorruptCheckpointError(HfMergeError):
     """A checkpoint file is truncated, garbage, or inconsistent with its siblings."""
 
 
+class IncompleteStepError(CorruptCheckpointError):
+    """The newest ``global_step_N`` of a checkpoints folder is empty or incomplete (a run stopped
+    while saving it); the message names the newest complete step to pass instead."""
+
+
 class UnsafeCheckpointError(HfMergeError):
     """A pickle asks for code outside the allowlist; nothing from it was executed."""
 
@@ -84,6 +89,21 @@ class HubError(HfMergeError):
 
 class DistributedError(HfMergeError):
     """A rank of a distributed (torchrun) merge failed, died or timed out; no target was written."""
+
+
+class PickleRefusedError(UnsafeCheckpointError):
+    """The pickle allowlist refused something a pickle asks for (nothing from it ran). ``where`` is
+    the file, ``what`` what it asked for; ``advice`` what to do (by default: re-save with plain
+    tensors or convert it yourself, trusting it; a reader whose files hold only allowlisted things
+    says instead that the file is damaged)."""
+
+    RESAVE = ("Re-save the checkpoint with plain tensors, or only if you fully trust the file convert it "
+              "yourself with torch.load(weights_only=False)")
+
+    def __init__(self, where: str, what: str, advice: str = RESAVE):
+        super().__init__(f"{where}: the pickle {what}, which is outside hf_merge's pickle allowlist; refused, "
+                         f"nothing from it was run. {advice}")
+        self.where, self.what = where, what
 
 
 class PickleLimitError(UnsafeCheckpointError):

@@ -18,7 +18,7 @@ from typing import Any, Collection
 import torch
 
 from .errors import MissingConfigError, UnsafeCheckpointError
-from .write.atomic import WEIGHT_INDEXES, WEIGHT_SUFFIXES
+from .side_files import side_files
 from .spec import config_dtype_name, dtype_name, output_dtype_name, parse_dtype
 from . import config_fields
 from .transformers_compat import tied_weights
@@ -176,48 +176,10 @@ def copy_side_files(config_dir: Path, folder: Path, *, skip: tuple[str, ...] = (
     are not copied (a skipped symlink is reported: it may point anywhere, e.g. at a key file).
     """
     copied = []
-    code = _remote_code_modules(Path(config_dir))
-    for item in sorted(Path(config_dir).iterdir()):
-        name = item.name
-        if name == "config.json" or name in skip or name in WEIGHT_INDEXES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."):
-            continue
-        if name in TRAINING_STATE_FILES or name.endswith(RANK_FILE_SUFFIXES):
-            continue  # a config folder that is the checkpoint folder itself: its training files stay behind
-        if name.endswith(".py") and name.removesuffix(".py") not in code:
-            continue  # only the modeling code auto_map names (not e.g. DeepSpeed's zero_to_fp32.py)
-        if item.is_symlink():
-            logger.warning("not copied: %s is a symlink (to %s); side files are copied only as regular files", item, os.path.realpath(item))
-            continue
-        if item.is_file():
-            shutil.copyfile(item, Path(folder) / name)
-            copied.append(name)
+    for item in side_files(config_dir, skip=skip, report=True):
+        shutil.copyfile(item, Path(folder) / item.name)
+        copied.append(item.name)
     return copied
-
-
-#: files a training run keeps beside its config that are not part of a model folder
-TRAINING_STATE_FILES = frozenset({"latest", "latest_checkpointed_iteration.txt", "trainer_state.json"})
-#: rank files of DCP / Megatron torch_dist / DeepSpeed folders (weights, but not under WEIGHT_SUFFIXES)
-RANK_FILE_SUFFIXES = (".distcp",)
-
-
-def _remote_code_modules(config_dir: Path) -> set[str]:
-    """Module names the folder's ``auto_map`` entries point at (config.json, tokenizer_config.json,
-    processor configs): ``"modeling_x.XForCausalLM"`` -> ``modeling_x``."""
-    modules: set[str] = set()
-    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json"):
-        path = config_dir / name
-        if not path.is_file() or path.is_symlink():
-            continue
-        try:
-            auto_map = json.loads(path.read_text()).get("auto_map") or {}
-        except (ValueError, OSError, AttributeError):
-            continue
-        refs = auto_map.values() if isinstance(auto_map, dict) else auto_map
-        for ref in refs:
-            for one in ref if isinstance(ref, (list, tuple)) else [ref]:
-                if isinstance(one, str) and "." in one:
-                    modules.add(one.split("--")[-1].rsplit(".", 1)[0])
-    return modules
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")

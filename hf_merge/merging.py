@@ -22,6 +22,7 @@ from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
 from .readers.formats import find_format, weights_label
 from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
+from .side_files import side_files_bytes
 from .publish.card import write_card
 from .options import MergeOptions
 from .write.atomic import check_apart, check_free_space, check_target, holds_side_files_only
@@ -365,7 +366,9 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
             if model_plan is None:
                 adapter.side_files = config_dir
         planned = [f for f in (model_plan.files if model_plan else []) + (adapter.plan() if adapter else [])]
-        check_free_space(target, sum(f.file_size for f in planned))
+        side = [config_dir] + ([target] if into_side_files else [])  # the target's own side files are kept
+        weight_map = model_plan.index["weight_map"] if model_plan is not None and model_plan.index else None
+        check_free_space(target, sum(f.file_size for f in planned), side_files_bytes(side, weight_map))
     except BaseException:
         ckpt.close()
         raise

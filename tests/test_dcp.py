@@ -217,6 +217,43 @@ def test_metadata_pickle_is_allowlisted(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_flipped_byte_in_the_metadata_is_called_damaged(tmp_path):
+    """``.metadata`` is a plain pickle with no CRC. Before, a flipped byte in a class name read as a
+    pickle outside the allowlist with "re-save ... torch.load(weights_only=False)" as the thing to
+    do, and one in a chunk offset as "chunk at [0, 0] has no storage entry", with nothing to do. The
+    refusal stands (same class, nothing unpickled that the walk did not accept); every message about
+    the .metadata now says it is damaged (re-copy it) or not written by torch.distributed.checkpoint,
+    as a rank file's flipped data.pkl says it is damaged (its CRC-32)."""
+    from hf_merge.errors import HfMergeError, PickleRefusedError
+
+    path = save_dcp(tmp_path / "c", {"a.weight": torch.randn(4, 6), "b.bias": torch.randn(6).bfloat16()},
+                    {"a.weight": (0, 2)})
+    meta = (path / ".metadata").read_bytes()
+    refused = no_storage = 0
+    for i in range(len(meta)):
+        flipped = bytearray(meta)
+        flipped[i] ^= 0x01
+        (path / ".metadata").write_bytes(bytes(flipped))
+        try:
+            DcpCheckpoint(path).close()
+        except HfMergeError as e:
+            message = str(e).lower()
+            assert "weights_only=false" not in message and "re-save" not in message, message
+            assert not isinstance(e, UnsafeCheckpointError) or "re-copy" in message, message
+            if isinstance(e, PickleRefusedError) or "no storage entry" in message:
+                assert "the file is damaged (re-copy it from the training run) or was not written by " \
+                       "torch.distributed.checkpoint" in message and ".metadata" in message, message
+            refused += isinstance(e, PickleRefusedError)
+            no_storage += "no storage entry" in message
+    assert refused > 10 and no_storage > 0, (refused, no_storage)
+    at = meta.index(b"ChunkStorageMetadata") + 5  # a class name flipped: still the refusal, on one line
+    (path / ".metadata").write_bytes(meta[:at] + bytes([meta[at] ^ 1]) + meta[at + 1:])
+    with pytest.raises(PickleRefusedError, match=r"ChunkRtorageMetadata, which is outside hf_merge's pickle allowlist; "
+                       r"refused, nothing from it was run. The file is damaged \(re-copy it") as info:
+        DcpCheckpoint(path)
+    assert "\n" not in str(info.value)
+
+
 def test_truncated_or_missing_data_files(sample, tmp_path):
     import shutil
 
@@ -225,10 +262,10 @@ def test_truncated_or_missing_data_files(sample, tmp_path):
     shutil.copytree(src, trunc)
     data = trunc / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:-100])
-    with pytest.raises(CorruptCheckpointError, match="truncated"):
+    with pytest.raises(CorruptCheckpointError, match="truncated .*; re-copy it from the training run"):
         DcpCheckpoint(trunc)
-    data.unlink()
-    with pytest.raises(CorruptCheckpointError, match="missing"):
+    data.unlink()  # before, neither said what to do
+    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp listed in .metadata is missing; copy it from the training run"):
         DcpCheckpoint(trunc)
 
 

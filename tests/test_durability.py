@@ -12,6 +12,7 @@ the target either absent (or the old one) or complete.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import threading
@@ -211,13 +212,17 @@ def _statvfs_with(free: int, under: Path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("gguf", [None, "q8_0"])
 def test_free_space_is_checked_before_writing(gguf, qwen2_fp32_ws2, tmp_path, monkeypatch):
-    """The planned bytes plus room for the side files must be free on the target's file system:
+    """The planned bytes plus a bound on the side files must be free on the target's file system:
     less is refused with a typed error (exit 3, one line) and leaves nothing; that much merges.
     Safetensors files are planned to the byte (one byte less is refused); a GGUF file's plan is its
-    tensor data (its metadata is in the room for side files)."""
+    tensor data (its metadata is in the side files' bound). The bound follows the side files' real
+    sizes: a 184 kB merge fits on a file system with 300 kB free (it asked for 64 MB more)."""
     if gguf:
         pytest.importorskip("gguf")
     from helpers import error_line, run_cli
+
+    from hf_merge.side_files import side_files_bytes
+    from hf_merge.progress import human_bytes
 
     args = [qwen2_fp32_ws2.actor, "--max-shard-size", "20KB"] if gguf is None else [
         qwen2_fp32_ws2.actor, "--gguf", gguf, "--gguf-pre-tokenizer", "gpt-2"]
@@ -225,7 +230,11 @@ def test_free_space_is_checked_before_writing(gguf, qwen2_fp32_ws2, tmp_path, mo
     proc = run_cli("merge", args[0], sizing, *args[1:])
     assert proc.returncode == 0, proc.stderr
     weights = sum(p.stat().st_size for p in sizing.iterdir() if p.suffix in (".safetensors", ".gguf"))
-    needed = weights + atomic.SIDE_FILES_ROOM
+    written = sum(p.stat().st_size for p in sizing.iterdir()) - weights
+    index = json.loads((sizing / "model.safetensors.index.json").read_text())["weight_map"] if gguf is None else None
+    side = side_files_bytes([Path(qwen2_fp32_ws2.actor) / "huggingface"], index, scale=2 if gguf else 1)
+    assert written <= side < 300_000 - weights, (written, side, weights)
+    needed = weights + side
     target = tmp_path / "space" / "out"
     _statvfs_with(needed - 1 if gguf is None else weights // 2, tmp_path / "space", monkeypatch)
     proc = run_cli("merge", args[0], target, *args[1:])
@@ -233,11 +242,9 @@ def test_free_space_is_checked_before_writing(gguf, qwen2_fp32_ws2, tmp_path, mo
     line = error_line(proc)
     assert "not enough free space" in line and "choose a target on another file system" in line, line
     if gguf is None:  # sizes a user can act on (before: "writes 0.00 GB ... free 0.00 GB or more")
-        from hf_merge.progress import human_bytes
-
-        assert f"the merge writes {human_bytes(weights)} (plus up to 67.1 MB" in line and "free 1 B or more" in line, line
+        assert f"the merge writes {human_bytes(weights)} (plus up to {human_bytes(side)}" in line and "free 1 B or more" in line, line
     assert not (tmp_path / "space").exists()  # nothing written, the parent folder made for it gone too
-    _statvfs_with(needed, tmp_path / "space", monkeypatch)
+    _statvfs_with(300_000, tmp_path / "space", monkeypatch)
     proc = run_cli("merge", args[0], target, *args[1:])
     assert proc.returncode == 0, proc.stderr
     assert no_leftovers(target)

@@ -107,6 +107,18 @@ def test_existing_target_is_refused_before_reading(qwen2_fp32_ws2, tmp_path):
     assert (target / "keep.txt").read_text() == "mine" and len(list(target.iterdir())) == 1
 
 
+def test_a_target_under_a_file_is_refused_in_words(qwen2_fp32_ws2, tmp_path):
+    """Before: `error: File exists (PATH)`, from the lock file's folder being made."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for target in (tmp_path / "notes.txt" / "merged", tmp_path / "notes.txt" / "a" / "merged"):
+        proc = run_cli("merge", qwen2_fp32_ws2.actor, target)
+        assert proc.returncode != 0
+        line = error_line(proc)
+        assert f"{tmp_path / 'notes.txt'} is a file, so the target {target} cannot be made under it; choose another " \
+               "target folder" in line, line
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("where", ["source itself", "its parent", "a symlink to it", "the step it reads"])
 def test_a_target_holding_the_source_is_refused_even_with_overwrite(where, qwen2_fp32_ws2, tmp_path):
     """Before: `hf-merge merge ckpts ckpts --overwrite` (or a TARGET that is the global_step_N above

@@ -205,6 +205,22 @@ def test_bad_latest_step_file_falls_back_to_the_highest_step(megatron_root, tmp_
         assert any("the highest of 2 steps" in n for n in ckpt.info.notes), ckpt.info.notes
 
 
+def test_an_empty_newest_step_names_the_previous_complete_step(megatron_root, tmp_path):
+    """The FSDP reader's step choice: an empty newest step (a save cut short) is named with the
+    complete step to pass, not read as "not a checkpoint" nor replaced by the older step."""
+    from hf_merge.errors import IncompleteStepError
+
+    run = tmp_path / "ckpts"
+    (run / "global_step_9" / "actor").mkdir(parents=True)
+    shutil.copytree(role_dir(megatron_root, "qwen2_v1"), run / "global_step_7" / "actor")
+    from hf_merge import open_checkpoint
+
+    for opener in (open_megatron, open_checkpoint):
+        with pytest.raises(IncompleteStepError, match=r"global_step_9 is empty or incomplete .*the newest complete "
+                           r"step is global_step_7: pass .*global_step_7 to merge it"):
+            opener(run)
+
+
 # --------------------------------------------------------------------------------------------
 # Synthetic Megatron-named DCP folders (no megatron-core needed)
 # --------------------------------------------------------------------------------------------

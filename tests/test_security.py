@@ -646,6 +646,33 @@ def test_bad_latest_step_file_falls_back_to_the_highest_step(qwen2_fp32_ws2, tmp
     assert "latest_checkpointed_iteration.txt names step 7, which is not here; using global_step_1 (the highest of 1 steps)" in out, out
 
 
+def test_an_empty_newest_step_names_the_previous_complete_step(qwen2_fp32_ws2, tmp_path, capsys):
+    """A run killed while saving leaves an empty newest ``global_step_N`` (and the latest file not
+    yet moved to it, or gone). Before: "not a checkpoint hf-merge recognises". Now one line says
+    which step is empty and which to pass; the older step is not merged in its place. The empty
+    step folder given itself says the same (it said "not a checkpoint hf-merge recognises")."""
+    root = tmp_path / "ckpts"
+    shutil.copytree(qwen2_fp32_ws2.root, root, ignore=shutil.ignore_patterns("reference"))
+    (root / "global_step_2" / "actor" / "huggingface").mkdir(parents=True)  # verl makes the folders first
+    for latest in (None, "7\n"):
+        (root / "latest_checkpointed_iteration.txt").unlink(missing_ok=True)
+        if latest is not None:
+            (root / "latest_checkpointed_iteration.txt").write_text(latest)
+        line = _cli_error(["merge", str(root), str(tmp_path / "out")], capsys)
+        assert f"{root / 'global_step_2'} is empty or incomplete" in line, line
+        assert f"the newest complete step is global_step_1: pass {root / 'global_step_1'}" in line, line
+        assert ("latest_checkpointed_iteration.txt names step 7, which is not here" in line) == (latest is not None), line
+        assert not (tmp_path / "out").exists()
+    for given in (root / "global_step_2", root / "global_step_2" / "actor"):  # the empty step itself
+        line = _cli_error(["merge", str(given), str(tmp_path / "out")], capsys)
+        assert f"{given} is not a checkpoint (holds " in line, line
+        assert f"global_step_2 looks empty or incomplete (a run stopped while saving it?); the newest step before it " \
+               f"that is a checkpoint is global_step_1: pass {root / 'global_step_1'} to merge it" in line, line
+    (root / "latest_checkpointed_iteration.txt").write_text("1\n")  # the save of step 2 never finished: step 1
+    assert cli(["inspect", str(root)]) == 0
+    assert "using global_step_1 (from latest_checkpointed_iteration.txt)" in capsys.readouterr().out
+
+
 def test_malformed_megatron_manifest_is_a_typed_error(megatron_root, tmp_path, capsys):
     src = tmp_path / "actor"
     shutil.copytree(megatron_root / "llama_v2_singleton" / "actor", src)

@@ -259,13 +259,22 @@ def test_local_dir_with_one_positional_takes_it_as_the_target(qwen2_fp32_ws2, tm
 
 
 def test_options_that_change_nothing_here_say_so(qwen2_fp32_ws2, tmp_path, capsys):
-    """--dist-writers without torchrun and --max-shard-size with --gguf were taken without a word."""
-    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "a", "--dist-writers", "rank")
-    assert rc == 0 and "note: --dist-writers rank changes nothing without torchrun" in err, err
+    """--dist-writers without torchrun and --max-shard-size with --gguf were taken without a word
+    (and given as their defaults, node and 5GB, they still were)."""
+    for writers in ("rank", "node"):
+        rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / writers, "--dist-writers", writers)
+        assert rc == 0 and f"note: --dist-writers {writers} changes nothing without torchrun" in err, err
     pytest.importorskip("gguf")
-    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "b", "--gguf", "f16", "--gguf-pre-tokenizer", "gpt-2",
-                     "--max-shard-size", "100kB")
-    assert rc == 0 and "note: --max-shard-size changes nothing with --gguf" in err, err
+    for size in ("100kB", "5GB"):
+        rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / size, "--gguf", "f16", "--gguf-pre-tokenizer",
+                         "gpt-2", "--max-shard-size", size)
+        assert rc == 0 and "note: --max-shard-size changes nothing with --gguf" in err, err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "w", "--gguf", "f16", "--gguf-pre-tokenizer",
+                     "gpt-2", "--workers", "2")
+    assert rc == 0 and "note: --workers changes nothing with --gguf" in err, err
+    rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "p", "--private", "--gguf-pre-tokenizer", "gpt-2")
+    assert rc == 0 and "note: --private changes nothing without --push-to-hub" in err, err
+    assert "note: --gguf-pre-tokenizer changes nothing without --gguf" in err, err
     rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, tmp_path / "c")
     assert rc == 0 and "changes nothing" not in err, err
 

@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     bars_were_off = are_progress_bars_disabled()
     _setup_logging(args.quiet)
     try:
-        if getattr(args, "dist_writers", None) is not None:  # merge: under torchrun, once per node
+        if hasattr(args, "dist_writers"):  # merge: under torchrun, once per node
             from ..write.distributed import enter_torchrun_merge
 
-            if not enter_torchrun_merge(args.dist_writers):
+            if not enter_torchrun_merge(args.dist_writers or "node"):
                 return 0
         return int(args.run(args) or 0)
     except BaseException as e:  # noqa: BLE001 - the one place errors become exit codes

@@ -53,10 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="output dtype (aliases fp32, bf16, fp16); default: the dtype in the checkpoint's config.json; "
         "auto: keep the shards' dtype",
     )
-    p.add_argument("--max-shard-size", default="5GB", type=size_arg, metavar="SIZE",
+    p.add_argument("--max-shard-size", default=None, type=size_arg, metavar="SIZE",
                    help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
     p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per CPU, at most 8)")
-    p.add_argument("--dist-writers", choices=("node", "rank"), default="node",
+    p.add_argument("--dist-writers", choices=("node", "rank"), default=None,
                    help="under torchrun: which ranks write the files: node (default: one process per node, with "
                    "forked writers on its CPUs) or rank (every rank writes a share)")
     p.add_argument("--config", "--hf_model_path", "--hf-model-path", dest="config", help="folder with config.json and tokenizer, if the checkpoint has no huggingface/ folder")
@@ -120,13 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if not launched_by_torchrun():  # a rank of a distributed merge reports to the others instead
         check_merge(source, target, overwrite=args.overwrite, backend=args.backend, config=args.config,
                     base_model=args.base_model, quantize=args.quantize)  # before torch is imported
-    for flag, message in IGNORED_VERL_FLAGS.items():
-        if getattr(args, flag, False):
-            logger.info(message)
-    if args.dist_writers != "node" and not launched_by_torchrun():
-        logger.info(f"--dist-writers {args.dist_writers} changes nothing without torchrun: this one process writes every file")
-    if args.gguf is not None and args.max_shard_size != size_arg("5GB"):
-        logger.info("--max-shard-size changes nothing with --gguf: one GGUF file is written")
+    for message in unused_options(args, torchrun=launched_by_torchrun()):
+        logger.info(message)
     options = merge_options(args)
     with _head_start(args, source, target, options) as head:  # the first file written while torch is imported
         from ..merging import run as merge
@@ -146,6 +141,22 @@ def run(args: argparse.Namespace) -> int:
         if result.url:
             print(f"pushed to {result.url}", file=sys.stderr)
     return 0
+
+
+def unused_options(args: argparse.Namespace, *, torchrun: bool) -> list[str]:
+    """One note for each option given that changes nothing in this merge (they were taken without a word)."""
+    notes = [message for flag, message in IGNORED_VERL_FLAGS.items() if getattr(args, flag, False)]
+    if args.dist_writers is not None and not torchrun:  # given, even as the default
+        notes.append(f"--dist-writers {args.dist_writers} changes nothing without torchrun: this one process writes every file")
+    if args.gguf is not None:
+        for flag, given in (("--max-shard-size", args.max_shard_size), ("--workers", args.workers)):
+            if given is not None:
+                notes.append(f"{flag} changes nothing with --gguf: one GGUF file is written, by this process")
+    elif args.gguf_pre_tokenizer is not None:
+        notes.append("--gguf-pre-tokenizer changes nothing without --gguf: it names the tokenizer in a GGUF file")
+    if args.private is not None and not args.push_to_hub:
+        notes.append(f"--{'' if args.private else 'no-'}private changes nothing without --push-to-hub: nothing is uploaded")
+    return notes
 
 
 def summary_line(result) -> str:
@@ -189,9 +200,9 @@ def merge_options(args: argparse.Namespace):
     return MergeOptions(
         backend=args.backend,
         dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=size_arg("5GB") if args.max_shard_size is None else args.max_shard_size,
         workers=args.workers,
-        dist_writers=args.dist_writers,
+        dist_writers=args.dist_writers or "node",
         config=args.config,
         overwrite=args.overwrite,
         lora=args.lora,

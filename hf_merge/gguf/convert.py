@@ -81,6 +81,7 @@ class GgufFile:
     def __init__(self, ckpt: Any, target: Path, options: MergeOptions):
         """Views, vocabulary, provenance and every planned GGUF tensor (specs only, nothing read)."""
         from ..hf_files import checkpoint_config
+        from ..side_files import side_files_bytes
         from ..write.atomic import check_free_space
         from ..provenance import merge_record
         from ..transforms.views import build_views
@@ -125,7 +126,8 @@ class GgufFile:
             self.lora_file = file_name(self.name, ftype.name, lora=True)
             self.planned[self.lora_file] = plan_lora(views.adapter, self.layout, cfg, self.arch, ftype)
         if self.model_file is not None:  # k-quants: the BF16 file and the quantized one exist together for a while
-            check_free_space(target, total_bytes(self.planned[self.model_file]) * (2 if ftype.k_quant else 1))
+            check_free_space(target, total_bytes(self.planned[self.model_file]) * (2 if ftype.k_quant else 1),
+                             side_files_bytes([self.config_dir], scale=2))  # the tokenizer again in the GGUF file
 
     @property
     def notes(self) -> list[str]:

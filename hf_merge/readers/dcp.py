@@ -53,6 +53,7 @@ from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
     CorruptCheckpointError,
+    PickleRefusedError,
     SourceNotFoundError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
@@ -63,6 +64,8 @@ from .dcp_metadata import check_tensor_properties, metadata_substitutes
 from .torch_zip import Record, Window, read_records
 
 METADATA_FILE = ".metadata"
+#: what to do about a .metadata that holds what torch.distributed.checkpoint never writes
+NOT_DCP = "the file is damaged (re-copy it from the training run) or was not written by torch.distributed.checkpoint"
 DEFAULT_MAX_READ_BYTES = 64 << 20
 
 __all__ = ["DcpCheckpoint", "is_dcp_dir", "load_dcp_metadata", "DEFAULT_MAX_READ_BYTES"]
@@ -84,9 +87,12 @@ def load_dcp_metadata(path: Path) -> Any:
     if not meta_path.is_file():
         raise SourceNotFoundError(f"{path}: no {METADATA_FILE} file; not a torch.distributed.checkpoint folder")
     with open(contained.check(meta_path), "rb") as f:
-        md = load_pickle(f, DCP_METADATA, str(meta_path), substitutes=metadata_substitutes())
+        try:
+            md = load_pickle(f, DCP_METADATA, str(meta_path), substitutes=metadata_substitutes())
+        except PickleRefusedError as e:  # the same refusal; DCP writes nothing outside the allowlist
+            raise PickleRefusedError(e.where, e.what, advice=NOT_DCP.capitalize()) from None
     if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
-        raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__})")
+        raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__}); {NOT_DCP}")
     check_tensor_properties(md, str(meta_path))
     return md
 
@@ -297,20 +303,23 @@ class DcpCheckpoint(LazyCheckpoint):
         except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as e:  # fields of the wrong kind
             raise CorruptCheckpointError(
                 f"{self.path / METADATA_FILE}: malformed DCP metadata ({type(e).__name__}: {str(e)[:100]}); "
-                "the file is damaged, re-copy the checkpoint"
+                f"{NOT_DCP}"
             ) from None
         self._file_sizes = {}
         for rel in sorted(files):
             p = contained.check(self.path / rel)
             if not p.is_file():
-                raise CorruptCheckpointError(f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing")
+                raise CorruptCheckpointError(
+                    f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing; copy it from the training run "
+                    f"(if it was never written there, {METADATA_FILE} is damaged or not of this folder)"
+                )
             self._file_sizes[rel] = p.stat().st_size
         for key, chunks in self._chunks.items():
             for c in chunks:
                 if c.start + c.length > self._file_sizes[c.file]:
                     raise CorruptCheckpointError(
                         f"{self.path / c.file}: truncated (ends at byte {self._file_sizes[c.file]}, "
-                        f"{key} needs bytes up to {c.start + c.length})"
+                        f"{key} needs bytes up to {c.start + c.length}); re-copy it from the training run"
                     )
         self._fds: dict[str, int] = {}
         self._maps: dict[str, _Mapped | None] = {}
@@ -347,7 +356,7 @@ class DcpCheckpoint(LazyCheckpoint):
                 sinfo = storage.get((key, offsets))
                 if sinfo is None:
                     raise CorruptCheckpointError(
-                        f"{self.path}: {key} chunk at {list(offsets)} has no storage entry in {METADATA_FILE}"
+                        f"{self.path / METADATA_FILE}: {key} chunk at {list(offsets)} has no storage entry; {NOT_DCP}"
                     )
                 if getattr(sinfo, "transform_descriptors", None):
                     raise UnsupportedCheckpointError(
@@ -380,7 +389,8 @@ class DcpCheckpoint(LazyCheckpoint):
                 o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
             ):
                 raise CorruptCheckpointError(
-                    f"{self.path}: {key} chunk {list(c.offsets)[:8]}+{list(c.sizes)[:8]} lies outside shape {list(shape)}"
+                    f"{self.path / METADATA_FILE}: {key} chunk {list(c.offsets)[:8]}+{list(c.sizes)[:8]} lies outside "
+                    f"shape {list(shape)}; {NOT_DCP}"
                 )
             total += math.prod(c.sizes)
         numel = math.prod(shape)

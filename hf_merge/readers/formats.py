@@ -260,20 +260,54 @@ def detect(path: "str | Path") -> Detection:
     """
     from ..errors import SourceNotFoundError, UnsupportedCheckpointError
 
-    path = Path(path)
+    return _detect(Path(path), hint=True)
+
+
+def _detect(path: Path, *, hint: bool) -> Detection:
+    from ..errors import SourceNotFoundError, UnsupportedCheckpointError
+
     if not path.exists():
         raise SourceNotFoundError(f"{path} does not exist; pass the checkpoint folder")
     listings = _Listings()
     candidates = [d for d in declared() if listings.marked(path, d.marks)]
     matched = [fmt for fmt in map(load, candidates) if _probe(fmt, path)]
-    if not matched and path.is_dir() and not any(path.iterdir()):
+    if matched:
+        return Detection(chosen=matched[0], matched=tuple(f.name for f in matched))
+    empty = path.is_dir() and not any(path.iterdir())
+    instead = _saved_before(path) if hint else ""
+    if instead:  # a verl step folder that a save cut short: which step to pass
+        error = SourceNotFoundError if empty else UnsupportedCheckpointError
+        raise error(f"{path} {'is empty' if empty else f'is not a checkpoint ({_what_is_there(path)})'}; {instead}")
+    if empty:
         raise SourceNotFoundError(f"{path} is empty; pass the checkpoint folder (it reads: {', '.join(format_names())})")
-    if not matched:
-        raise UnsupportedCheckpointError(
-            f"{path} is not a checkpoint hf-merge recognises ({_what_is_there(path)}); "
-            f"it reads: {', '.join(format_names())} (see `hf-merge merge --help`)"
-        )
-    return Detection(chosen=matched[0], matched=tuple(f.name for f in matched))
+    raise UnsupportedCheckpointError(
+        f"{path} is not a checkpoint hf-merge recognises ({_what_is_there(path)}); "
+        f"it reads: {', '.join(format_names())} (see `hf-merge merge --help`)"
+    )
+
+
+_STEP_DIR = re.compile(r"^global_step_([0-9]{1,18})$")
+
+
+def _saved_before(path: Path) -> str:
+    """For a verl ``global_step_N`` folder (or its ``actor/`` / ``critic/``) that no format reads, most
+    likely a save cut short: the newest earlier step that one reads, as what to pass ("" if none)."""
+    step = path if _STEP_DIR.match(path.name) else path.parent
+    if not ((m := _STEP_DIR.match(step.name)) and (step == path or path.name in ("actor", "critic"))):
+        return ""
+    try:
+        earlier = sorted(((int(k.group(1)), p) for p in step.parent.iterdir()
+                          if (k := _STEP_DIR.match(p.name)) and int(k.group(1)) < int(m.group(1)) and p.is_dir()), reverse=True)
+    except OSError:
+        return ""
+    for n, p in earlier:
+        try:
+            _detect(p, hint=False)
+        except Exception:  # noqa: BLE001 - not a checkpoint, or a broken one: not what to pass instead
+            continue
+        return (f"{step.name} looks empty or incomplete (a run stopped while saving it?); the newest step before it "
+                f"that is a checkpoint is global_step_{n}: pass {p} to merge it")
+    return ""
 
 
 def _probe(fmt: SourceFormat, path: Path) -> bool:

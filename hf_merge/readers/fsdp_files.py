@@ -19,9 +19,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteStepError, SourceNotFoundError, UnsupportedCheckpointError
 from ..spec import TensorSpec
 from . import contained
 from .file_runs import FileRun
@@ -65,7 +65,7 @@ def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
     if not any(path.iterdir()):
         raise SourceNotFoundError(f"{path} is empty; pass the folder that holds the model_world_size_*_rank_*.pt files")
     if not has_rank_files(path):
-        chosen = choose_step(path)
+        chosen = choose_step(path, _complete_step)
         if chosen is not None:
             path, note = chosen
             notes.append(note)
@@ -88,23 +88,41 @@ def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
     return path, step, notes
 
 
-def choose_step(root: Path) -> tuple[Path, str] | None:
+def choose_step(root: Path, complete: Callable[[Path], bool]) -> tuple[Path, str] | None:
     """The ``global_step_N`` folder of a verl checkpoints ``root`` (either backend) to read, and a
     note saying why: the step ``latest_checkpointed_iteration.txt`` names when that folder exists,
-    else the highest. None when ``root`` has no step folders."""
+    else the highest. None when ``root`` has no step folders.
+
+    Raises:
+        IncompleteStepError: the step chosen is not ``complete`` (empty: a run stopped while saving
+            it) and another step is: that one is named, not read in its place.
+    """
     steps = {int(m.group(1)): p for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))}
     if not steps:
         return None
     latest_file = root / "latest_checkpointed_iteration.txt"
     missing = ""
+    chosen = max(steps)
+    note = f"using global_step_{chosen} (the highest of {len(steps)} steps)"
     if contained.check(latest_file).is_file():
         text = latest_file.read_bytes()[:64].decode("ascii", "replace").strip()
         if re.fullmatch(r"[0-9]{1,18}", text):
             if int(text) in steps:
-                return steps[int(text)], f"using global_step_{int(text)} (from latest_checkpointed_iteration.txt)"
-            missing = f"latest_checkpointed_iteration.txt names step {int(text)}, which is not here; "
-    chosen = max(steps)
-    return steps[chosen], f"{missing}using global_step_{chosen} (the highest of {len(steps)} steps)"
+                chosen, note = int(text), f"using global_step_{int(text)} (from latest_checkpointed_iteration.txt)"
+            else:
+                missing = f"latest_checkpointed_iteration.txt names step {int(text)}, which is not here; "
+    if not complete(steps[chosen]):
+        done = next((n for n in sorted(steps, reverse=True) if n != chosen and complete(steps[n])), None)
+        if done is not None:
+            raise IncompleteStepError(
+                f"{missing}{steps[chosen]} is empty or incomplete (a run stopped while saving it?); the newest "
+                f"complete step is global_step_{done}: pass {steps[done]} to merge it"
+            )
+    return steps[chosen], missing + note
+
+
+def _complete_step(step: Path) -> bool:
+    return has_rank_files(step) or has_rank_files(step / "actor") or has_rank_files(step / "critic")
 
 
 def detect_world_size(folder: Path) -> tuple[int, list[str]]:

@@ -207,7 +207,7 @@ def resolve_megatron_dir(path: Path) -> tuple[Path, list[str]]:
     notes: list[str] = []
     if not path.is_dir() or find_layout(path) is not None:
         return path, notes
-    chosen = choose_step(path)
+    chosen = choose_step(path, lambda step: any(find_layout(p) is not None for p in (step, step / "actor", step / "critic")))
     if chosen is not None:
         path, note = chosen
         notes.append(note)

@@ -27,7 +27,7 @@ import gc
 import struct
 from typing import Any, Callable
 
-from ..errors import CorruptCheckpointError, PickleLimitError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, PickleLimitError, PickleRefusedError, UnsafeCheckpointError
 
 Pair = tuple[str, str]
 
@@ -69,12 +69,8 @@ class Refusal(Exception):
     """A schema's refusal: the reason, in words."""
 
 
-def refuse(where: str, what: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(
-        f"{where}: the pickle {what}, which is outside hf_merge's pickle allowlist; refused, nothing from it "
-        "was run. Re-save the checkpoint with plain tensors, or only if you fully trust the file convert it "
-        "yourself with torch.load(weights_only=False)"
-    )
+def refuse(where: str, what: str) -> PickleRefusedError:
+    return PickleRefusedError(where, what)
 
 
 def _limit(where: str, what: str) -> PickleLimitError:

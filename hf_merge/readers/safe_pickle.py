@@ -56,7 +56,7 @@ from typing import IO, Any, Callable, Iterable, Mapping
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from . import pickle_schemas
-from .pickle_walk import walk_pickle
+from .pickle_walk import refuse as _refuse, walk_pickle
 
 Pair = tuple[str, str]
 
@@ -211,14 +211,6 @@ def __getattr__(name: str) -> Any:  # TORCH_NAMES, lazily (module attribute)
 def _short(s: Any, n: int = 80) -> str:
     text = s if isinstance(s, str) else repr(s)
     return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _refuse(where: str, what: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(
-        f"{where}: the pickle {what}, which is outside hf_merge's pickle allowlist; refused, nothing from it "
-        "was run. Re-save the checkpoint with plain tensors, or only if you fully trust the file convert it "
-        "yourself with torch.load(weights_only=False)"
-    )
 
 
 @dataclass(eq=False)

@@ -59,22 +59,19 @@ def resolve_target(target: Path) -> Path:
     return target
 
 
-#: room asked for beyond the planned weight files: config, tokenizer, index, card, provenance
-SIDE_FILES_ROOM = 64 << 20
-
-
-def check_free_space(target: Path, planned: int) -> None:
-    """Refuse, before anything is written, a merge whose ``planned`` bytes (plus room for the side
-    files) do not fit on the file system that will hold ``target``. Under ``--overwrite`` the old
-    target stays until the new one is in place, so its space does not count as free."""
+def check_free_space(target: Path, planned: int, side: int) -> None:
+    """Refuse, before anything is written, a merge whose ``planned`` bytes of weight files plus
+    ``side`` bytes of side files (a bound: :func:`hf_merge.hf_files.side_files_bytes`) do not fit
+    on the file system that will hold ``target``. Under ``--overwrite`` the old target stays until
+    the new one is in place, so its space does not count as free."""
     folder = Path(target).absolute()
     while not folder.is_dir() and folder != folder.parent:
         folder = folder.parent
     free = durable.free_bytes(folder)
-    needed = planned + SIDE_FILES_ROOM
+    needed = planned + side
     if free < needed:
         raise InsufficientSpaceError(
-            f"not enough free space for {target}: the merge writes {_gb(planned)} (plus up to {_gb(SIDE_FILES_ROOM)} "
+            f"not enough free space for {target}: the merge writes {_gb(planned)} (plus up to {_gb(side)} "
             f"of side files), the file system of {folder} has {_gb(free)} free; free {_gb(needed - free)} or more, "
             "or choose a target on another file system"
         )
@@ -116,6 +113,9 @@ def check_target(target: Path, *, overwrite: bool) -> None:
     target = resolve_target(target)
     if target.exists() and not target.is_dir():
         raise TargetExistsError(f"{target} exists and is a file; choose another target folder")
+    above = next((p for p in Path(target).absolute().parents if os.path.lexists(p)), None)
+    if above is not None and not above.is_dir():  # the folders above the target cannot be made
+        raise TargetExistsError(f"{above} is a file, so the target {target} cannot be made under it; choose another target folder")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise TargetExistsError(f"{target} exists and is not empty; pass --overwrite to replace it, or choose another folder")
 

@@ -266,6 +266,7 @@ def _plan(request: Request) -> _Planned:
     from ..readers.fsdp_files import RankIndex, check_rank_files_present, detect_world_size, resolve_fsdp_dir
     from ..spec import output_dtype_name
     from ..transforms.conversion_keys import may_convert
+    from ..side_files import side_files_bytes
     from .atomic import check_free_space
     from .engine import byte_recipe, usable_cpus
     from .plan import plan_shards
@@ -293,7 +294,8 @@ def _plan(request: Request) -> _Planned:
         raise _Skip("a cast")
     plan = plan_shards(specs, max_shard_size=options.shard_bytes(),
                        metadata={"hf_merge_version": __version__, "source_format": weights_label("fsdp")})
-    check_free_space(Path(request.target), sum(f.file_size for f in plan.files))  # the merge says so first
+    side = side_files_bytes([config_dir], plan.index["weight_map"] if plan.index else None)
+    check_free_space(Path(request.target), sum(f.file_size for f in plan.files), side)  # the merge says so first
     ranges = byte_recipe(index, plan.files[0])
     if ranges is None:
         raise _Skip("some bytes of the first file are not one run of a rank file (a placement other than Shard(0))")
