@@ -351,3 +351,52 @@ def test_prefetched_chunk_archive_decides_as_small_reads(damage, tmp_path):
             assert isinstance(results[0], str), results[0]
         else:
             assert isinstance(results[0], dict) and any(n.endswith("data.pkl") for n in results[0])
+
+
+def test_chunk_overlap_check_agrees_with_pairwise_comparison():
+    """The slab-wise overlap check of a tensor's chunk boxes finds a clash exactly when some pair of
+    non-empty boxes intersects: per-layer-and-expert grids (MoE), crossing and duplicated boxes."""
+    import itertools
+    import random
+
+    from hf_merge.readers.dcp import _Chunk, _first_overlap
+
+    def chunk(off, size):
+        return _Chunk(tuple(off), tuple(size), "f", 0, 0)
+
+    def pairwise(chunks):
+        boxes = [c for c in chunks if all(s > 0 for s in c.sizes)]
+        return any(
+            all(ao < co + cs and co < ao + as_ for ao, as_, co, cs in zip(a.offsets, a.sizes, c.offsets, c.sizes))
+            for a, c in itertools.combinations(boxes, 2)
+        )
+
+    rng = random.Random(0)
+    cases = []
+    for _ in range(300):
+        dims = rng.randint(0, 4)
+        shape = [rng.randint(1, 6) for _ in range(dims)]
+        cuts = [sorted(set([0, n] + rng.sample(range(1, n + 1), rng.randint(0, n - 1)))) for n in shape]
+        grid = [chunk([lo for lo, _ in cell], [hi - lo for lo, hi in cell])
+                for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts])]
+        cases.append(grid)
+        moved = list(grid)
+        i = rng.randrange(len(moved))
+        moved[i] = chunk([rng.randint(0, n - s) for n, s in zip(shape, moved[i].sizes)], moved[i].sizes)
+        cases.append(moved)  # same sizes, maybe somewhere else: overlaps (or not) like a damaged .metadata
+        cases.append(grid + [chunk([0] * dims, [rng.randint(0, n) for n in shape])])  # maybe empty
+        bricks = [chunk([r, (r % 2) + 2 * k], [1, 2]) for r in range(4) for k in range(3)]  # rows shifted: crossing spans
+        cases.append(bricks + ([chunk([rng.randrange(4), rng.randrange(6)], [1, 1])] if rng.random() < 0.5 else []))
+    # MoE [L, E, 2F, H] chunked per layer, expert and gate/up half, with one expert written twice
+    moe = [chunk([layer, e, half * 4, 0], [1, 1, 4, 8]) for layer in range(3) for e in range(16) for half in range(2)]
+    cases += [moe, moe + [chunk([2, 7, 4, 0], [1, 1, 4, 8])], moe + [chunk([1, 3, 2, 0], [1, 1, 4, 8])]]
+    found = 0
+    for chunks in cases:
+        rng.shuffle(chunks)
+        clash = _first_overlap(chunks)
+        assert (clash is not None) == pairwise(chunks), chunks
+        if clash is not None:
+            a, b = clash
+            assert a is not b and pairwise([a, b])
+            found += 1
+    assert 0 < found < len(cases)

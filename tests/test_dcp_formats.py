@@ -301,3 +301,19 @@ def test_dcp_merge_does_not_import_torch_distributed_checkpoint(dcp_root, tmp_pa
     argv = ["merge", src, tmp_path / "out", "--config", dcp_root / "accelerate" / "config"]
     mods = ["torch.distributed.checkpoint", "torch.distributed.tensor"]
     assert fresh_merge_imports(argv, mods) == {"code": 0, **dict.fromkeys(mods, False)}
+
+
+def test_generic_dcp_metadata_is_read_once_per_open(dcp_root, monkeypatch):
+    """Opening a plain DCP folder parses its ``.metadata`` once (it was twice: a probe for the
+    ``model.`` wrapper, then the reader), and the reader it keeps reads the same tensors."""
+    from hf_merge.readers import dcp as dcp_reader
+
+    src = dcp_root / "dcp_plain" / "ckpt"
+    calls = []
+    real = dcp_reader.load_dcp_metadata
+    monkeypatch.setattr(dcp_reader, "load_dcp_metadata", lambda path: calls.append(path) or real(path))
+    want = folder_tensors(dcp_root / "dcp_plain" / "reference")  # tied: the reader also names lm_head
+    with hf_merge.open_checkpoint(src) as ckpt:
+        assert calls == [src] and ckpt.info.reader == "dcp"
+        got = {name: ckpt.read(name) for name in want}
+    assert_tensors_equal(got, want)

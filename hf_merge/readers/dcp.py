@@ -716,8 +716,36 @@ def _dense(size: Sequence[int], stride: Sequence[int]) -> bool:
 
 
 def _first_overlap(chunks: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
-    """Two non-empty chunks whose boxes intersect, or None (sweep along dim 0)."""
-    boxes = sorted((c for c in chunks if all(s > 0 for s in c.sizes)), key=lambda c: c.offsets)
+    """Two non-empty chunks whose boxes intersect, or None.
+
+    Splits into slabs one dimension at a time while the chunks' intervals along it are disjoint
+    or equal (a MoE weight ``[L, E, 2F, H]`` chunked per layer and expert: per layer, then per
+    expert), so that only chunks in the same slab are compared; a dimension where intervals
+    cross is swept pairwise (:func:`_swept_overlap`)."""
+    return _overlap_from(sorted((c for c in chunks if all(s > 0 for s in c.sizes)), key=lambda c: c.offsets), 0)
+
+
+def _overlap_from(boxes: list[_Chunk], dim: int) -> tuple[_Chunk, _Chunk] | None:
+    """:func:`_first_overlap` of ``boxes`` (sorted by offsets), which agree on dimensions < ``dim``."""
+    if len(boxes) < 2:
+        return None
+    if dim == len(boxes[0].offsets):  # the same box twice
+        return boxes[0], boxes[1]
+    slabs: dict[tuple[int, int], list[_Chunk]] = {}
+    for c in boxes:
+        slabs.setdefault((c.offsets[dim], c.sizes[dim]), []).append(c)
+    spans = sorted(slabs)
+    if any(o + s > next_o for (o, s), (next_o, _) in zip(spans, spans[1:])):
+        return _swept_overlap(boxes)
+    for span in spans:
+        clash = _overlap_from(slabs[span], dim + 1)
+        if clash is not None:
+            return clash
+    return None
+
+
+def _swept_overlap(boxes: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
+    """Two intersecting boxes of ``boxes`` (sorted by offsets), or None: sweep along dim 0."""
     active: list[_Chunk] = []
     for c in boxes:
         lo = c.offsets[0] if c.offsets else 0

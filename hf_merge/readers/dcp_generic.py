@@ -34,12 +34,16 @@ def open_dcp(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
 
     path = Path(path)
     hf_dir = config_beside(path, config_dir)
-    with DcpCheckpoint(path) as probe_names:
-        strip = WRAPPER if wrapped_in_model_key(list(probe_names.specs())) else None
-    info = CheckpointInfo(format="dcp", path=path, hf_dir=hf_dir)
-    if strip:
-        info.notes.append(f"model weights read from the {strip.rstrip('.')!r} entry of the checkpoint")
-    return open_dcp_model(path, info, strip=strip)
+    dcp = DcpCheckpoint(path)  # read once: its .metadata is most of opening a 30,000-tensor folder
+    try:
+        strip = WRAPPER if wrapped_in_model_key(list(dcp.specs())) else None
+        info = CheckpointInfo(format="dcp", path=path, hf_dir=hf_dir)
+        if strip:
+            info.notes.append(f"model weights read from the {strip.rstrip('.')!r} entry of the checkpoint")
+    except Exception:
+        dcp.close()
+        raise
+    return open_dcp_model(path, info, strip=strip, opened=dcp)
 
 
 def probe(path: Path) -> bool:

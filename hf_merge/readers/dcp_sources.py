@@ -83,9 +83,13 @@ def model_entries(dcp: DcpCheckpoint, *, strip: str | None, skip: Iterable[str] 
     return Renamed(dcp, table)
 
 
-def open_dcp_model(path: Path, info: CheckpointInfo, *, strip: str | None, skip: Iterable[str] = NOT_MODEL_PREFIXES) -> LazyCheckpoint:
-    """Open the DCP folder ``path`` and return its model entries under ``info``."""
-    dcp = DcpCheckpoint(path)
+def open_dcp_model(
+    path: Path, info: CheckpointInfo, *, strip: str | None, skip: Iterable[str] = NOT_MODEL_PREFIXES,
+    opened: DcpCheckpoint | None = None,
+) -> LazyCheckpoint:
+    """Open the DCP folder ``path`` (``opened``: the caller's open reader of it, taken over) and
+    return its model entries under ``info``."""
+    dcp = opened if opened is not None else DcpCheckpoint(path)
     if info.world_size is None:
         info.world_size = dcp.info.world_size
     # the folder's counts (not "tensors": inspect reports the model's tensors under that key)
