@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.quiet)
     try:
         if hasattr(args, "dist_writers"):  # merge: under torchrun, once per node
+            from ..options import MergeOptions
             from ..write.distributed import enter_torchrun_merge
 
-            if not enter_torchrun_merge(args.dist_writers or "node"):
+            if not enter_torchrun_merge(args.dist_writers or MergeOptions.dist_writers):
                 return 0
         return int(args.run(args) or 0)
     except BaseException as e:  # noqa: BLE001 - the one place errors become exit codes

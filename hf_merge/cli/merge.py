@@ -200,9 +200,9 @@ def merge_options(args: argparse.Namespace):
     return MergeOptions(
         backend=args.backend,
         dtype=args.dtype,
-        max_shard_size=size_arg("5GB") if args.max_shard_size is None else args.max_shard_size,
+        max_shard_size=MergeOptions.max_shard_size if args.max_shard_size is None else args.max_shard_size,
         workers=args.workers,
-        dist_writers=args.dist_writers or "node",
+        dist_writers=args.dist_writers or MergeOptions.dist_writers,
         config=args.config,
         overwrite=args.overwrite,
         lora=args.lora,

@@ -258,8 +258,6 @@ def detect(path: "str | Path") -> Detection:
         SourceNotFoundError: ``path`` does not exist.
         UnsupportedCheckpointError: no format matches; the message says what the folder holds.
     """
-    from ..errors import SourceNotFoundError, UnsupportedCheckpointError
-
     return _detect(Path(path), hint=True)
 
 

@@ -34,6 +34,7 @@ from typing import Iterator
 
 from . import durable
 from ..errors import InsufficientSpaceError, TargetExistsError
+from ..progress import human_bytes
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -61,7 +62,7 @@ def resolve_target(target: Path) -> Path:
 
 def check_free_space(target: Path, planned: int, side: int) -> None:
     """Refuse, before anything is written, a merge whose ``planned`` bytes of weight files plus
-    ``side`` bytes of side files (a bound: :func:`hf_merge.hf_files.side_files_bytes`) do not fit
+    ``side`` bytes of side files (a bound: :func:`hf_merge.side_files.side_files_bytes`) do not fit
     on the file system that will hold ``target``. Under ``--overwrite`` the old target stays until
     the new one is in place, so its space does not count as free."""
     folder = Path(target).absolute()
@@ -71,16 +72,10 @@ def check_free_space(target: Path, planned: int, side: int) -> None:
     needed = planned + side
     if free < needed:
         raise InsufficientSpaceError(
-            f"not enough free space for {target}: the merge writes {_gb(planned)} (plus up to {_gb(side)} "
-            f"of side files), the file system of {folder} has {_gb(free)} free; free {_gb(needed - free)} or more, "
+            f"not enough free space for {target}: the merge writes {human_bytes(planned)} (plus up to {human_bytes(side)} "
+            f"of side files), the file system of {folder} has {human_bytes(free)} free; free {human_bytes(needed - free)} or more, "
             "or choose a target on another file system"
         )
-
-
-def _gb(n: int) -> str:
-    from ..progress import human_bytes  # kB to TB: "0.00 GB" told a small merge nothing
-
-    return human_bytes(n)
 
 
 def check_apart(source: "str | Path", target: "str | Path") -> None:
