@@ -254,6 +254,21 @@ def test_a_flipped_byte_in_the_metadata_is_called_damaged(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_a_flipped_byte_in_a_chunks_pickle_is_called_damaged(tmp_path):
+    """Each chunk of a .distcp is a torch.save archive whose data.pkl says where the tensor is.
+    Its CRC-32 is checked as a rank file's is: a flipped byte in a global's name reads as a damaged
+    file (re-copy it), not as a pickle outside the allowlist with "re-save ... weights_only=False"."""
+    path = save_dcp(tmp_path / "c", {"a.weight": torch.randn(4, 6)})
+    distcp = next(path.glob("*.distcp"))
+    raw = distcp.read_bytes()
+    at = raw.index(b"_rebuild_tensor_v2") + 3
+    distcp.write_bytes(raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:])
+    dcp_mod._CHUNK_PICKLES.clear()
+    with DcpCheckpoint(path) as ck, pytest.raises(CorruptCheckpointError, match=r"data\.pkl.*fails its CRC-32.*re-copy") as info:
+        ck.read("a.weight")
+    assert "weights_only" not in str(info.value) and "\n" not in str(info.value)
+
+
 def test_truncated_or_missing_data_files(sample, tmp_path):
     import shutil
 

@@ -61,7 +61,7 @@ from ..errors import (
 from ..spec import TensorSpec, c_contiguous
 from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, torch_names
 from .dcp_metadata import check_tensor_properties, metadata_substitutes
-from .torch_zip import Record, Window, read_records
+from .torch_zip import Record, Window, checked_pickle, read_records
 
 METADATA_FILE = ".metadata"
 #: what to do about a .metadata that holds what torch.distributed.checkpoint never writes
@@ -226,7 +226,8 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layou
     if order is not None and window.pread(min(order.size, 16), order.data_start - chunk.start).strip() not in (b"little", b""):
         raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
     rec_info = records[pkl[0]]
-    rec = _chunk_pickle(window.pread(rec_info.size, rec_info.data_start - chunk.start), f"{where}, chunk at byte {chunk.start}")
+    data = checked_pickle(window.pread(rec_info.size, rec_info.data_start - chunk.start), rec_info, f"{where}, chunk at byte {chunk.start}")
+    rec = _chunk_pickle(data, f"{where}, chunk at byte {chunk.start}")
     if not isinstance(rec, _RebuildRecord) or not isinstance(rec.storage, tuple):
         raise UnsupportedCheckpointError(f"{where}: chunk at byte {chunk.start} does not hold a single tensor")
     key, dtype, numel = rec.storage

@@ -188,15 +188,21 @@ def read_data_pickle(f: IO[bytes], where: str) -> tuple[dict[str, Record], str, 
     if len(pkl) != 1:
         raise CorruptCheckpointError(f"{where}: not a torch.save file (no single data.pkl record); re-copy it")
     rec = records[pkl[0]]
-    data = _pread(f, rec.size, rec.data_start)
-    # always checked (a few microseconds; --no-source-crc is for the tensor bytes): the pickle says
-    # where every tensor is, and a flipped byte in it would otherwise read as a refused global
-    if crc32(data) != rec.crc:
+    return records, pkl[0][: -len("data.pkl")], checked_pickle(_pread(f, rec.size, rec.data_start), rec, where)
+
+
+def checked_pickle(data: bytes, rec: Record, where: str) -> bytes:
+    """``data``, the bytes of the ``data.pkl`` record ``rec``, once their CRC-32 is the one the zip
+    directory records. Always checked (a few microseconds; ``--no-source-crc`` is for the tensor
+    bytes): the pickle says where every tensor is, and a flipped byte in it would otherwise read as
+    a refused global, with advice for an unsafe file instead of a damaged one."""
+    got = crc32(data)
+    if got != rec.crc:
         raise CorruptCheckpointError(
             f"{where}: zip record {rec.name[:60]!r} fails its CRC-32 (the zip directory says {rec.crc:08x}, "
-            f"its {len(data)} bytes give {crc32(data):08x}); the file is damaged: re-copy it from the training run"
+            f"its {len(data)} bytes give {got:08x}); the file is damaged: re-copy it from the training run"
         )
-    return records, pkl[0][: -len("data.pkl")], data
+    return data
 
 
 def _check_record(f: IO[bytes], info: zipfile.ZipInfo, expected_at: int, where: str) -> "str | tuple[int, int]":
