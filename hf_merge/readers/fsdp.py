@@ -32,7 +32,9 @@ from .fsdp_files import (
     resolve_fsdp_dir, row_pieces,
 )
 from . import contained, record_crc
-from .rank_records import LocalDTensor, load_mapped_rank_records
+from ..forks import usable_cpus
+from . import rank_pool
+from .rank_records import LocalDTensor, load_local_records, load_mapped_rank_records
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +47,25 @@ class FsdpCheckpoint(LazyCheckpoint):
         check_rank_files_present(self.folder, self.world_size)
         self._states: dict[int, dict[str, Any]] = {}
         self._files: dict[int, MappedFile | None] = {}
-        first = self._state(0)
-        self._layouts: dict[str, Layout] = {}
-        mesh_info: dict[str, Any] = {}
-        for name, value in first.items():
-            with _malformed(rank_file_name(self.world_size, 0), name):
-                self._layouts[name] = self._layout(name, value, mesh_info)
-        # Load (and so validate) every rank file a piece comes from, and check it agrees with rank 0.
-        needed = sorted({p.rank for lay in self._layouts.values() for p in lay.pieces} | {0})
-        for rank in needed:
-            with _malformed(rank_file_name(self.world_size, rank), None):
-                self._check_rank(rank)
+        paths = [self.folder / rank_file_name(self.world_size, r) for r in range(self.world_size)]
+        # many tensors x many ranks: ranks 1.. are read by other processes while this one reads rank 0
+        self._pool = rank_pool.RankPool(dict(enumerate(paths[1:], 1)), usable_cpus()) if rank_pool.worth(paths) else None
+        try:
+            first = self._state(0)
+            self._layouts: dict[str, Layout] = {}
+            mesh_info: dict[str, Any] = {}
+            for name, value in first.items():
+                with _malformed(rank_file_name(self.world_size, 0), name):
+                    self._layouts[name] = self._layout(name, value, mesh_info)
+            # Load (and so validate) every rank file a piece comes from, and check it agrees with rank 0.
+            needed = sorted({p.rank for lay in self._layouts.values() for p in lay.pieces} | {0})
+            for rank in needed:
+                with _malformed(rank_file_name(self.world_size, rank), None):
+                    self._check_rank(rank)
+        finally:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
         fsdp_version = None
         cfg = self.folder / "fsdp_config.json"
         if contained.check(cfg).is_file():
@@ -85,7 +95,9 @@ class FsdpCheckpoint(LazyCheckpoint):
         if rank not in self._states:
             path = self.folder / rank_file_name(self.world_size, rank)
             # the file stays open (its tensors' bytes are copied through it) until close()
-            self._states[rank], source = load_mapped_rank_records(path)
+            read = self._pool.take(rank) if self._pool is not None else None
+            mapped = load_local_records(path, *read) if read is not None else None
+            self._states[rank], source = mapped if mapped is not None else load_mapped_rank_records(path)
             self._files[rank] = source
             if source is not None:
                 with _malformed(path.name, None):  # a damaged storage record fails here, not later

@@ -31,12 +31,15 @@ from .file_runs import MappedFile
 from ..spec import DTypeName, c_contiguous
 from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
 from . import contained, record_crc
-from .torch_zip import read_data_pickle
+from .torch_zip import read_data_pickle, read_records
 
 if TYPE_CHECKING:  # torch is imported where tensors are made; index_rank_file needs none
     import torch
 
-__all__ = ["IndexedTensor", "LocalDTensor", "Placement", "index_rank_file", "load_mapped_rank_records", "load_rank_records"]
+__all__ = [
+    "IndexedTensor", "LocalDTensor", "Placement", "index_rank_file", "load_local_records", "load_mapped_rank_records",
+    "load_rank_records", "local_records",
+]
 
 _DT = "torch.distributed.tensor"
 
@@ -401,10 +404,9 @@ def _placement(p: Any) -> Placement:
     return Placement(kind, tuple(sorted(p.__dict__["state"].items())))
 
 
-def _dtensor(rec: _DTensorRecord, mapped: _Mapped) -> LocalDTensor:
-    local, spec = rec.attrs.get("_local_tensor"), rec.attrs.get("_spec")
-    if not isinstance(local, _TensorRecord) or not isinstance(spec, _Spec):
-        raise TypeError("DTensor without a local tensor and a spec")
+def _spec_parts(spec: Any) -> tuple[Any, tuple[Placement, ...], tuple[str, ...] | None, tuple[int, ...] | None]:
+    """A DTensor spec's ``(device mesh, placements, mesh dim names, tensor meta shape)``, checked;
+    TypeError / ValueError where it is not one."""
     mesh = spec.get("mesh")
     if not isinstance(mesh, _Mesh):
         raise TypeError("DTensor spec without a device mesh")
@@ -419,15 +421,32 @@ def _dtensor(rec: _DTensorRecord, mapped: _Mapped) -> LocalDTensor:
         meta_shape = _ints(fields[0], "DTensor tensor_meta shape")
     elif meta is not None:
         raise TypeError(f"DTensor tensor_meta is a {type(meta).__name__}")
+    names = tuple(names) if isinstance(names, (tuple, list)) else None
+    return mesh, tuple(_placement(p) for p in placements), names, meta_shape
+
+
+def _dtensor(rec: _DTensorRecord, mapped: _Mapped) -> LocalDTensor:
+    local, spec = rec.attrs.get("_local_tensor"), rec.attrs.get("_spec")
+    if not isinstance(local, _TensorRecord) or not isinstance(spec, _Spec):
+        raise TypeError("DTensor without a local tensor and a spec")
+    mesh, placements, names, meta_shape = _spec_parts(spec)
     return LocalDTensor(
         shape=rec.wrapper.size,
         dtype=rec.wrapper.dtype,
         _local_tensor=mapped.tensor(local),
-        placements=tuple(_placement(p) for p in placements),
+        placements=placements,
         mesh=_cached_mesh(mesh, mapped),
-        mesh_dim_names=tuple(names) if isinstance(names, (tuple, list)) else None,
+        mesh_dim_names=names,
         meta_shape=meta_shape,
     )
+
+
+def _check_byte_order(f: Any, records: dict, prefix: str, where: str) -> None:
+    order = records.get(prefix + "byteorder")
+    if order is not None:
+        f.seek(order.data_start)
+        if f.read(min(order.size, 16)).strip() not in (b"little", b""):
+            raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
 
 
 def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names: Allowlist | None = None) -> tuple[Any, dict, str]:
@@ -437,11 +456,7 @@ def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names:
     with open(contained.check(path), "rb") as f:
         records, prefix, data = read_data_pickle(f, where)
         record_crc.add_archive(path, records, where)  # its records' CRC-32, checked when their bytes are used
-        order = records.get(prefix + "byteorder")
-        if order is not None:
-            f.seek(order.data_start)
-            if f.read(min(order.size, 16)).strip() not in (b"little", b""):
-                raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
+        _check_byte_order(f, records, prefix, where)
 
     def persistent_load(pid: Any) -> _Storage:
         stype, key, numel, rec = storage_reference(pid, records, prefix, where, _StorageType)
@@ -564,19 +579,20 @@ def _read_ints(path: Path, offset: int, numel: int, code: str) -> list[int]:
     return list(struct.unpack(f"<{numel}{code}", data))
 
 
-def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
-    """What :func:`load_rank_records` reads, as specs and file spans, without importing torch.
-
-    Stricter than :func:`load_rank_records` (fewer names allowed); the device mesh is read by the
-    same :func:`mesh_ranks`. A caller that must be sure of the bytes checks them against the torch
-    reader's (see :mod:`hf_merge.write.head_start`). Raises what :func:`load_rank_records` raises.
-    """
-    path = Path(path)
-    where = path.name
+def _named_state(path: Path) -> tuple[dict, dict, str]:
+    """Rank file ``path``'s pickle read without torch (:func:`_named_policy`): ``(state, zip
+    records, record prefix)``."""
     allow, names, subs = _named_policy()
     state, records, prefix = _unpickle(path, allow, subs, names)
     if not isinstance(state, dict):
-        raise CorruptCheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
+        raise CorruptCheckpointError(f"{path.name} holds a {type(state).__name__}, not a state dict")
+    return state, records, prefix
+
+
+def _indexed(path: Path, state: dict, records: dict, prefix: str):
+    """``(key, local tensor record, IndexedTensor)`` per entry of a state read by
+    :func:`_named_state`, each DTensor's spec checked (placements, device mesh, tensor meta)."""
+    where = path.name
 
     def span(rec: _TensorRecord) -> tuple[int, int] | None:
         n = math.prod(rec.size)
@@ -604,16 +620,80 @@ def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
             hit = meshes[id(m)] = (m, shape, tuple(values[p] for p in positions))
         return hit[1], hit[2]
 
-    out: dict[str, IndexedTensor] = {}
     for key, value in state.items():
         if isinstance(value, _TensorRecord):
-            out[key] = IndexedTensor(value.storage.dtype, value.size, None, value.size, span(value))
+            yield key, value, IndexedTensor(value.storage.dtype, value.size, None, value.size, span(value))
         elif isinstance(value, _DTensorRecord):
             local, spec = value.attrs.get("_local_tensor"), value.attrs.get("_spec")
             if not isinstance(local, _TensorRecord) or not isinstance(spec, _Spec) or local.storage.dtype != value.wrapper.dtype:
                 raise CorruptCheckpointError(f"{str(key)[:80]} in {where}: a DTensor without its local tensor and spec")
-            placements = tuple(_placement(p) for p in spec.get("placements") or ())
-            out[key] = IndexedTensor(value.wrapper.dtype, value.wrapper.size, placements, local.size, span(local), *mesh(key, spec))
+            try:
+                placements = _spec_parts(spec)[1]
+            except (TypeError, ValueError) as e:
+                raise _inconsistent(key, where, e) from None
+            yield key, local, IndexedTensor(value.wrapper.dtype, value.wrapper.size, placements, local.size, span(local), *mesh(key, spec))
         else:
             raise UnsupportedCheckpointError(f"{str(key)[:80]} in {where} is a {type(value).__name__}, not a tensor")
-    return out
+
+
+def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
+    """What :func:`load_rank_records` reads, as specs and file spans, without importing torch.
+
+    Stricter than :func:`load_rank_records` (fewer names allowed); the device mesh is read by the
+    same :func:`mesh_ranks`. A caller that must be sure of the bytes checks them against the torch
+    reader's (see :mod:`hf_merge.write.head_start`). Raises what :func:`load_rank_records` raises.
+    """
+    path = Path(path)
+    return {key: indexed for key, _local, indexed in _indexed(path, *_named_state(path))}
+
+
+#: one local tensor as another process hands it over: ``(key, storage key, dtype name, storage
+#: numel, storage offset, size, stride)``, the fields of the tensor record the pickle builds
+LocalRecord = tuple[Any, str, str, int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def local_records(path: Path) -> tuple[int, list[LocalRecord]]:
+    """Rank file ``path``'s local tensors as records, read without torch (checked as
+    :func:`index_rank_file` checks them), for another process to map with
+    :func:`load_local_records`: ``(the data.pkl's CRC-32, records)``."""
+    path = Path(path)
+    state, records, prefix = _named_state(path)
+    out = [
+        (key, local.storage.key, local.storage.dtype.name, local.storage.numel, local.offset, local.size, local.stride)
+        for key, local, _indexed_tensor in _indexed(path, state, records, prefix)
+    ]
+    return records[f"{prefix}data.pkl"].crc, out
+
+
+def load_local_records(
+    path: Path, pickle_crc: int, entries: list[LocalRecord],
+) -> "tuple[dict[Any, torch.Tensor], MappedFile | None] | None":
+    """Rank file ``path``'s local tensors, memory-mapped as :func:`load_mapped_rank_records` maps
+    them, from the records another process read with :func:`local_records` (its pickle walked
+    there): here only the zip directory is read, its records' CRC-32 noted. None when the file's
+    ``data.pkl`` is no longer the one read there (the caller reads the file itself)."""
+    import torch
+
+    path = Path(path)
+    where = path.name
+    with open(contained.check(path), "rb") as f:
+        records = read_records(f, where)
+        pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1 or records[pkl[0]].crc != pickle_crc:
+            return None
+        prefix = pkl[0][: -len("data.pkl")]
+        _check_byte_order(f, records, prefix, where)
+    record_crc.add_archive(path, records, where)
+    mapped = _Mapped(path, records, prefix, where)
+    out: dict[Any, torch.Tensor] = {}
+    for key, storage_key, dtype_name, numel, offset, size, stride in entries:
+        dtype = getattr(torch, dtype_name) if dtype_name in _NAMED_DTYPES else None
+        rec = records.get(f"{prefix}data/{storage_key}")
+        if dtype is None or rec is None or rec.size != numel * dtype.itemsize:
+            return None  # not what the other process read
+        try:
+            out[key] = mapped.tensor(_TensorRecord(_Storage(storage_key, dtype, numel), offset, size, stride))
+        except (TypeError, ValueError, RuntimeError, IndexError) as e:
+            raise _inconsistent(key, where, e) from None
+    whole = mapped.whole
+    return out, (MappedFile(path, whole.data_ptr(), whole.nbytes()) if whole is not None else None)

@@ -146,7 +146,7 @@ def enter_torchrun_merge(writers: str = "node") -> bool:
     if launch is None or launch.role == "every":
         return True
     if launch.rank == 0:
-        from .engine import usable_cpus
+        from ..forks import usable_cpus
 
         logger.info(launch.describe(usable_cpus()))
     os.environ.update(launch.environ())

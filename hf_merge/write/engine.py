@@ -66,13 +66,6 @@ def file_bytes(piece: "file_runs.Piece") -> "file_runs.FileRun | None":
     return file_runs.run_of(piece)
 
 
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def lower_this_thread(nice: int) -> None:
     """Run the calling thread ``nice`` levels lower (Linux: a thread has its own nice value)."""
     with contextlib.suppress(AttributeError, OSError):

@@ -63,7 +63,8 @@ def begin(request: Request) -> "HeadStart | None":
         return None
     from ..transforms import conversion_keys  # noqa: F401 - imported before the fork: the child imports nothing
     from . import atomic, shards  # noqa: F401
-    from ..readers import fsdp_files, rank_records  # noqa: F401
+    from .. import forks  # noqa: F401
+    from ..readers import fsdp_files, rank_pool, rank_records  # noqa: F401
 
     folder = Path(request.target).absolute().parent
     try:
@@ -228,7 +229,7 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
             data = data[os.write(write_end, data):]
 
     try:
-        from .shards import die_with_parent
+        from ..forks import die_with_parent
 
         die_with_parent(parent)
         with contextlib.suppress(ValueError, OSError):  # Ctrl-C: the parent decides and stops this child
@@ -263,18 +264,22 @@ def _plan(request: Request) -> _Planned:
     (:class:`~hf_merge.readers.fsdp_files.RankIndex`), the merge's planner and byte recipe."""
     from .. import __version__
     from ..readers.formats import weights_label
-    from ..readers.fsdp_files import RankIndex, check_rank_files_present, detect_world_size, resolve_fsdp_dir
+    from ..readers import rank_pool
+    from ..readers.fsdp_files import RankIndex, check_rank_files_present, detect_world_size, rank_file_name, resolve_fsdp_dir
     from ..spec import output_dtype_name
     from ..transforms.conversion_keys import may_convert
     from ..side_files import side_files_bytes
     from .atomic import check_free_space
-    from .engine import byte_recipe, usable_cpus
+    from .engine import byte_recipe
+    from ..forks import usable_cpus
     from .plan import plan_shards
     from .shards import default_workers
 
     folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
     world, _ = detect_world_size(folder)
     check_rank_files_present(folder, world)
+    if rank_pool.worth([folder / rank_file_name(world, r) for r in range(world)]):
+        raise _Skip("large rank pickles: the merge reads them with a process per CPU, which this child would slow")
     options = request.options
     config_dir = Path(options.config) if options.config else folder / "huggingface"
     config = json.loads((config_dir / "config.json").read_bytes())

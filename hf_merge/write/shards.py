@@ -19,11 +19,10 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import signal
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from .. import forks
 from ..readers import file_runs, record_crc
 from . import engine
 from .plan import INDEX_NAME, FilePlan, ShardPlan
@@ -129,38 +128,10 @@ def _write_files(
         yield plan.name, write_file(ckpt, plan, folder, progress=progress, sha256=sha256, cores=cores, crc=crc)
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_handlers_before_fork: dict[int, object] = {}  # the handlers _signals_deferred replaced (for the children)
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends (then their handlers run as usual): a
-    KeyboardInterrupt raised inside ``fork`` is swallowed by the interpreter's at-fork code, and
-    the merge would go on. Nothing changes off the main thread (handlers live there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    _handlers_before_fork.clear()
-    for s in _STOP_SIGNALS:
-        if signal.getsignal(s) not in (signal.SIG_IGN, None):
-            _handlers_before_fork[s] = signal.signal(s, lambda signum, frame: got.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in _handlers_before_fork.items():
-            signal.signal(s, handler)
-        if got:
-            signal.raise_signal(got[0])
-
-
 def _worker(
     ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, cores: int, parent: int
 ) -> None:
-    for s, handler in _handlers_before_fork.items():  # forked while the parent deferred them
-        signal.signal(s, handler)
-    die_with_parent(parent)  # a SIGKILLed merge leaves no writer behind
+    forks.child_started(parent)  # a SIGKILLed merge leaves no writer behind
     import torch
 
     torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
@@ -190,17 +161,6 @@ def _open_descriptors() -> set[int]:
     return set()
 
 
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this forked child when the parent (its pid, taken before the fork) dies
-    (PR_SET_PDEATHSIG), so no writer outlives a killed merge."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before that took effect
-        os._exit(1)
-
-
 def _raise_reported_error(queue) -> None:
     """Re-raise the error a dead writer reported, if it is still in the queue."""
     while True:
@@ -218,7 +178,7 @@ def default_workers(n_files: int, processes_here: int = 1) -> int:
     ``processes_here``: the writing processes on this machine (distributed ranks) share its CPUs.
     Each forked writer also carries an interpreter's worth of memory (~200 MB).
     """
-    return max(1, min(n_files, engine.usable_cpus() // max(1, processes_here), 8))
+    return max(1, min(n_files, forks.usable_cpus() // max(1, processes_here), 8))
 
 
 def write_shards(
@@ -246,7 +206,7 @@ def write_shards(
     if share:
         n = workers or default_workers(len(share), processes_here)
         n = max(1, min(n, len(share)))
-        cores = engine.usable_cpus() // (n * max(1, processes_here))  # each writer's share
+        cores = forks.usable_cpus() // (n * max(1, processes_here))  # each writer's share
         with contextlib.ExitStack() as stack:
             if progress is None:
                 from ..progress import progress_bar
@@ -284,7 +244,7 @@ def _write_parallel(
     done = 0
     digests: dict[str, str | None] = {}
     try:
-        with _signals_deferred():  # an interrupt lands after the forks, not in one
+        with forks.signals_deferred():  # an interrupt lands after the forks, not in one
             for p in procs:
                 p.start()
         while done < len(procs):

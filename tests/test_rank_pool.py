@@ -1,0 +1,119 @@
+"""Rank files read by forked processes (readers/rank_pool.py): the same merge, the same errors.
+
+The pool starts only where rank pickles are large (many tensors x many ranks); these tests lower
+that bar to 0 on the real FSDP2 fixtures of 4 ranks (FSDP2, HSDP with replicas, uneven shards)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+import hf_merge
+from hf_merge.errors import CorruptCheckpointError
+from hf_merge.readers import fsdp, rank_pool, rank_records, record_crc
+
+
+def _weights(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.suffix == ".safetensors" or p.name.endswith(".index.json") or p.name == "config.json"}
+
+
+@pytest.fixture
+def pooled(monkeypatch) -> list[Path]:
+    """Every FSDP open reads ranks 1.. in other processes; the list gets each rank file so read."""
+    monkeypatch.setattr(rank_pool, "PARALLEL_PICKLE_BYTES", 0)
+    taken: list[Path] = []
+
+    def counted(path, crc, entries):
+        got = rank_records.load_local_records(path, crc, entries)
+        if got is not None:
+            taken.append(Path(path))
+        return got
+
+    monkeypatch.setattr(fsdp, "load_local_records", counted)
+    return taken
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+@pytest.mark.parametrize("fixture", ["llama_tied_bf16_ws4", "hsdp_ckpt", "uneven_ckpt"])
+def test_ranks_read_by_other_processes_merge_the_same_bytes(fixture, request, tmp_path, monkeypatch):
+    ck = request.getfixturevalue(fixture)
+    hf_merge.merge(str(ck.actor), str(tmp_path / "serial"), dtype="auto", max_shard_size="100KB")
+    taken = request.getfixturevalue("pooled")
+    hf_merge.merge(str(ck.actor), str(tmp_path / "pooled"), dtype="auto", max_shard_size="100KB")
+    needed = fsdp.open_fsdp(ck.actor).info.details["ranks_read"]
+    assert sorted(p.name for p in set(taken)) == sorted(f"model_world_size_{ck.world_size}_rank_{r}.pt" for r in needed if r)
+    assert any(name.endswith(".safetensors") for name in _weights(tmp_path / "pooled"))
+    assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
+
+
+def _flip_pickle_byte(path: Path, word: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    pos = raw.find(b"PK\x03\x04")
+    while not raw[pos + 30 : pos + 30 + struct.unpack_from("<H", raw, pos + 26)[0]].endswith(b"/data.pkl"):
+        pos = raw.find(b"PK\x03\x04", pos + 4)
+    raw[raw.index(word, pos) + 1] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_rank_read_by_another_process_gets_the_readers_own_error(llama_tied_bf16_ws4, pooled, tmp_path):
+    """The other process's failure is not reported as such: the rank is read here, and the error is
+    the one a serial read gives (the pickle's CRC-32), with nothing written."""
+    actor = _copy(llama_tied_bf16_ws4.actor, tmp_path / "actor")
+    _flip_pickle_byte(actor / "model_world_size_4_rank_2.pt", b"Shard")
+    with pytest.raises(CorruptCheckpointError, match=r"model_world_size_4_rank_2.pt.*data.pkl.*CRC-32"):
+        hf_merge.merge(str(actor), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    assert {p.name for p in pooled} == {"model_world_size_4_rank_1.pt"}  # read elsewhere; rank 2 was not
+
+
+def test_tensor_bytes_of_a_rank_read_by_another_process_are_still_crc_checked(llama_tied_bf16_ws4, pooled, tmp_path):
+    """The records' CRC-32 are noted by this process from the zip directory it reads itself: a
+    flipped tensor byte in a rank read elsewhere stops the merge as it does in a serial read."""
+    actor = _copy(llama_tied_bf16_ws4.actor, tmp_path / "actor")
+    rank3 = actor / "model_world_size_4_rank_3.pt"
+    offset, _ = rank_records.index_rank_file(rank3)["model.norm.weight"].span
+    raw = bytearray(rank3.read_bytes())
+    raw[offset] ^= 0x01
+    rank3.write_bytes(bytes(raw))
+    with pytest.raises(record_crc.SourceCrcError, match=rank3.name):
+        hf_merge.merge(str(actor), str(tmp_path / "out"))
+    assert rank3 in pooled
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_changed_since_another_process_read_it_is_read_again(llama_tied_bf16_ws4):
+    path = llama_tied_bf16_ws4.actor / "model_world_size_4_rank_1.pt"
+    crc, entries = rank_records.local_records(path)
+    state, source = rank_records.load_local_records(path, crc, entries)
+    serial, serial_source = rank_records.load_mapped_rank_records(path)
+    try:
+        assert state.keys() == serial.keys()
+        for key, tensor in state.items():
+            local = fsdp._local(serial[key])
+            assert (tensor.dtype, tensor.shape, tensor.stride(), source.offset(tensor)) == (
+                local.dtype, local.shape, local.stride(), serial_source.offset(local))
+        assert rank_records.load_local_records(path, crc ^ 1, entries) is None  # another data.pkl
+    finally:
+        source.close()
+        serial_source.close()
+
+
+def test_a_rank_its_process_cannot_read_is_left_to_the_caller(llama_tied_bf16_ws4, tmp_path):
+    good = llama_tied_bf16_ws4.actor / "model_world_size_4_rank_1.pt"
+    pool = rank_pool.RankPool({1: good, 2: tmp_path / "missing.pt"}, processes=2)
+    try:
+        assert pool.take(2) is None
+        crc, entries = pool.take(1)
+        assert (crc, entries) == rank_records.local_records(good)
+        assert pool.take(3) is None  # not one of its ranks
+    finally:
+        pool.close()
