@@ -117,3 +117,18 @@ def test_a_rank_its_process_cannot_read_is_left_to_the_caller(llama_tied_bf16_ws
         assert pool.take(3) is None  # not one of its ranks
     finally:
         pool.close()
+
+
+def test_a_process_that_dies_leaves_its_ranks_to_the_caller(llama_tied_bf16_ws4):
+    """A reader process killed (e.g. by the kernel's OOM killer) sends nothing more: its ranks come
+    back as None (the caller reads them) once it is gone, or as what it sent before; never a hang."""
+    paths = {r: llama_tied_bf16_ws4.actor / f"model_world_size_4_rank_{r}.pt" for r in (1, 2, 3)}
+    pool = rank_pool.RankPool(paths, processes=1)
+    try:
+        pool._procs[0].kill()
+        pool._procs[0].join()
+        for rank, path in paths.items():
+            got = pool.take(rank)
+            assert got is None or got == rank_records.local_records(path)
+    finally:
+        pool.close()

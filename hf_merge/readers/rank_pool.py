@@ -47,7 +47,7 @@ def _read(jobs: list[tuple[int, Path]], results, parent: int) -> None:
     for rank, path in jobs:
         try:
             results.put((rank, local_records(path)))
-        except BaseException:  # noqa: BLE001 - the reader reads this rank itself and raises its error
+        except Exception:  # the reader reads this rank itself and raises its error (an interrupt ends the process)
             results.put((rank, None))
 
 
