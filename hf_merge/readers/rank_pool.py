@@ -39,7 +39,7 @@ def pickle_bytes(path: Path) -> int:
 def worth(rank_files: list[Path]) -> bool:
     """Whether ``rank_files`` (rank 0 first, all alike) hold pickles large enough in all to read
     them in parallel; judged from rank 0's pickle."""
-    return len(rank_files) > 2 and pickle_bytes(rank_files[0]) * len(rank_files) >= PARALLEL_PICKLE_BYTES
+    return len(rank_files) > 1 and pickle_bytes(rank_files[0]) * len(rank_files) >= PARALLEL_PICKLE_BYTES
 
 
 def _read(jobs: list[tuple[int, Path]], results, parent: int) -> None:
