@@ -6,6 +6,7 @@ that bar to 0 on the real FSDP2 fixtures of 4 ranks (FSDP2, HSDP with replicas, 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -28,8 +29,8 @@ def pooled(monkeypatch) -> list[Path]:
     monkeypatch.setattr(rank_pool, "PARALLEL_PICKLE_BYTES", 0)
     taken: list[Path] = []
 
-    def counted(path, crc, entries):
-        got = rank_records.load_local_records(path, crc, entries)
+    def counted(path, read):
+        got = rank_records.load_local_records(path, read)
         if got is not None:
             taken.append(Path(path))
         return got
@@ -90,21 +91,27 @@ def test_tensor_bytes_of_a_rank_read_by_another_process_are_still_crc_checked(ll
     assert not (tmp_path / "out").exists()
 
 
-def test_a_rank_changed_since_another_process_read_it_is_read_again(llama_tied_bf16_ws4):
+def test_a_rank_read_elsewhere_maps_the_tensors_a_serial_read_maps(llama_tied_bf16_ws4, tmp_path):
+    """Each tensor made from the other process's records is the serial reader's view: same dtype,
+    shape, strides and file offset; a file changed since (its modification time) is read again."""
     path = llama_tied_bf16_ws4.actor / "model_world_size_4_rank_1.pt"
-    crc, entries = rank_records.local_records(path)
-    state, source = rank_records.load_local_records(path, crc, entries)
+    read = rank_records.local_records(path)
+    state, source = rank_records.load_local_records(path, read)
     serial, serial_source = rank_records.load_mapped_rank_records(path)
     try:
-        assert state.keys() == serial.keys()
-        for key, tensor in state.items():
-            local = fsdp._local(serial[key])
+        assert list(state) == list(serial) and len(state) > 10
+        for key in state:
+            tensor, local = state[key], fsdp._local(serial[key])
             assert (tensor.dtype, tensor.shape, tensor.stride(), source.offset(tensor)) == (
                 local.dtype, local.shape, local.stride(), serial_source.offset(local))
-        assert rank_records.load_local_records(path, crc ^ 1, entries) is None  # another data.pkl
+            assert state.meta(key) == (local.dtype, tuple(local.shape), local.is_contiguous(), local.storage_offset())
     finally:
         source.close()
         serial_source.close()
+    copy = shutil.copy2(path, tmp_path / path.name)
+    read = rank_records.local_records(copy)
+    os.utime(copy, ns=(os.stat(copy).st_atime_ns, os.stat(copy).st_mtime_ns + 1))
+    assert rank_records.load_local_records(copy, read) is None
 
 
 def test_a_rank_its_process_cannot_read_is_left_to_the_caller(llama_tied_bf16_ws4, tmp_path):
@@ -112,8 +119,7 @@ def test_a_rank_its_process_cannot_read_is_left_to_the_caller(llama_tied_bf16_ws
     pool = rank_pool.RankPool({1: good, 2: tmp_path / "missing.pt"}, processes=2)
     try:
         assert pool.take(2) is None
-        crc, entries = pool.take(1)
-        assert (crc, entries) == rank_records.local_records(good)
+        assert pool.take(1) == rank_records.local_records(good)
         assert pool.take(3) is None  # not one of its ranks
     finally:
         pool.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from .fsdp_files import (
 from . import contained, record_crc
 from ..forks import usable_cpus
 from . import rank_pool
-from .rank_records import LocalDTensor, load_local_records, load_mapped_rank_records
+from .rank_records import LazyLocals, LocalDTensor, load_local_records, load_mapped_rank_records
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,10 @@ class FsdpCheckpoint(LazyCheckpoint):
             path = self.folder / rank_file_name(self.world_size, rank)
             # the file stays open (its tensors' bytes are copied through it) until close()
             read = self._pool.take(rank) if self._pool is not None else None
-            mapped = load_local_records(path, *read) if read is not None else None
+            mapped = load_local_records(path, read) if read is not None else None
             self._states[rank], source = mapped if mapped is not None else load_mapped_rank_records(path)
             self._files[rank] = source
-            if source is not None:
+            if source is not None and mapped is None:  # (LazyLocals checked each view as it was made)
                 with _malformed(path.name, None):  # a damaged storage record fails here, not later
                     for value in self._states[rank].values():
                         if isinstance(local := _local(value), torch.Tensor):
@@ -126,16 +127,19 @@ class FsdpCheckpoint(LazyCheckpoint):
         fname = rank_file_name(self.world_size, rank)
         check_keys(fname, state.keys(), self._layouts)
         for name, lay in self._layouts.items():
-            local = _local(state[name])
-            is_tensor = isinstance(local, torch.Tensor)
-            check_local(fname, lay, rank, local.dtype if is_tensor else type(local).__name__,
-                        tuple(local.shape) if is_tensor else ())
-            if lay.placements != "plain" and local.numel() and (not local.is_contiguous() or local.storage_offset()):
+            if isinstance(state, LazyLocals):
+                dtype, shape, dense, offset = state.meta(name)
+            else:
+                local = _local(state[name])
+                if not isinstance(local, torch.Tensor):  # something else pickled in its place: check_local says what
+                    check_local(fname, lay, rank, type(local).__name__, ())
+                dtype, shape, dense, offset = local.dtype, tuple(local.shape), local.is_contiguous(), local.storage_offset()
+            check_local(fname, lay, rank, dtype, shape)
+            if lay.placements != "plain" and math.prod(shape) and (not dense or offset):
                 # torch.save of a DTensor shard writes a dense local tensor at the start of its storage;
                 # anything else is a damaged data.pkl whose view would silently read other bytes
                 raise CorruptCheckpointError(
-                    f"{name} in {fname} is a strided view (stride {tuple(local.stride())}, offset "
-                    f"{local.storage_offset()}) of its storage; the file is damaged: re-copy it"
+                    f"{name} in {fname} is a strided view (offset {offset}) of its storage; the file is damaged: re-copy it"
                 )
 
     def specs(self) -> dict[str, TensorSpec]:

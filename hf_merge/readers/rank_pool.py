@@ -5,13 +5,14 @@ Python: about 0.3 ms of CPU per tensor per rank, so a checkpoint of many tensors
 ranks spends minutes there (18,900 tensors x 64 ranks: ~6 min on one core) before a byte moves.
 The ranks are independent, so where their pickles are large (:data:`PARALLEL_PICKLE_BYTES` in all)
 :class:`RankPool` hands ranks 1.. to forked processes, one per CPU, that read them without torch
-(:func:`~hf_merge.readers.rank_records.local_records`, nothing built) and send back each local
-tensor's record; this process maps them (:func:`~hf_merge.readers.rank_records.load_local_records`).
+(:func:`~hf_merge.readers.rank_records.local_records`, nothing built) and send back the zip
+directory they checked and each local tensor's record; this process maps the tensors as they are
+asked for (:func:`~hf_merge.readers.rank_records.load_local_records`).
 
 A rank its process could not read (any error, a dead process, a file changed since) comes back as
 None and the reader reads it itself, so every error is the one the reader raises and nothing is
-trusted that this process did not check: the pickle's CRC-32 must be the one the other process
-walked, and the records are checked against the zip directory read here.
+taken from a file that changed: the file's version (device, inode, size, modification and change
+times) must be the one the other process read, unchanged while it read.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import queue as queue_module
 from pathlib import Path
 
 from .. import forks
-from .rank_records import LocalRecord, local_records
+from .rank_records import RankRead, local_records
 from .torch_zip import read_records
 
 #: rank pickles larger than this in all (about 1.5 s of walking on one core) are read in parallel
@@ -62,13 +63,13 @@ class RankPool:
         shares = [[(r, paths[r]) for r in ranks[i::n]] for i in range(n)]
         self._owner = {r: i for i, share in enumerate(shares) for r, _ in share}
         self._procs = [ctx.Process(target=_read, args=(share, self._results, os.getpid()), daemon=True) for share in shares]
-        self._got: dict[int, tuple[int, list[LocalRecord]] | None] = {}
+        self._got: dict[int, RankRead | None] = {}
         with forks.signals_deferred():  # an interrupt lands after the forks, not in one
             for p in self._procs:
                 p.start()
 
-    def take(self, rank: int) -> tuple[int, list[LocalRecord]] | None:
-        """Rank ``rank``'s ``(pickle CRC-32, local records)``; None when its process did not read it."""
+    def take(self, rank: int) -> RankRead | None:
+        """What rank ``rank``'s process read of it; None when it did not read it."""
         if rank not in self._owner:
             return None
         while rank not in self._got:

@@ -22,6 +22,7 @@ import functools
 import math
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,14 +32,14 @@ from .file_runs import MappedFile
 from ..spec import DTypeName, c_contiguous
 from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
 from . import contained, record_crc
-from .torch_zip import read_data_pickle, read_records
+from .torch_zip import Record, read_data_pickle
 
 if TYPE_CHECKING:  # torch is imported where tensors are made; index_rank_file needs none
     import torch
 
 __all__ = [
     "IndexedTensor", "LocalDTensor", "Placement", "index_rank_file", "load_local_records", "load_mapped_rank_records",
-    "load_rank_records", "local_records",
+    "load_rank_records", "local_records", "LazyLocals", "RankRead",
 ]
 
 _DT = "torch.distributed.tensor"
@@ -238,33 +239,46 @@ class _Mapped:
         self._storages: dict[str, torch.UntypedStorage] = {}
         self.meshes: dict[int, tuple[Any, torch.Tensor]] = {}  # id(mesh stand-in) -> (it, ranks): one per file
 
-    def storage(self, s: _Storage) -> torch.UntypedStorage:
+    def map_whole(self) -> torch.UntypedStorage:
+        """The mapping of the whole file, made on first use."""
         import torch
 
-        if s.key not in self._storages:
+        if self._whole is None:
+            self._whole = torch.UntypedStorage.from_file(str(self.path), False, os.path.getsize(self.path))
+        return self._whole
+
+    def storage(self, s: _Storage, keep: bool = True) -> torch.UntypedStorage:
+        """Storage ``s``: its record's slice of the mapping (kept for the next tensor of it unless ``keep`` is false)."""
+        got = self._storages.get(s.key)
+        if got is None:
             rec = self.records[f"{self.prefix}data/{s.key}"]
-            if self._whole is None:
-                self._whole = torch.UntypedStorage.from_file(str(self.path), False, os.path.getsize(self.path))
-            self._storages[s.key] = self._whole[rec.data_start : rec.data_start + rec.size]
-        return self._storages[s.key]
+            got = self.map_whole()[rec.data_start : rec.data_start + rec.size]
+            if keep:
+                self._storages[s.key] = got
+        return got
 
     @property
     def whole(self) -> torch.UntypedStorage | None:
         """The mapping of the whole file (None until a storage is used)."""
         return self._whole
 
-    def tensor(self, rec: _TensorRecord) -> torch.Tensor:
+    def tensor(self, rec: _TensorRecord, keep: bool = True) -> torch.Tensor:
         import torch
 
-        size, stride, offset = rec.size, rec.stride, rec.offset
-        if len(size) != len(stride) or any(n < 0 for n in size) or any(s < 0 for s in stride) or offset < 0:
-            raise ValueError(f"tensor size {list(size)[:8]}, stride {list(stride)[:8]}, offset {offset} is not a valid view")
-        if math.prod(size):
-            end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
-            if end > rec.storage.numel:
-                raise ValueError(f"a view up to element {end} of a storage of {rec.storage.numel} elements")
+        _check_view(rec)
         t = torch.empty((0,), dtype=rec.storage.dtype)
-        return t.set_(self.storage(rec.storage), offset, size, stride)
+        return t.set_(self.storage(rec.storage, keep), rec.offset, rec.size, rec.stride)
+
+
+def _check_view(rec: _TensorRecord) -> None:
+    """ValueError unless ``rec`` is a view inside its storage."""
+    size, stride, offset = rec.size, rec.stride, rec.offset
+    if len(size) != len(stride) or any(n < 0 for n in size) or any(s < 0 for s in stride) or offset < 0:
+        raise ValueError(f"tensor size {list(size)[:8]}, stride {list(stride)[:8]}, offset {offset} is not a valid view")
+    if math.prod(size):
+        end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+        if end > rec.storage.numel:
+            raise ValueError(f"a view up to element {end} of a storage of {rec.storage.numel} elements")
 
 
 class UnknownMeshLayout(Exception):
@@ -652,48 +666,81 @@ def index_rank_file(path: Path) -> dict[str, IndexedTensor]:
 LocalRecord = tuple[Any, str, str, int, int, tuple[int, ...], tuple[int, ...]]
 
 
-def local_records(path: Path) -> tuple[int, list[LocalRecord]]:
+@dataclass(frozen=True)
+class RankRead:
+    """What another process read of a rank file (:func:`local_records`): the file's version
+    (:func:`~hf_merge.readers.record_crc.file_version`, the same before and after it read), its
+    checked zip directory, the archive prefix, and each local tensor's record."""
+
+    version: tuple[int, ...]
+    records: dict[str, Record]
+    prefix: str
+    entries: list[LocalRecord]
+
+
+def local_records(path: Path) -> RankRead:
     """Rank file ``path``'s local tensors as records, read without torch (checked as
     :func:`index_rank_file` checks them), for another process to map with
-    :func:`load_local_records`: ``(the data.pkl's CRC-32, records)``."""
+    :func:`load_local_records`. Raises ``OSError`` when the file changed while it was read."""
     path = Path(path)
+    before = record_crc.file_version(os.stat(path))
     state, records, prefix = _named_state(path)
     out = [
         (key, local.storage.key, local.storage.dtype.name, local.storage.numel, local.offset, local.size, local.stride)
         for key, local, _indexed_tensor in _indexed(path, state, records, prefix)
     ]
-    return records[f"{prefix}data.pkl"].crc, out
+    if record_crc.file_version(os.stat(path)) != before:
+        raise OSError(f"{path.name} changed while it was read")
+    return RankRead(before, records, prefix, out)
 
 
-def load_local_records(
-    path: Path, pickle_crc: int, entries: list[LocalRecord],
-) -> "tuple[dict[Any, torch.Tensor], MappedFile | None] | None":
+class LazyLocals(Mapping):
+    """A rank's local tensors from the records another process read: each tensor a view of the
+    file's mapping made when it is asked for and not kept, so a rank of many tensors holds small
+    records, not tensors (1.3 KB of tensor objects per record before). ``meta(key)`` answers what
+    the reader checks without making one."""
+
+    def __init__(self, mapped: _Mapped, records: dict[Any, _TensorRecord]):
+        self._mapped, self._records = mapped, records
+
+    def __getitem__(self, key: Any) -> "torch.Tensor":
+        return self._mapped.tensor(self._records[key], keep=False)
+
+    def __iter__(self):
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def meta(self, key: Any) -> tuple["torch.dtype", tuple[int, ...], bool, int]:
+        """``(dtype, shape, contiguous, storage offset)`` of local tensor ``key``."""
+        rec = self._records[key]
+        return rec.storage.dtype, rec.size, c_contiguous(rec.size, rec.stride), rec.offset
+
+
+def load_local_records(path: Path, read: RankRead) -> "tuple[LazyLocals, MappedFile | None] | None":
     """Rank file ``path``'s local tensors, memory-mapped as :func:`load_mapped_rank_records` maps
-    them, from the records another process read with :func:`local_records` (its pickle walked
-    there): here only the zip directory is read, its records' CRC-32 noted. None when the file's
-    ``data.pkl`` is no longer the one read there (the caller reads the file itself)."""
+    them (:class:`LazyLocals`: each made when asked for), from what another process read with
+    :func:`local_records`: its records' CRC-32 noted here, each view checked inside its storage.
+    None when the file is no longer the version read there (the caller reads it itself)."""
     import torch
 
-    path = Path(path)
+    path = Path(contained.check(path))
     where = path.name
-    with open(contained.check(path), "rb") as f:
-        records = read_records(f, where)
-        pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
-        if len(pkl) != 1 or records[pkl[0]].crc != pickle_crc:
-            return None
-        prefix = pkl[0][: -len("data.pkl")]
-        _check_byte_order(f, records, prefix, where)
-    record_crc.add_archive(path, records, where)
-    mapped = _Mapped(path, records, prefix, where)
-    out: dict[Any, torch.Tensor] = {}
-    for key, storage_key, dtype_name, numel, offset, size, stride in entries:
+    if record_crc.file_version(os.stat(path)) != read.version:
+        return None
+    record_crc.add_archive(path, read.records, where)
+    mapped = _Mapped(path, read.records, read.prefix, where)
+    out: dict[Any, _TensorRecord] = {}
+    for key, storage_key, dtype_name, numel, offset, size, stride in read.entries:
         dtype = getattr(torch, dtype_name) if dtype_name in _NAMED_DTYPES else None
-        rec = records.get(f"{prefix}data/{storage_key}")
+        rec = read.records.get(f"{read.prefix}data/{storage_key}")
         if dtype is None or rec is None or rec.size != numel * dtype.itemsize:
-            return None  # not what the other process read
+            return None  # not what a read of this file gives
+        out[key] = tensor = _TensorRecord(_Storage(storage_key, dtype, numel), offset, size, stride)
         try:
-            out[key] = mapped.tensor(_TensorRecord(_Storage(storage_key, dtype, numel), offset, size, stride))
-        except (TypeError, ValueError, RuntimeError, IndexError) as e:
+            _check_view(tensor)
+        except ValueError as e:
             raise _inconsistent(key, where, e) from None
-    whole = mapped.whole
-    return out, (MappedFile(path, whole.data_ptr(), whole.nbytes()) if whole is not None else None)
+    whole = mapped.map_whole() if out else None
+    return LazyLocals(mapped, out), (MappedFile(path, whole.data_ptr(), whole.nbytes()) if whole is not None else None)

@@ -94,6 +94,9 @@ def _key(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+file_version = _key  # a file's version as the records found good are remembered by
+
+
 def enabled() -> bool:
     return _skip == 0
 
