@@ -12,10 +12,11 @@ import struct
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 import hf_merge
 from hf_merge.errors import CorruptCheckpointError
-from hf_merge.readers import fsdp, rank_pool, rank_records, record_crc
+from hf_merge.readers import dcp, fsdp, rank_pool, rank_records, record_crc
 
 
 def _weights(folder: Path) -> dict[str, str]:
@@ -116,7 +117,7 @@ def test_a_rank_read_elsewhere_maps_the_tensors_a_serial_read_maps(llama_tied_bf
 
 def test_a_rank_its_process_cannot_read_is_left_to_the_caller(llama_tied_bf16_ws4, tmp_path):
     good = llama_tied_bf16_ws4.actor / "model_world_size_4_rank_1.pt"
-    pool = rank_pool.RankPool({1: good, 2: tmp_path / "missing.pt"}, processes=2)
+    pool = rank_pool.RankPool({1: good, 2: tmp_path / "missing.pt"}, processes=2, read=rank_records.local_records)
     try:
         assert pool.take(2) is None
         assert pool.take(1) == rank_records.local_records(good)
@@ -129,7 +130,7 @@ def test_a_process_that_dies_leaves_its_ranks_to_the_caller(llama_tied_bf16_ws4)
     """A reader process killed (e.g. by the kernel's OOM killer) sends nothing more: its ranks come
     back as None (the caller reads them) once it is gone, or as what it sent before; never a hang."""
     paths = {r: llama_tied_bf16_ws4.actor / f"model_world_size_4_rank_{r}.pt" for r in (1, 2, 3)}
-    pool = rank_pool.RankPool(paths, processes=1)
+    pool = rank_pool.RankPool(paths, processes=1, read=rank_records.local_records)
     try:
         pool._procs[0].kill()
         pool._procs[0].join()
@@ -138,3 +139,61 @@ def test_a_process_that_dies_leaves_its_ranks_to_the_caller(llama_tied_bf16_ws4)
             assert got is None or got == rank_records.local_records(path)
     finally:
         pool.close()
+
+
+# --------------------------------------------------------------------------------------------
+# DCP: chunk archives read by other processes (dcp.PARALLEL_CHUNKS lowered to 0)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chunks_pooled(monkeypatch) -> list[int]:
+    """Every DCP read has its chunk archives read by other processes; the list counts the chunks taken."""
+    monkeypatch.setattr(dcp, "PARALLEL_CHUNKS", 0)
+    taken: list[int] = []
+    real = dcp._from_tuples
+
+    def counted(read):
+        taken.append(1)
+        return real(read)
+
+    monkeypatch.setattr(dcp, "_from_tuples", counted)
+    return taken
+
+
+@pytest.mark.parametrize("family", ["accelerate", "torchtitan", "dcp_plain"])
+def test_chunks_read_by_other_processes_merge_the_same_bytes(family, dcp_root, chunks_pooled, tmp_path, monkeypatch):
+    src, config = {
+        "accelerate": (dcp_root / "accelerate" / "ckpt", dcp_root / "accelerate" / "config"),
+        "torchtitan": (dcp_root / "torchtitan" / "dump", dcp_root / "torchtitan" / "config"),
+        "dcp_plain": (dcp_root / "dcp_plain" / "ckpt", None),
+    }[family]
+    extra = {"config": str(config)} if config else {}
+    # one output file: written in this process, which reads the chunks (forked writers read their own);
+    # pooled first, so that its records are checked afresh (a process remembers the records found good)
+    hf_merge.merge(str(src), str(tmp_path / "pooled"), **extra)
+    written = [n for f in (tmp_path / "pooled").glob("*.safetensors") for n in safe_open(str(f), "pt").keys()]
+    assert len(chunks_pooled) >= len(written) > 0  # every tensor written came from chunks read elsewhere
+    monkeypatch.setattr(dcp, "PARALLEL_CHUNKS", 1 << 62)
+    hf_merge.merge(str(src), str(tmp_path / "serial"), **extra)
+    assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
+
+
+def test_a_damaged_chunk_read_by_another_process_gets_the_readers_own_error(chunks_pooled, tmp_path):
+    """The chunk the other process could not read is read here: its data.pkl's CRC-32, as serially."""
+    import torch
+    import torch.distributed.checkpoint as tdcp
+
+    path = tmp_path / "c"
+    state = {f"l{i}.weight": torch.randn(4, 6) for i in range(3)}
+    tdcp.save(state, storage_writer=tdcp.FileSystemWriter(str(path), thread_count=2), no_dist=True)
+    files = sorted(path.glob("*.distcp"))
+    assert len(files) > 1
+    raw = files[-1].read_bytes()
+    at = raw.index(b"_rebuild_tensor_v2") + 3
+    files[-1].write_bytes(raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:])
+    dcp._CHUNK_PICKLES.clear()
+    with dcp.DcpCheckpoint(path) as ck, pytest.raises(CorruptCheckpointError, match=r"data\.pkl.*fails its CRC-32.*re-copy"):
+        for name in sorted(state):
+            assert torch.equal(ck.read(name), state[name])
+    assert chunks_pooled  # the good chunks came from the other processes

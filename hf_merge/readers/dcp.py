@@ -49,7 +49,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .file_runs import FileRun, MappedFile
-from . import contained, record_crc
+from . import contained, rank_pool, record_crc
+from ..forks import usable_cpus
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
     CorruptCheckpointError,
@@ -202,22 +203,37 @@ def _chunk_pickle(data: bytes, where: str) -> Any:
     return known
 
 
+#: chunk archives in all from which the first tensor read has them read by a forked process per CPU
+#: (~0.15 ms of checks each: 4,096 is ~0.6 s on one core)
+PARALLEL_CHUNKS = 4096
+
 #: bytes read up front at each end of a chunk's archive: its small records before the tensor's data
 #: (~1 KB: data.pkl, byteorder, ...) and its central directory after it (~1 KB), in one read each
 _ARCHIVE_ENDS = 4096
 
 
 def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layout:
-    """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout.
+    """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout; its
+    records' CRC-32 are noted for the writer's checks (:func:`_read_chunk`)."""
+    records, layout = _read_chunk(fd, chunk, where)
+    _note_records(fd, chunk, records, tensor)
+    return layout
 
-    The archive's records are checked first (:func:`~hf_merge.readers.torch_zip.read_records`:
-    stored, local headers agree with the central directory, records tile the archive).
-    """
+
+def _note_records(fd: int, chunk: _Chunk, records: Iterable[Record], tensor: str) -> None:
+    """``records`` of ``chunk``'s archive, for the writer's CRC checks; every chunk archive has an
+    "archive/data/0": their names say whose it is."""
+    whose = f" of {tensor[:80]} (archive at byte {chunk.start})"
+    record_crc.add_archive(fd, {r.name: Record(r.name + whose, r.data_start, r.size, r.crc) for r in records}, chunk.file)
+
+
+def _read_chunk(fd: int, chunk: _Chunk, where: str) -> tuple[list[Record], _Layout]:
+    """The embedded torch.save archive of ``chunk``, checked: ``(its records, the tensor's
+    layout)``. The archive's records are checked first
+    (:func:`~hf_merge.readers.torch_zip.read_records`: stored, local headers agree with the central
+    directory, records tile the archive)."""
     window = Window(fd, chunk.start, chunk.length, ends=_ARCHIVE_ENDS)
     records = read_records(window, f"{where}, chunk at byte {chunk.start}", base=chunk.start)
-    # for the writer's CRC stream; every chunk archive has an "archive/data/0": say whose it is
-    whose = f" of {tensor[:80]} (archive at byte {chunk.start})"
-    record_crc.add_archive(fd, {k: Record(r.name + whose, r.data_start, r.size, r.crc) for k, r in records.items()}, chunk.file)
     pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
     if len(pkl) != 1:
         raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} has no single data.pkl record")
@@ -253,7 +269,37 @@ def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layou
             f"{list(layout.stride)[:8]} for shape {list(layout.size)[:8]} over {numel} elements; not a dense DCP chunk, "
             "the file is damaged"
         )
-    return layout
+    return list(records.values()), layout
+
+
+def _read_file_chunks(job: tuple[str, list[tuple[str, _Chunk]]]) -> "tuple[tuple[int, ...], dict[int, tuple]] | None":
+    """In a forked process (:mod:`~hf_merge.readers.rank_pool`): the chunk archives of one data file,
+    ``(the file's version, {archive start: (records, layout)})`` as plain tuples (:func:`_from_tuples`
+    makes them again); a chunk that fails is left out (the reader reads it again and says why); None
+    when the file changed while it was read."""
+    path, chunks = job
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        version = record_crc.file_version(os.fstat(fd))
+        out = {}
+        for name, chunk in chunks:
+            try:
+                records, lay = _read_chunk(fd, chunk, f"{path} ({name})")
+            except Exception:  # noqa: BLE001 - read again by the reader, which raises its own error
+                continue
+            out[chunk.start] = (
+                [(r.name, r.data_start, r.size, r.crc) for r in records],
+                (lay.data_start, lay.storage_nbytes, str(lay.dtype).removeprefix("torch."), lay.storage_offset, lay.size, lay.stride, lay.crc),
+            )
+        return (version, out) if record_crc.file_version(os.fstat(fd)) == version else None
+    finally:
+        os.close(fd)
+
+
+def _from_tuples(read: tuple) -> tuple[list[Record], _Layout]:
+    """:func:`_read_file_chunks`' tuples of one chunk as its records and layout."""
+    records, lay = read
+    return [Record(*r) for r in records], _Layout(lay[0], lay[1], getattr(torch, lay[2]), *lay[3:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,6 +371,9 @@ class DcpCheckpoint(LazyCheckpoint):
         self._fds: dict[str, int] = {}
         self._maps: dict[str, _Mapped | None] = {}
         self._lock = threading.Lock()
+        self._opened_by = os.getpid()  # forked writers parse their own chunks, as they need them
+        self._prefetched: dict[tuple[str, int], tuple] | None = None  # chunk archives read by other processes
+        self._prefetch_lock = threading.Lock()
         ranks = {int(m.group(1)) for f in files if (m := _DISTCP_RANK.search(f))}
         self.info = info or CheckpointInfo(
             format="dcp",
@@ -437,13 +486,44 @@ class DcpCheckpoint(LazyCheckpoint):
 
     def _layout(self, name: str, chunk: _Chunk) -> _Layout:
         if chunk.layout is None:
-            chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})", name)
+            read = self._prefetch().pop((chunk.file, chunk.start), None)
+            if read is not None:
+                records, chunk.layout = _from_tuples(read)
+                _note_records(self._fd(chunk.file), chunk, records, name)
+            else:
+                chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})", name)
             if chunk.layout.dtype != self._specs[name].dtype:
                 raise CorruptCheckpointError(
                     f"{self.path / chunk.file}: {name} chunk has dtype {chunk.layout.dtype}, "
                     f"metadata says {self._specs[name].dtype}"
                 )
         return chunk.layout
+
+    def _prefetch(self) -> dict[tuple[str, int], tuple]:
+        """The chunk archives other processes read, asked for once (by the first tensor read): where
+        there are many (:data:`PARALLEL_CHUNKS`) in several files, and in the process that opened
+        the checkpoint, the data files go to a forked process per CPU; a file's reads are taken
+        only if it is still the version they read."""
+        with self._prefetch_lock:
+            if self._prefetched is None:
+                self._prefetched = {}
+                todo: dict[str, list[tuple[str, _Chunk]]] = {}
+                for name, chunks in self._chunks.items():
+                    for c in chunks:
+                        if c.layout is None:
+                            todo.setdefault(c.file, []).append((name, c))
+                cpus = usable_cpus()
+                if os.getpid() == self._opened_by and len(todo) > 1 and cpus > 1 and sum(map(len, todo.values())) >= PARALLEL_CHUNKS:
+                    pool = rank_pool.RankPool({rel: (str(self.path / rel), items) for rel, items in todo.items()}, cpus,
+                                              read=_read_file_chunks)
+                    try:
+                        for rel in todo:
+                            got = pool.take(rel)
+                            if got is not None and got[0] == record_crc.file_version(os.fstat(self._fd(rel))):
+                                self._prefetched.update(((rel, start), read) for start, read in got[1].items())
+                    finally:
+                        pool.close()
+            return self._prefetched
 
     def _checked_layout(self, name: str, chunk: _Chunk) -> _Layout:
         """The chunk's layout, its storage record's CRC-32 checked (once) before its bytes are used."""

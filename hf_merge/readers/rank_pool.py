@@ -1,4 +1,4 @@
-"""verl FSDP rank files read by forked processes while this one reads rank 0.
+"""Rank files read by forked processes while this one goes on: verl FSDP rank pickles, DCP chunk archives.
 
 Every rank file's pickle is walked under the one policy before anything is built from it, in pure
 Python: about 0.3 ms of CPU per tensor per rank, so a checkpoint of many tensors saved by many
@@ -9,7 +9,12 @@ The ranks are independent, so where their pickles are large (:data:`PARALLEL_PIC
 directory they checked and each local tensor's record; this process maps the tensors as they are
 asked for (:func:`~hf_merge.readers.rank_records.load_local_records`).
 
-A rank its process could not read (any error, a dead process, a file changed since) comes back as
+A DCP checkpoint saved by many ranks holds a ``torch.save`` archive per tensor per rank in its
+``.distcp`` files, each checked (zip directory, local headers, its pickle) before its bytes are
+used: ~0.15 ms each. Where there are many (:data:`~hf_merge.readers.dcp.PARALLEL_CHUNKS`), the
+first tensor read hands the files to forked processes the same way.
+
+What a process could not read (any error, a dead process, a file changed since) comes back as
 None and the reader reads it itself, so every error is the one the reader raises and nothing is
 taken from a file that changed: the file's version (device, inode, size, modification and change
 times) must be the one the other process read, unchanged while it read.
@@ -21,9 +26,9 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 from pathlib import Path
+from typing import Any, Callable
 
 from .. import forks
-from .rank_records import RankRead, local_records
 from .torch_zip import read_records
 
 #: rank pickles larger than this in all (about 1.5 s of walking on one core) are read in parallel
@@ -43,45 +48,47 @@ def worth(rank_files: list[Path]) -> bool:
     return len(rank_files) > 1 and pickle_bytes(rank_files[0]) * len(rank_files) >= PARALLEL_PICKLE_BYTES
 
 
-def _read(jobs: list[tuple[int, Path]], results, parent: int) -> None:
+def _read(jobs: list[tuple[Any, Any]], read: Callable[[Any], Any], results, parent: int) -> None:
     forks.child_started(parent)
-    for rank, path in jobs:
+    for key, item in jobs:
         try:
-            results.put((rank, local_records(path)))
-        except Exception:  # the reader reads this rank itself and raises its error (an interrupt ends the process)
-            results.put((rank, None))
+            results.put((key, read(item)))
+        except Exception:  # the reader reads this itself and raises its error (an interrupt ends the process)
+            results.put((key, None))
 
 
 class RankPool:
-    """Ranks ``paths`` (``{rank: file}``) read by up to ``processes`` forked processes."""
+    """``read(item)`` of each of ``items`` (``{key: item}``, e.g. rank: file) in up to ``processes``
+    forked processes; :meth:`take` hands each result over."""
 
-    def __init__(self, paths: dict[int, Path], processes: int):
+    def __init__(self, items: dict[Any, Any], processes: int, read: Callable[[Any], Any]):
         ctx = mp.get_context("fork")
         self._results = ctx.Queue()
-        ranks = sorted(paths)
-        n = max(1, min(processes, len(ranks)))
-        shares = [[(r, paths[r]) for r in ranks[i::n]] for i in range(n)]
-        self._owner = {r: i for i, share in enumerate(shares) for r, _ in share}
-        self._procs = [ctx.Process(target=_read, args=(share, self._results, os.getpid()), daemon=True) for share in shares]
-        self._got: dict[int, RankRead | None] = {}
+        keys = list(items)
+        n = max(1, min(processes, len(keys)))
+        shares = [[(k, items[k]) for k in keys[i::n]] for i in range(n)]
+        self._owner = {k: i for i, share in enumerate(shares) for k, _ in share}
+        self._procs = [ctx.Process(target=_read, args=(share, read, self._results, os.getpid()), daemon=True)
+                       for share in shares]
+        self._got: dict[Any, Any] = {}
         with forks.signals_deferred():  # an interrupt lands after the forks, not in one
             for p in self._procs:
                 p.start()
 
-    def take(self, rank: int) -> RankRead | None:
-        """What rank ``rank``'s process read of it; None when it did not read it."""
-        if rank not in self._owner:
+    def take(self, key: Any) -> Any:
+        """What ``read`` gave for ``key``; None when its process did not read it."""
+        if key not in self._owner:
             return None
-        while rank not in self._got:
+        while key not in self._got:
             try:
-                got_rank, value = self._results.get(timeout=1.0)
-            except queue_module.Empty:  # a process that died sends nothing more: its ranks are read here
-                proc = self._procs[self._owner[rank]]
+                got_key, value = self._results.get(timeout=1.0)
+            except queue_module.Empty:  # a process that died sends nothing more: its items are read here
+                proc = self._procs[self._owner[key]]
                 if proc.exitcode is not None and self._results.empty():
                     return None
                 continue
-            self._got[got_rank] = value
-        return self._got.pop(rank)
+            self._got[got_key] = value
+        return self._got.pop(key)
 
     def close(self) -> None:
         for p in self._procs:
