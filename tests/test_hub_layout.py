@@ -372,3 +372,38 @@ def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_pat
     hf_merge.merge(src, tmp_path / "recomputed")
     assert_bytes_equal(folder_tensors(tmp_path / "recomputed"), want)
     assert layout_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}  # rewritten
+
+
+# A real verl FSDP2 checkpoint of a tiny Qwen3-MoE written under transformers 5.25 (its rank files
+# hold the experts fused: ``mlp.experts.gate_up_proj [E, 2F, H]``), committed so that the
+# transformers 4.57 pass can read what a newer training stack wrote (tests/data/transformers_5/SOURCE).
+TF5_QWEN3_MOE = Path(__file__).parent / "data" / "transformers_5" / "qwen3_moe"
+needs_4x = pytest.mark.skipif(has_weight_conversions(), reason="transformers 5 reads its own fused experts")
+
+
+@pytest.mark.compat
+@needs_conversions
+def test_a_transformers_5_moe_checkpoint_merges_under_5(tmp_path):
+    """The committed checkpoint is what the 4.x refusal below is about: transformers 5 merges it
+    into per-expert tensors that give the logits its unsharded model gave."""
+    hf_merge.merge(TF5_QWEN3_MOE, tmp_path / "out", verify=True)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in folder_tensors(tmp_path / "out")
+    ref = torch.load(TF5_QWEN3_MOE / "reference" / "logits.pt", weights_only=True)
+    torch.testing.assert_close(merged_logits(tmp_path / "out", "qwen3_moe", ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.compat
+@needs_4x
+def test_transformers_4_refuses_the_fused_experts_of_a_transformers_5_checkpoint(tmp_path):
+    """Under transformers 4.x a checkpoint trained under 5.x holds expert tensors the 4.x model does
+    not have, and 4.x has no conversion to write them per expert. Written as they are, they were
+    ignored by from_pretrained (a Mixtral loaded with its experts left random, logits off by 0.38):
+    refused, naming them, before anything is written; the loader says the same."""
+    from helpers import error_line, run_cli
+
+    line = error_line(run_cli("merge", TF5_QWEN3_MOE, tmp_path / "out"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in line and "transformers 4.57" in line, line
+    assert "transformers>=5" in line, line
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(MappingError, match=r"fused expert.*experts\.gate_up_proj.*transformers>=5"):
+        hf_merge.from_sharded_pretrained(TF5_QWEN3_MOE, dtype="float32")

@@ -127,6 +127,10 @@ def build_views(
 
             model, hub_notes = hub_layout(model, config)
             notes.extend(hub_notes)
+        else:  # the loader fills the in-memory layout, which must be this transformers' own
+            from .hub_layout import check_legacy_experts
+
+            check_legacy_experts(model.specs(), config)
         views.model = Cast(model, out_dtype)
     return views
 
