@@ -21,7 +21,9 @@ from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
 from .readers.formats import find_format, weights_label
-from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
+from .hf_files import (
+    checkpoint_config, copy_side_files, missing_side_files, without_stale_quantization, write_config, written_dtype,
+)
 from .side_files import side_files_bytes
 from .publish.card import write_card
 from .options import MergeOptions
@@ -328,6 +330,8 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
         views = build_views(ckpt, cfg, dtype=dtype, lora=options.lora, **options.lora_kwargs())
         if views.model is not None:  # a --config of another model: refused before anything is written
             check_config_fits({n: s.shape for n, s in views.model.specs().items()}, cfg, config_dir)
+            cfg, dropped = without_stale_quantization(cfg, views.model.specs())
+            views.notes += [dropped] if dropped else []
         qview = None
         if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
             views.model = qview = Quantized(views.model, cfg, quantize)
