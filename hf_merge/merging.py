@@ -22,7 +22,8 @@ from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
 from .readers.formats import find_format, weights_label
 from .hf_files import (
-    checkpoint_config, copy_side_files, missing_side_files, without_stale_quantization, write_config, written_dtype,
+    GENERATION_CONFIG, checkpoint_config, copy_side_files, missing_side_files, without_stale_quantization, write_config,
+    written_dtype,
 )
 from .side_files import side_files_bytes
 from .publish.card import write_card
@@ -401,9 +402,17 @@ def _dtype_notes(ckpt: LazyCheckpoint, written, counts, *, requested) -> list[st
     return notes
 
 
+#: What a user of the output loses without each missing side file (:func:`missing_side_files`).
+_LOST = {
+    "tokenizer": ("no tokenizer", "AutoTokenizer would not give the model's tokenizer", "tokenizer files"),
+    GENERATION_CONFIG: (f"no {GENERATION_CONFIG}", "generate() would fall back to config.json's defaults, losing the "
+                        "base model's eos tokens and sampling settings", GENERATION_CONFIG),
+}
+
+
 def _missing_message(missing: list[str], config_dir: Path) -> str:
-    what = " and ".join("no tokenizer" if m == "tokenizer" else f"no {m}" for m in missing)
+    what, lost, files = (" and ".join(_LOST[m][i] for m in missing) for i in range(3))
     return (
-        f"{config_dir} has {what}, so the output has none either (AutoTokenizer would not give the model's "
-        "tokenizer); pass --config DIR with the base model's config and tokenizer files"
+        f"{config_dir} has {what}, so the output has none either ({lost}); pass --config DIR with the base "
+        f"model's config and {files}"
     )
