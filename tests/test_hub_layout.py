@@ -374,6 +374,54 @@ def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_pat
     assert layout_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}  # rewritten
 
 
+# --- the model zoo: each family's quirk, on the transformers stack the test runs under ---------
+
+
+def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids).logits.float()
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", sorted(mh.ZOO))
+def test_zoo_merge_is_save_pretrained_and_loads_alike(zoo_root, tmp_path, name):
+    """Tied Qwen2 / Llama 3.2 (llama3 RoPE), Gemma 2 / 3 (scaled embedding, (1 + w) norms,
+    soft-capping), Qwen3, Mistral, Phi-3 (fused qkv / gate_up), GPT-OSS (fused experts with biases,
+    sinks), and LoRA on tied, fused-projection and MoE models: the merge writes what
+    save_pretrained of the unsharded model writes (tensors byte for byte, config.json,
+    generation_config.json; LoRA: merge_and_unload()'s, and PEFT's adapter), and both it and
+    from_sharded_pretrained of the checkpoint give the model's logits."""
+    src, target = zoo_root / name, tmp_path / name
+    hf_merge.merge(src, target)
+    reference = src / "reference"
+    assert_bytes_equal(folder_tensors(target), folder_tensors(reference))
+    for file in ("config.json", "generation_config.json"):
+        assert read_json(target / file) == read_json(reference / file), file
+    ref = torch.load(reference / "logits.pt", weights_only=True)
+    torch.testing.assert_close(merged_logits(target, name, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+    loaded = hf_merge.from_sharded_pretrained(src, dtype="float32")
+    torch.testing.assert_close(_logits(loaded, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+    if mh.ZOO[name][2]:
+        assert_bytes_equal(folder_tensors(target / "lora_adapter"), folder_tensors(reference / "adapter"))
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", ["qwen2_tied_lora", "mixtral_lora"])
+def test_zoo_lora_adapter_loads_with_peft(zoo_root, tmp_path, name):
+    """``--lora adapter`` of a tied and of a MoE model: PEFT loads it onto the base model, and
+    ``from_sharded_pretrained(lora="adapter")`` gives the same PeftModel; logits equal the trained one's."""
+    from peft import PeftModel
+
+    src = zoo_root / name
+    hf_merge.merge(src, tmp_path / "adapter", lora="adapter")
+    ref = torch.load(src / "reference" / "logits.pt", weights_only=True)
+    peft_model = PeftModel.from_pretrained(mh.build_model(name, lora=False), tmp_path / "adapter")
+    torch.testing.assert_close(_logits(peft_model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
+    loaded = hf_merge.from_sharded_pretrained(src, dtype="float32", lora="adapter")
+    assert isinstance(loaded, PeftModel)
+    torch.testing.assert_close(_logits(loaded, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
+
+
 # A real verl FSDP2 checkpoint of a tiny Qwen3-MoE written under transformers 5.25 (its rank files
 # hold the experts fused: ``mlp.experts.gate_up_proj [E, 2F, H]``), committed so that the
 # transformers 4.57 pass can read what a newer training stack wrote (tests/data/transformers_5/SOURCE).
