@@ -34,6 +34,7 @@ from .write.plan import ShardPlan, plan_shards
 from .provenance import merge_record, write_record
 from .readers import record_crc
 from .spec import dtype_name
+from .transformers_compat import rope_unread
 from .transforms.views import ADAPTER_SUBDIR, build_views
 from .write.shards import write_index, write_shards
 
@@ -338,6 +339,10 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
             views.model = qview = Quantized(views.model, cfg, quantize)
             views.notes.extend(qview.notes)
         warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
+        rope = rope_unread(cfg)  # transformers 4.x reading a transformers 5 config.json
+        if rope is not None:
+            warnings.append(f"{rope}; the output is what transformers 5's save_pretrained writes: load it with "
+                            "transformers>=5")
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
         if options.is_value_model and "is_value_model" not in getattr(find_format(ckpt.info.format), "options", ()):

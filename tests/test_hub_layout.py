@@ -19,7 +19,7 @@ import hf_merge
 import make_fsdp_checkpoint as mk
 import make_hub_checkpoints as mh
 from hf_merge.checkpoint import open_checkpoint
-from hf_merge.errors import MappingError
+from hf_merge.errors import MappingError, UnsupportedCheckpointError
 from hf_merge.hf_files import checkpoint_config
 from hf_merge.transforms.views import build_views
 from hf_merge.transforms.hub_layout import HubLayout, hub_layout
@@ -455,3 +455,32 @@ def test_transformers_4_refuses_the_fused_experts_of_a_transformers_5_checkpoint
     assert not (tmp_path / "out").exists()
     with pytest.raises(MappingError, match=r"fused expert.*experts\.gate_up_proj.*transformers>=5"):
         hf_merge.from_sharded_pretrained(TF5_QWEN3_MOE, dtype="float32")
+
+
+# A Llama 3.2-style tied model (llama3 RoPE, rope_theta 500000) written under transformers 5.25: its
+# config.json keeps RoPE in rope_parameters, a field transformers 4.x does not read.
+TF5_LLAMA3 = Path(__file__).parent / "data" / "transformers_5" / "llama3_tied"
+
+
+@pytest.mark.compat
+@needs_conversions
+def test_a_transformers_5_llama3_rope_checkpoint_loads_under_5():
+    model = hf_merge.from_sharded_pretrained(TF5_LLAMA3, dtype="float32")
+    ref = torch.load(TF5_LLAMA3 / "reference" / "logits.pt", weights_only=True)
+    torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.compat
+@needs_4x
+def test_transformers_4_says_it_cannot_read_a_transformers_5_rope_config(tmp_path):
+    """transformers 4.57 builds this model with rope_theta 10000 and no llama3 scaling (logits off by
+    0.014 here): from_sharded_pretrained refuses, naming the field; the merge (bytes as transformers
+    5's save_pretrained writes them) warns that 4.x would load the output so."""
+    from helpers import run_cli
+
+    with pytest.raises(UnsupportedCheckpointError, match=r"rope_parameters.*rope_theta 500000.0.*10000.*transformers>=5"):
+        hf_merge.from_sharded_pretrained(TF5_LLAMA3, dtype="float32")
+    r = run_cli("merge", TF5_LLAMA3, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    (warning,) = [ln for ln in r.stderr.splitlines() if "rope_parameters" in ln]
+    assert warning.startswith("warning:") and "llama3" in warning and "transformers>=5" in warning, warning

@@ -192,6 +192,12 @@ def from_sharded_pretrained(
         else:
             hf_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
             config_dict = load_config(hf_dir)
+            rope = compat.rope_unread(config_dict)  # transformers 4.x reading a transformers 5 config.json
+            if rope is not None:
+                raise UnsupportedCheckpointError(
+                    f"{rope}: load it with transformers>=5 (pip install 'transformers>=5'), or pass config= a folder "
+                    "whose config.json sets rope_theta / rope_scaling"
+                )
             config_obj, model_kwargs = _load_config(hf_dir, trust_remote_code, kwargs)
         # What the checkpoint itself shows (a critic's value head, ties) wins over config.json, as
         # in merge; what the caller passed wins over both.
