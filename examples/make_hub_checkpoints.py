@@ -120,6 +120,12 @@ ZOO: dict[str, tuple[str, dict[str, Any], Any]] = {
     "gpt_oss_lora": ("GptOssConfig", dict(
         **_TEXT, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"], architectures=["GptOssForCausalLM"]), "all-linear"),
+    # verl's LoRA targets written for transformers 4 (one Linear per expert projection) on a MoE model:
+    # PEFT 0.21 under transformers 5 maps them to the fused expert parameters, gate_up_proj at rank
+    # 2r and alpha 2 alpha (rank_pattern / alpha_pattern); verl records one r and one alpha
+    "qwen3_moe_v4_lora": ("Qwen3MoeConfig", dict(
+        **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"]), ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
     # LoRA on Mixtral's attention
     "mixtral_lora": ("MixtralConfig", dict(
         **_TEXT, num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"]), ["q_proj", "v_proj"]),

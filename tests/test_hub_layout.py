@@ -406,7 +406,7 @@ def test_zoo_merge_is_save_pretrained_and_loads_alike(zoo_root, tmp_path, name):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("name", ["qwen2_tied_lora", "mixtral_lora"])
+@pytest.mark.parametrize("name", ["qwen2_tied_lora", "mixtral_lora", "qwen3_moe_v4_lora"])
 def test_zoo_lora_adapter_loads_with_peft(zoo_root, tmp_path, name):
     """``--lora adapter`` of a tied and of a MoE model: PEFT loads it onto the base model, and
     ``from_sharded_pretrained(lora="adapter")`` gives the same PeftModel; logits equal the trained one's."""
