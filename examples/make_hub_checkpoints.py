@@ -126,6 +126,10 @@ ZOO: dict[str, tuple[str, dict[str, Any], Any]] = {
     "qwen3_moe_v4_lora": ("Qwen3MoeConfig", dict(
         **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
         architectures=["Qwen3MoeForCausalLM"]), ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+    # verl's all-linear on the same: PEFT also wraps the router's weight (target_parameters gate.weight)
+    "qwen3_moe_all_linear": ("Qwen3MoeConfig", dict(
+        **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"]), "all-linear"),
     # LoRA on Mixtral's attention
     "mixtral_lora": ("MixtralConfig", dict(
         **_TEXT, num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"]), ["q_proj", "v_proj"]),
