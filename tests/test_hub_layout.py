@@ -422,6 +422,24 @@ def test_zoo_lora_adapter_loads_with_peft(zoo_root, tmp_path, name):
     torch.testing.assert_close(_logits(loaded, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.compat
+def test_peft_alpha_pattern_regex_from_the_adapter_config(zoo_root, tmp_path):
+    """An adapter_config.json beside the weights (verl's lora_adapter/, PEFT's own save) names
+    per-module alphas with PEFT's regular expressions (``.*\\.gate_up_proj`` under transformers 5):
+    matched as PEFT matches them, the fused output is merge_and_unload()'s."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(zoo_root / "qwen3_moe_v4_lora", src)
+    actor = src / "global_step_1" / "actor"
+    (actor / "lora_train_meta.json").unlink()
+    (actor / "lora_adapter").mkdir()
+    shutil.copy(src / "reference" / "adapter" / "adapter_config.json", actor / "lora_adapter")
+    result = hf_merge.merge(src, tmp_path / "fused", lora="fuse")
+    assert any("from lora_adapter/adapter_config.json" in n for n in result.notes)
+    assert_bytes_equal(folder_tensors(tmp_path / "fused"), folder_tensors(src / "reference"))
+
+
 # A real verl FSDP2 checkpoint of a tiny Qwen3-MoE written under transformers 5.25 (its rank files
 # hold the experts fused: ``mlp.experts.gate_up_proj [E, 2F, H]``), committed so that the
 # transformers 4.57 pass can read what a newer training stack wrote (tests/data/transformers_5/SOURCE).
