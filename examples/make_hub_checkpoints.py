@@ -91,6 +91,52 @@ MODELS: dict[str, tuple[str, dict[str, Any], Any]] = {
         dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
 }
 
+#: The model zoo: dense and tied families whose Hub layout is the in-memory one, each with its own
+#: quirk (tied embeddings, Gemma's scaled embedding and (1 + w) norms, soft-capping, Phi-3's fused
+#: qkv / gate_up, GPT-OSS's fused experts with biases and sinks); written with ``--models`` or the
+#: ``zoo_root`` fixture, not by default.
+_GEMMA = dict(**_TEXT, head_dim=8, sliding_window=4)
+ZOO: dict[str, tuple[str, dict[str, Any], Any]] = {
+    "qwen2_tied": ("Qwen2Config", dict(**_TEXT, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]), None),
+    "llama3_tied": ("LlamaConfig", dict(
+        **_TEXT, tie_word_embeddings=True, head_dim=8, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+        architectures=["LlamaForCausalLM"]), None),
+    "gemma2": ("Gemma2Config", dict(**_GEMMA, architectures=["Gemma2ForCausalLM"]), None),
+    "gemma3_text": ("Gemma3TextConfig", dict(**_GEMMA, architectures=["Gemma3ForCausalLM"]), None),
+    "qwen3": ("Qwen3Config", dict(**_TEXT, head_dim=8, architectures=["Qwen3ForCausalLM"]), None),
+    "mistral": ("MistralConfig", dict(**_TEXT, sliding_window=4, architectures=["MistralForCausalLM"]), None),
+    "phi3": ("Phi3Config", dict(**_TEXT, architectures=["Phi3ForCausalLM"]), None),
+    "gpt_oss": ("GptOssConfig", dict(
+        **_TEXT, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], architectures=["GptOssForCausalLM"]), None),
+    # LoRA on a tied model (attention and MLP; the tied embedding / lm_head stay frozen)
+    "qwen2_tied_lora": ("Qwen2Config", dict(**_TEXT, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
+                        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "gemma2_lora": ("Gemma2Config", dict(**_GEMMA, architectures=["Gemma2ForCausalLM"]), ["q_proj", "v_proj", "down_proj"]),
+    # verl's default LoRA target, all-linear: Phi-3's fused qkv_proj / gate_up_proj, GPT-OSS's attention
+    "phi3_lora": ("Phi3Config", dict(**_TEXT, architectures=["Phi3ForCausalLM"]), "all-linear"),
+    "gpt_oss_lora": ("GptOssConfig", dict(
+        **_TEXT, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], architectures=["GptOssForCausalLM"]), "all-linear"),
+    # verl's LoRA targets written for transformers 4 (one Linear per expert projection) on a MoE model:
+    # PEFT 0.21 under transformers 5 maps them to the fused expert parameters, gate_up_proj at rank
+    # 2r and alpha 2 alpha (rank_pattern / alpha_pattern); verl records one r and one alpha
+    "qwen3_moe_v4_lora": ("Qwen3MoeConfig", dict(
+        **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"]), ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+    # verl's all-linear on the same: PEFT also wraps the router's weight (target_parameters gate.weight)
+    "qwen3_moe_all_linear": ("Qwen3MoeConfig", dict(
+        **_TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"]), "all-linear"),
+    # LoRA on Mixtral's attention
+    "mixtral_lora": ("MixtralConfig", dict(
+        **_TEXT, num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"]), ["q_proj", "v_proj"]),
+}
+HUB_MODELS = list(MODELS)
+MODELS.update(ZOO)
+
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
@@ -105,7 +151,7 @@ def write_hub_checkpoints(root: str | os.PathLike, models: list[str] | None = No
 
     root = Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    spec = {"root": str(root), "models": list(models or MODELS), "port": mk._free_port()}
+    spec = {"root": str(root), "models": list(models or HUB_MODELS), "port": mk._free_port()}
     t0 = time.perf_counter()
     worker = __import__(MODULE_NAME)._worker
     # The fork server of make_fsdp_checkpoint (torch, transformers, peft pre-imported) when the same
@@ -122,8 +168,9 @@ def input_ids() -> torch.Tensor:
     return ((torch.arange(16, dtype=torch.long) * 7 + 9) % 90 + 7).view(2, 8)
 
 
-def build_model(name: str, seed: int = 0):
-    """The seeded model ``name`` (LoRA variants wrapped with PEFT, ``init_lora_weights=False``)."""
+def build_model(name: str, seed: int = 0, *, lora: bool = True):
+    """The seeded model ``name`` (LoRA variants wrapped with PEFT, ``init_lora_weights=False``;
+    ``lora=False``: the base model they were wrapped around)."""
     import transformers
 
     cfg_cls, kwargs, lora_targets = MODELS[name]
@@ -136,7 +183,7 @@ def build_model(name: str, seed: int = 0):
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     model.config._name_or_path = model.name_or_path = f"tiny/{name}-base"
     model.eval()
-    if lora_targets:
+    if lora_targets and lora:
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(seed + 2)
@@ -158,7 +205,10 @@ def _side_files(name: str, model, hf: Path) -> None:
     cj = json.loads((hf / "config.json").read_text())
     cj["dtype"] = "float32"
     (hf / "config.json").write_text(json.dumps(cj, indent=2, sort_keys=True) + "\n")
-    GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=0).save_pretrained(hf)
+    if name in ZOO:  # verl copies the Hub model's generation config, which is the model's own
+        base.generation_config.save_pretrained(hf)
+    else:
+        GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=0).save_pretrained(hf)
     tokenizer = mk._tokenizer(128)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(hf)
@@ -251,7 +301,7 @@ def _reference(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(HUB_MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     args = parser.parse_args(argv)
     info = write_hub_checkpoints(args.root, args.models.split(","))
     print(json.dumps(info, indent=2))

@@ -160,6 +160,27 @@ def _ask_transformers(config: dict[str, Any], names: "Collection[str] | None") -
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
 
+def without_stale_quantization(config: dict[str, Any], specs) -> tuple[dict[str, Any], str | None]:
+    """``(config, note)``: config.json less a ``quantization_config`` that the weights do not have.
+
+    A base model published quantized (fp8, MXFP4, GPTQ...) is dequantized for training, and
+    transformers then drops ``quantization_config`` from the model's config, so ``save_pretrained``
+    of the trained model writes none. A config.json taken from the Hub folder (``--config``) still
+    names it, which makes loaders expect quantized tensors (scales, blocks). It is left out when every
+    tensor written is a plain float of 16 bits or more; kept (with no note) otherwise.
+    """
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict):
+        return config, None
+    kinds = {spec.dtype for spec in specs.values()}
+    if not kinds or any(not d.is_floating_point or d.itemsize < 2 for d in kinds):
+        return config, None
+    method = quantization.get("quant_method", "unnamed")
+    note = (f"config.json's quantization_config ({method}) left out: the weights are plain "
+            f"{', '.join(sorted(dtype_name(d) for d in kinds))}, as save_pretrained of the dequantized model writes them")
+    return {k: v for k, v in config.items() if k != "quantization_config"}, note
+
+
 def write_config(config: dict[str, Any], folder: Path, *, dtype: torch.dtype | None) -> None:
     out = dict(config)
     if dtype is not None:

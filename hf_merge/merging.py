@@ -21,7 +21,10 @@ from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
 from .readers.formats import find_format, weights_label
-from .hf_files import checkpoint_config, copy_side_files, missing_side_files, write_config, written_dtype
+from .hf_files import (
+    GENERATION_CONFIG, checkpoint_config, copy_side_files, missing_side_files, without_stale_quantization, write_config,
+    written_dtype,
+)
 from .side_files import side_files_bytes
 from .publish.card import write_card
 from .options import MergeOptions
@@ -31,6 +34,7 @@ from .write.plan import ShardPlan, plan_shards
 from .provenance import merge_record, write_record
 from .readers import record_crc
 from .spec import dtype_name
+from .transformers_compat import rope_unread
 from .transforms.views import ADAPTER_SUBDIR, build_views
 from .write.shards import write_index, write_shards
 
@@ -328,11 +332,17 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
         views = build_views(ckpt, cfg, dtype=dtype, lora=options.lora, **options.lora_kwargs())
         if views.model is not None:  # a --config of another model: refused before anything is written
             check_config_fits({n: s.shape for n, s in views.model.specs().items()}, cfg, config_dir)
+            cfg, dropped = without_stale_quantization(cfg, views.model.specs())
+            views.notes += [dropped] if dropped else []
         qview = None
         if quantize is not None and views.model is not None:  # quantize: wraps the (LoRA-fused) model view
             views.model = qview = Quantized(views.model, cfg, quantize)
             views.notes.extend(qview.notes)
         warnings = list(ckpt.info.warnings)  # logged now; the output's own warnings once it is written
+        rope = rope_unread(cfg)  # transformers 4.x reading a transformers 5 config.json
+        if rope is not None:
+            warnings.append(f"{rope}; the output is what transformers 5's save_pretrained writes: load it with "
+                            "transformers>=5")
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
         if options.is_value_model and "is_value_model" not in getattr(find_format(ckpt.info.format), "options", ()):
@@ -397,9 +407,17 @@ def _dtype_notes(ckpt: LazyCheckpoint, written, counts, *, requested) -> list[st
     return notes
 
 
+#: What a user of the output loses without each missing side file (:func:`missing_side_files`).
+_LOST = {
+    "tokenizer": ("no tokenizer", "AutoTokenizer would not give the model's tokenizer", "tokenizer files"),
+    GENERATION_CONFIG: (f"no {GENERATION_CONFIG}", "generate() would fall back to config.json's defaults, losing the "
+                        "base model's eos tokens and sampling settings", GENERATION_CONFIG),
+}
+
+
 def _missing_message(missing: list[str], config_dir: Path) -> str:
-    what = " and ".join("no tokenizer" if m == "tokenizer" else f"no {m}" for m in missing)
+    what, lost, files = (" and ".join(_LOST[m][i] for m in missing) for i in range(3))
     return (
-        f"{config_dir} has {what}, so the output has none either (AutoTokenizer would not give the model's "
-        "tokenizer); pass --config DIR with the base model's config and tokenizer files"
+        f"{config_dir} has {what}, so the output has none either ({lost}); pass --config DIR with the base "
+        f"model's config and {files}"
     )

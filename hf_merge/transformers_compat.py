@@ -49,6 +49,7 @@ __all__ = [
     "no_init_weights",
     "progress",
     "rename_checkpoint_key",
+    "rope_unread",
     "set_attn_implementation",
     "Stacking",
     "stacking",
@@ -100,6 +101,38 @@ def tied_weights(model: Any) -> dict[str, str]:
     if out_name is None or in_name is None or out_name == in_name:
         return {}
     return {f"{out_name}.weight": f"{in_name}.weight"}
+
+
+def rope_unread(config: dict[str, Any]) -> str | None:
+    """transformers 4.x: what a config.json written by transformers 5 says of RoPE that this release
+    does not read, as a sentence; None when it reads the same (or under transformers 5).
+
+    transformers 5 keeps ``rope_theta`` and the scaling in ``rope_parameters``; 4.x reads only the
+    top-level ``rope_theta`` / ``rope_scaling`` and builds the class's defaults otherwise (a Llama 3.2
+    gets rope_theta 10000 and no llama3 scaling). The config is built as 4.x builds it and compared.
+    """
+    if has_weight_conversions() or not isinstance(config.get("rope_parameters"), dict):
+        return None
+    from transformers import AutoConfig, __version__
+
+    from .config_fields import rope_settings
+
+    want = rope_settings(config)
+    try:
+        built = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    except Exception:  # noqa: BLE001 - a config 4.x cannot build fails where it is loaded, with its own error
+        return None
+    read_theta, read_scaling = getattr(built, "rope_theta", None), getattr(built, "rope_scaling", None)
+    rope_type = str(want.get("rope_type", "default"))
+    unread = []
+    if want.get("rope_theta") is not None and read_theta is not None and float(read_theta) != float(want["rope_theta"]):
+        unread.append(f"rope_theta {want['rope_theta']} (read as {read_theta})")
+    if rope_type != "default" and not read_scaling:
+        unread.append(f"{rope_type} scaling (read as none)")
+    if not unread:
+        return None
+    return (f"config.json keeps RoPE in rope_parameters (transformers 5's field): {', '.join(unread)}; transformers "
+            f"{__version__} does not read that field, so its model computes other logits")
 
 
 def legacy_saved_names(model_class: Any, names: list[str]) -> dict[str, str]:

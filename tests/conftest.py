@@ -229,20 +229,35 @@ def megatron_moe_root(tmp_path_factory) -> Path:
     return build_megatron_fixture(MEGATRON_MOE_GENERATOR, tmp_path_factory, "megatron-moe", depends=(MEGATRON_GENERATOR,))
 
 
-@pytest.fixture(scope="session")
-def hub_root(tmp_path_factory) -> Path:
-    """MoE / VLM models (and their LoRA variants) whose Hub layout differs from the in-memory one,
-    written by ONE 2-rank gloo run of ``examples/make_hub_checkpoints.py``: ``hub_root / name``."""
+def _hub_checkpoints(tmp_path_factory, name: str, models: list[str] | None) -> Path:
+    """One 2-rank gloo run of ``examples/make_hub_checkpoints.py`` writing ``models`` (its default
+    list when None) under a folder called ``name``, kept under HF_MERGE_FIXTURE_CACHE when set."""
     import make_hub_checkpoints as mh
 
     key = hashlib.sha256(
         (EXAMPLES / "make_hub_checkpoints.py").read_bytes() + (EXAMPLES / "make_fsdp_checkpoint.py").read_bytes()
     ).hexdigest()[:12]
     cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
-    root = Path(cache) / f"hub-{key}" if cache else tmp_path_factory.mktemp("hub")
+    root = Path(cache) / f"{name}-{key}" if cache else tmp_path_factory.mktemp(name)
     if not (root / "fixture.json").is_file():
-        mh.write_hub_checkpoints(root)
+        mh.write_hub_checkpoints(root, models)
     return root
+
+
+@pytest.fixture(scope="session")
+def hub_root(tmp_path_factory) -> Path:
+    """MoE / VLM models (and their LoRA variants) whose Hub layout differs from the in-memory one,
+    written by ONE 2-rank gloo run of ``examples/make_hub_checkpoints.py``: ``hub_root / name``."""
+    return _hub_checkpoints(tmp_path_factory, "hub", None)
+
+
+@pytest.fixture(scope="session")
+def zoo_root(tmp_path_factory) -> Path:
+    """The model zoo of ``make_hub_checkpoints.ZOO`` (tied Qwen2 / Llama 3.2, Gemma 2 / 3, Qwen3,
+    Mistral, Phi-3, GPT-OSS, LoRA on tied, fused-projection and MoE models): ``zoo_root / name``."""
+    import make_hub_checkpoints as mh
+
+    return _hub_checkpoints(tmp_path_factory, "zoo", list(mh.ZOO))
 
 
 DCP_GENERATOR = EXAMPLES / "make_dcp_checkpoints.py"

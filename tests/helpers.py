@@ -130,6 +130,23 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+# The Hub's config of an fp8 base model (Qwen3-8B-FP8, DeepSeek-V3 style): training dequantizes it
+# (transformers drops quantization_config from the model's config), so the checkpoint holds plain weights.
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def quantized_base_config(ckpt, folder) -> Path:
+    """``--config`` / ``--hf_model_path`` pointing at the base model's Hub folder, whose config.json
+    names the quantization the base was published in."""
+    import shutil
+
+    folder = Path(folder)
+    shutil.copytree(ckpt.hf_dir, folder)
+    cfg = read_json(folder / "config.json")
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_QUANTIZATION}, indent=2))
+    return folder
+
+
 def no_leftovers(target: Path) -> bool:
     """Nothing named after ``target`` next to it (temporary or old folders)."""
     target = Path(target)

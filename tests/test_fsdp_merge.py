@@ -7,7 +7,10 @@ import json
 
 import pytest
 import torch
-from helpers import assert_tensors_equal, folder_tensors, model_logits, no_leftovers, read_json, reference_logits, run_cli
+from helpers import (
+    assert_tensors_equal, folder_tensors, model_logits, no_leftovers, quantized_base_config, read_json, reference_logits,
+    run_cli,
+)
 
 import hf_merge
 
@@ -87,6 +90,23 @@ def test_a_config_that_ties_an_untied_model_is_refused(qwen2_fp32_ws2, tmp_path)
     assert len(lines) == 1 and "lm_head.weight differs from its model.embed_tokens.weight" in lines[0], r.stderr
     assert "tie_word_embeddings: false" in lines[0]
     assert not target.exists() and no_leftovers(target)
+
+
+@pytest.mark.compat
+def test_a_quantized_base_models_config_is_written_without_its_quantization(qwen2_fp32_ws2, tmp_path):
+    """The weights are plain floats; a config.json that still says fp8 made transformers 4.57 refuse
+    the folder on CPU ("A GPU or XPU is needed for FP8 quantization") and makes fp8 loaders expect
+    weight_scale_inv tensors. save_pretrained of the dequantized model writes no quantization_config."""
+    config = quantized_base_config(qwen2_fp32_ws2, tmp_path / "base")
+    target = tmp_path / "merged"
+    r = run_cli("merge", qwen2_fp32_ws2.actor, target, "--config", config, "--dtype", "auto")
+    assert r.returncode == 0, r.stderr
+    assert "quantization_config (fp8) left out" in r.stderr, r.stderr
+    written = read_json(target / "config.json")
+    assert "quantization_config" not in written
+    assert written == {k: v for k, v in read_json(config / "config.json").items() if k != "quantization_config"} | {"dtype": "float32"}
+    input_ids, want = reference_logits(qwen2_fp32_ws2)
+    torch.testing.assert_close(model_logits(target, input_ids), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.compat

@@ -19,7 +19,7 @@ import hf_merge
 import make_fsdp_checkpoint as mk
 import make_hub_checkpoints as mh
 from hf_merge.checkpoint import open_checkpoint
-from hf_merge.errors import MappingError
+from hf_merge.errors import MappingError, UnsupportedCheckpointError
 from hf_merge.hf_files import checkpoint_config
 from hf_merge.transforms.views import build_views
 from hf_merge.transforms.hub_layout import HubLayout, hub_layout
@@ -372,3 +372,133 @@ def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_pat
     hf_merge.merge(src, tmp_path / "recomputed")
     assert_bytes_equal(folder_tensors(tmp_path / "recomputed"), want)
     assert layout_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}  # rewritten
+
+
+# --- the model zoo: each family's quirk, on the transformers stack the test runs under ---------
+
+
+def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids).logits.float()
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", sorted(mh.ZOO))
+def test_zoo_merge_is_save_pretrained_and_loads_alike(zoo_root, tmp_path, name):
+    """Tied Qwen2 / Llama 3.2 (llama3 RoPE), Gemma 2 / 3 (scaled embedding, (1 + w) norms,
+    soft-capping), Qwen3, Mistral, Phi-3 (fused qkv / gate_up), GPT-OSS (fused experts with biases,
+    sinks), and LoRA on tied, fused-projection and MoE models: the merge writes what
+    save_pretrained of the unsharded model writes (tensors byte for byte, config.json,
+    generation_config.json; LoRA: merge_and_unload()'s, and PEFT's adapter), and both it and
+    from_sharded_pretrained of the checkpoint give the model's logits."""
+    src, target = zoo_root / name, tmp_path / name
+    hf_merge.merge(src, target)
+    reference = src / "reference"
+    assert_bytes_equal(folder_tensors(target), folder_tensors(reference))
+    for file in ("config.json", "generation_config.json"):
+        assert read_json(target / file) == read_json(reference / file), file
+    ref = torch.load(reference / "logits.pt", weights_only=True)
+    torch.testing.assert_close(merged_logits(target, name, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+    loaded = hf_merge.from_sharded_pretrained(src, dtype="float32")
+    torch.testing.assert_close(_logits(loaded, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+    if mh.ZOO[name][2]:
+        assert_bytes_equal(folder_tensors(target / "lora_adapter"), folder_tensors(reference / "adapter"))
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", ["qwen2_tied_lora", "mixtral_lora", "qwen3_moe_v4_lora"])
+def test_zoo_lora_adapter_loads_with_peft(zoo_root, tmp_path, name):
+    """``--lora adapter`` of a tied and of a MoE model: PEFT loads it onto the base model, and
+    ``from_sharded_pretrained(lora="adapter")`` gives the same PeftModel; logits equal the trained one's."""
+    from peft import PeftModel
+
+    src = zoo_root / name
+    hf_merge.merge(src, tmp_path / "adapter", lora="adapter")
+    ref = torch.load(src / "reference" / "logits.pt", weights_only=True)
+    peft_model = PeftModel.from_pretrained(mh.build_model(name, lora=False), tmp_path / "adapter")
+    torch.testing.assert_close(_logits(peft_model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
+    loaded = hf_merge.from_sharded_pretrained(src, dtype="float32", lora="adapter")
+    assert isinstance(loaded, PeftModel)
+    torch.testing.assert_close(_logits(loaded, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.compat
+def test_peft_alpha_pattern_regex_from_the_adapter_config(zoo_root, tmp_path):
+    """An adapter_config.json beside the weights (verl's lora_adapter/, PEFT's own save) names
+    per-module alphas with PEFT's regular expressions (``.*\\.gate_up_proj`` under transformers 5):
+    matched as PEFT matches them, the fused output is merge_and_unload()'s."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(zoo_root / "qwen3_moe_v4_lora", src)
+    actor = src / "global_step_1" / "actor"
+    (actor / "lora_train_meta.json").unlink()
+    (actor / "lora_adapter").mkdir()
+    shutil.copy(src / "reference" / "adapter" / "adapter_config.json", actor / "lora_adapter")
+    result = hf_merge.merge(src, tmp_path / "fused", lora="fuse")
+    assert any("from lora_adapter/adapter_config.json" in n for n in result.notes)
+    assert_bytes_equal(folder_tensors(tmp_path / "fused"), folder_tensors(src / "reference"))
+
+
+# A real verl FSDP2 checkpoint of a tiny Qwen3-MoE written under transformers 5.25 (its rank files
+# hold the experts fused: ``mlp.experts.gate_up_proj [E, 2F, H]``), committed so that the
+# transformers 4.57 pass can read what a newer training stack wrote (tests/data/transformers_5/SOURCE).
+TF5_QWEN3_MOE = Path(__file__).parent / "data" / "transformers_5" / "qwen3_moe"
+needs_4x = pytest.mark.skipif(has_weight_conversions(), reason="transformers 5 reads its own fused experts")
+
+
+@pytest.mark.compat
+@needs_conversions
+def test_a_transformers_5_moe_checkpoint_merges_under_5(tmp_path):
+    """The committed checkpoint is what the 4.x refusal below is about: transformers 5 merges it
+    into per-expert tensors that give the logits its unsharded model gave."""
+    hf_merge.merge(TF5_QWEN3_MOE, tmp_path / "out", verify=True)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in folder_tensors(tmp_path / "out")
+    ref = torch.load(TF5_QWEN3_MOE / "reference" / "logits.pt", weights_only=True)
+    torch.testing.assert_close(merged_logits(tmp_path / "out", "qwen3_moe", ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.compat
+@needs_4x
+def test_transformers_4_refuses_the_fused_experts_of_a_transformers_5_checkpoint(tmp_path):
+    """Under transformers 4.x a checkpoint trained under 5.x holds expert tensors the 4.x model does
+    not have, and 4.x has no conversion to write them per expert. Written as they are, they were
+    ignored by from_pretrained (a Mixtral loaded with its experts left random, logits off by 0.38):
+    refused, naming them, before anything is written; the loader says the same."""
+    from helpers import error_line, run_cli
+
+    line = error_line(run_cli("merge", TF5_QWEN3_MOE, tmp_path / "out"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in line and "transformers 4.57" in line, line
+    assert "transformers>=5" in line, line
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(MappingError, match=r"fused expert.*experts\.gate_up_proj.*transformers>=5"):
+        hf_merge.from_sharded_pretrained(TF5_QWEN3_MOE, dtype="float32")
+
+
+# A Llama 3.2-style tied model (llama3 RoPE, rope_theta 500000) written under transformers 5.25: its
+# config.json keeps RoPE in rope_parameters, a field transformers 4.x does not read.
+TF5_LLAMA3 = Path(__file__).parent / "data" / "transformers_5" / "llama3_tied"
+
+
+@pytest.mark.compat
+@needs_conversions
+def test_a_transformers_5_llama3_rope_checkpoint_loads_under_5():
+    model = hf_merge.from_sharded_pretrained(TF5_LLAMA3, dtype="float32")
+    ref = torch.load(TF5_LLAMA3 / "reference" / "logits.pt", weights_only=True)
+    torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.compat
+@needs_4x
+def test_transformers_4_says_it_cannot_read_a_transformers_5_rope_config(tmp_path):
+    """transformers 4.57 builds this model with rope_theta 10000 and no llama3 scaling (logits off by
+    0.014 here): from_sharded_pretrained refuses, naming the field; the merge (bytes as transformers
+    5's save_pretrained writes them) warns that 4.x would load the output so."""
+    from helpers import run_cli
+
+    with pytest.raises(UnsupportedCheckpointError, match=r"rope_parameters.*rope_theta 500000.0.*10000.*transformers>=5"):
+        hf_merge.from_sharded_pretrained(TF5_LLAMA3, dtype="float32")
+    r = run_cli("merge", TF5_LLAMA3, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    (warning,) = [ln for ln in r.stderr.splitlines() if "rope_parameters" in ln]
+    assert warning.startswith("warning:") and "llama3" in warning and "transformers>=5" in warning, warning

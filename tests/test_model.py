@@ -459,6 +459,20 @@ def test_wrong_shapes_are_named(qwen2_fp32_ws2, tmp_path):
         AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, config=tmp_path)
 
 
+@pytest.mark.compat
+def test_a_quantized_base_models_config_loads_the_plain_weights(qwen2_fp32_ws2, tmp_path):
+    """config= the base model's Hub folder, whose config.json says fp8: the rank files hold plain
+    weights, loaded as they are (transformers 4.57 refused on CPU: "A GPU or XPU is needed for FP8
+    quantization"), as from_pretrained of the merged folder (no quantization_config) loads them."""
+    from helpers import quantized_base_config, reference_logits
+
+    config = quantized_base_config(qwen2_fp32_ws2, tmp_path / "base")
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, config=config, dtype="float32")
+    assert getattr(model.config, "quantization_config", None) is None
+    input_ids, want = reference_logits(qwen2_fp32_ws2)
+    torch.testing.assert_close(_logits(model, input_ids), want, rtol=0, atol=1e-6)
+
+
 def test_auto_class_without_a_model_for_the_config(qwen2_fp32_ws2):
     from transformers import AutoModelForImageTextToText
 

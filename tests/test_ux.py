@@ -413,6 +413,17 @@ def test_missing_tokenizer_and_generation_config_warn(actor_copy, tmp_path, caps
     assert "Not included | no tokenizer" in (tmp_path / "m" / "README.md").read_text()
 
 
+def test_missing_generation_config_alone_says_what_generate_loses(actor_copy, tmp_path, capsys):
+    """The tokenizer is there: the warning speaks of the generation config (eos tokens, sampling
+    settings), not of AutoTokenizer."""
+    (actor_copy / "huggingface" / "generation_config.json").unlink()
+    rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "m")
+    assert rc == 0
+    (warning,) = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert "has no generation_config.json" in warning and "tokenizer" not in warning, warning
+    assert "eos" in warning and "pass --config DIR" in warning, warning
+
+
 def test_failed_push_says_the_folder_was_written_and_how_to_retry(inproc, qwen2_fp32_ws2, tmp_path, capsys):  # noqa: F811
     inproc.fail(500, path_contains="/commit/")
     target = tmp_path / "m"

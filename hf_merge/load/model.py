@@ -46,7 +46,7 @@ import torch
 
 from ..checkpoint import LazyCheckpoint, open_checkpoint
 from ..errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
-from ..hf_files import find_config_dir, load_config
+from ..hf_files import find_config_dir, load_config, without_stale_quantization
 from .page_mapper import Mapper
 from .device_fill import StagerPool, stages
 from .prefetch import Prefetch
@@ -192,6 +192,12 @@ def from_sharded_pretrained(
         else:
             hf_dir = find_config_dir(ckpt.info.hf_dir, ckpt.info.path)
             config_dict = load_config(hf_dir)
+            rope = compat.rope_unread(config_dict)  # transformers 4.x reading a transformers 5 config.json
+            if rope is not None:
+                raise UnsupportedCheckpointError(
+                    f"{rope}: load it with transformers>=5 (pip install 'transformers>=5'), or pass config= a folder "
+                    "whose config.json sets rope_theta / rope_scaling"
+                )
             config_obj, model_kwargs = _load_config(hf_dir, trust_remote_code, kwargs)
         # What the checkpoint itself shows (a critic's value head, ties) wins over config.json, as
         # in merge; what the caller passed wins over both.
@@ -210,6 +216,11 @@ def from_sharded_pretrained(
             opened.append(base)
             lora_options = {}
         view, out_dtype, notes = model_view(base, config_dict, dtype=_merge_dtype(dtype), **lora_options)
+        if quantization_config is None:  # a quantized base's config.json over plain weights: as the merge writes it
+            config_dict, dropped = without_stale_quantization(config_dict, view.specs())
+            if dropped is not None and getattr(config_obj, "quantization_config", None) is not None:
+                del config_obj.quantization_config
+                notes.append(dropped)
         for note in list(ckpt.info.notes) + notes:
             logger.info(note)
         for warning in ckpt.info.warnings:

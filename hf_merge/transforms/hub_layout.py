@@ -42,7 +42,7 @@ from ..transformers_compat import has_weight_conversions, legacy_saved_names
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HubLayout", "hub_layout", "KNOWN_OPERATIONS", "REPLAYABLE_CALLS", "model_class_for"]
+__all__ = ["HubLayout", "hub_layout", "check_legacy_experts", "KNOWN_OPERATIONS", "REPLAYABLE_CALLS", "model_class_for"]
 
 #: ``transformers.core_model_loading`` operations whose reverse only moves data around (no
 #: arithmetic on values, no dependence on anything but shapes and the config), so replaying the
@@ -429,6 +429,7 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     from . import layout_cache
 
     specs = base.specs()
+    check_legacy_experts(specs, config)  # before the cache: a stored plan must not skip it
     key = None
     if layout_cache.cache_dir() is not None:
         key = layout_cache.digest({
@@ -521,6 +522,43 @@ def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
     if all(isinstance(r, _Leaf) and r.name == n for n, r in recipes.items()) and len(recipes) == len(specs):
         return _PASSTHROUGH
     return arch, recipes, out_specs
+
+
+def check_legacy_experts(specs: dict[str, TensorSpec], config: dict[str, Any]) -> None:
+    """transformers 4.x: refuse expert tensors its model does not have (a checkpoint trained under
+    transformers 5, which holds MoE experts fused: ``mlp.experts.gate_up_proj [E, 2F, H]``).
+
+    4.x has no conversion to write them per expert, and its ``from_pretrained`` ignores names it does
+    not know, so written as they are they would load as a model whose experts are left random. Only
+    3-D tensors under ``.experts.`` are looked at (GPT-OSS holds its experts fused in 4.x too: those
+    fit), so dense merges build no skeleton. Nothing to do under transformers 5.
+    """
+    if has_weight_conversions():
+        return
+    fused = [n for n, s in specs.items() if ".experts." in n and len(s.shape) == 3]
+    if not fused:
+        return
+    cls = model_class_for(config)
+    if cls is None:  # custom code: nothing of transformers' to compare with
+        return
+    try:
+        have = {n: tuple(t.shape) for n, t in skeleton(cls, config).state_dict().items()}
+    except MappingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' own error, re-raised typed with the architecture
+        raise MappingError(f"{cls.__name__}: transformers cannot build the model from config.json ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); fix config.json") from e
+    unknown = [n for n in fused if have.get(n) != tuple(specs[n].shape)]
+    if unknown:
+        import transformers
+
+        shown = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        raise MappingError(
+            f"{cls.__name__}: the checkpoint holds {len(unknown)} fused expert tensor(s) that transformers "
+            f"{transformers.__version__} does not have ({shown}); it was trained under transformers 5, which holds "
+            f"MoE experts fused, and {transformers.__version__} cannot write them per expert: merge or load it "
+            "with transformers>=5 (pip install 'transformers>=5')"
+        )
 
 
 def _legacy_plan(specs: dict[str, TensorSpec], config: dict[str, Any]):

@@ -12,6 +12,24 @@ from .lora_layout import PEFT_PREFIX, LoraLayout, LoraSettings
 from ..spec import TensorSpec
 
 
+#: rows of ``B @ A`` computed together, from row 0 on (see :func:`_delta_rows`)
+_ROW_BLOCK = 64
+
+
+def _delta_rows(b: torch.Tensor, a: torch.Tensor, start: int, stop: int, buf: torch.Tensor) -> torch.Tensor:
+    """Rows ``start:stop`` of ``B @ A`` (a view of ``buf``), each rounded as one product over all of
+    B's rows rounds it (PEFT's). BLAS kernels depend on how many rows a call has (a 1-row call is a
+    matrix-vector product), so a run of rank-file rows (2 of a 4-row router on 2 ranks) is computed
+    within whole blocks: rows ``[k * R, (k + 1) * R)`` for ``R =`` :data:`_ROW_BLOCK`, the last
+    block running on to B's last row (``R`` to ``2R - 1`` rows). One call per run, as before, into
+    ``buf`` (``stop - start + 3R`` rows: at most ``3R - 2`` more are computed than are used)."""
+    total = b.shape[0]
+    last = max(0, (total // _ROW_BLOCK - 1) * _ROW_BLOCK)  # where the last block starts
+    lo = min(start - start % _ROW_BLOCK, last)
+    end_block = min((stop - 1) - (stop - 1) % _ROW_BLOCK, last)
+    hi = total if end_block == last else end_block + _ROW_BLOCK
+    return torch.mm(b[lo:hi], a, out=buf[: hi - lo])[start - lo : stop - lo]
+
 class FusedLora(LazyCheckpoint):
     """The model with every LoRA delta folded into its base weight.
 
@@ -144,8 +162,8 @@ class FusedLora(LazyCheckpoint):
         # Reused buffers (a run is valid until the next is requested): fresh ~32 MB allocations per
         # run would cost a page fault and a zeroed page per 4 KB.
         rows_out = min(step, module.out_features)
-        acc = torch.empty(rows_out, module.in_features, dtype=torch.float32)
-        low = acc if dtype == torch.float32 else torch.empty(rows_out, module.in_features, dtype=dtype)
+        delta = torch.empty(min(rows_out + 3 * _ROW_BLOCK, module.out_features), module.in_features, dtype=torch.float32)
+        low = None if dtype == torch.float32 else torch.empty(rows_out, module.in_features, dtype=dtype)
         for first, piece in runs:
             weight = values(piece)
             for start in range(0, len(weight), step):
@@ -153,10 +171,10 @@ class FusedLora(LazyCheckpoint):
                 n = rows.stop - rows.start
                 # PEFT's W + (B @ A) * scale, the same three roundings: the delta is scaled and W
                 # added in place (IEEE addition commutes exactly), then rounded once to ``dtype``.
-                fused = torch.mm(b[rows], a, out=acc[:n]).mul_(scale).add_(weight[start : start + step])
-                if low is not acc:
-                    low[:n].copy_(fused)
-                yield rows.start, low[:n]
+                fused = _delta_rows(b, a, rows.start, rows.stop, delta).mul_(scale).add_(weight[start : start + step])
+                if low is not None:
+                    fused = low[:n].copy_(fused)
+                yield rows.start, fused
 
     def close(self) -> None:
         self.base.close()

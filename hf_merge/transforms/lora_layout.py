@@ -72,6 +72,12 @@ class LoraModule:
         """The HF name of the tensor this LoRA is folded into."""
         return self.param or f"{self.name}.weight"
 
+    @property
+    def pattern_key(self) -> str:
+        """The name PEFT matches ``rank_pattern`` / ``alpha_pattern`` against: the module's path, or
+        for LoRA on a parameter the parameter's (``model.layers.0.mlp.experts.gate_up_proj``)."""
+        return self.param or self.name
+
 
 @dataclass
 class LoraLayout:
@@ -129,16 +135,19 @@ class LoraSettings:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     task_type: str | None = None
     base_model_name_or_path: str | None = None
+    fused_alphas: dict[str, float] = field(default_factory=dict)  # the alpha_pattern entries derived, not recorded
 
     def scale(self, module: LoraModule) -> float:
         """PEFT's scaling for ``module``: alpha / r, or alpha / sqrt(r) with rsLoRA (r from its shapes)."""
-        alpha = _pattern_value(self.alpha_pattern, module.name, self.lora_alpha)
+        alpha = _pattern_value(self.alpha_pattern, module.pattern_key, self.lora_alpha)
         return alpha / math.sqrt(module.r) if self.use_rslora else alpha / module.r
 
 
-def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+def _pattern_value(pattern: dict[str, Any], name: str, default: Any) -> Any:
+    """PEFT's ``get_pattern_key``: the first key that matches the end of ``name`` as a regular
+    expression (``.*\\.gate_up_proj`` as PEFT writes it, or a module path)."""
     for key, value in pattern.items():
-        if module == key or module.endswith("." + key):
+        if re.match(rf"(.*\.)?({key})$", name):
             return value
     return default
 
@@ -292,7 +301,7 @@ def resolve_settings(
     for source_name, source in (("lora_train_meta.json", meta), (old_name, old)):
         if source and "r" in source and int(source["r"]) != r and int(source["r"]) in ranks:
             r = int(source["r"])
-    rank_pattern = {m.name: m.r for m in layout.modules.values() if m.r != r}
+    rank_pattern = {m.pattern_key: m.r for m in layout.modules.values() if m.r != r}
     if lora_alpha is not None:
         alpha, alpha_source = float(lora_alpha), "--lora-alpha"
     elif meta and meta.get("lora_alpha") is not None:
@@ -309,6 +318,8 @@ def resolve_settings(
     if use_rslora is None:
         use_rslora = bool((meta or {}).get("use_rslora", (old or {}).get("use_rslora", False)))
     alpha_pattern = dict((old or {}).get("alpha_pattern") or {})
+    fused_alphas = {} if alpha_pattern else _fused_alphas(layout, r, alpha)
+    alpha_pattern = alpha_pattern or fused_alphas
     task_type = (meta or {}).get("task_type") or (old or {}).get("task_type")
     if task_type is None and any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
         task_type = "CAUSAL_LM"
@@ -321,7 +332,21 @@ def resolve_settings(
         alpha_pattern=alpha_pattern,
         task_type=task_type,
         base_model_name_or_path=base_model_name or config.get("_name_or_path") or (old or {}).get("base_model_name_or_path"),
+        fused_alphas=fused_alphas,
     )
+
+
+def _fused_alphas(layout: LoraLayout, r: int, alpha: float) -> dict[str, float]:
+    """alpha for LoRA on a fused expert parameter at ``k * r``: ``k * alpha``, when only one r and one
+    alpha are recorded (verl's lora_train_meta.json, --lora-alpha).
+
+    PEFT 0.21 under transformers 5 maps LoRA targets named per projection (``gate_proj``, ``up_proj``,
+    or ``all-linear``) onto the fused ``gate_up_proj`` at rank ``2r`` and alpha ``2 alpha``
+    (``rank_pattern`` / ``alpha_pattern``: alpha / r kept); a fused parameter has no other way to a
+    multiple of the one r. Its adapter_config.json says so, and wins when it is there.
+    """
+    return {m.pattern_key: alpha * (m.r // r) for m in layout.modules.values()
+            if m.param is not None and m.r != r and m.r % r == 0}
 
 
 def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]:

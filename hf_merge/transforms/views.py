@@ -92,6 +92,13 @@ def build_views(
             f"LoRA: r={settings.r}, lora_alpha={settings.lora_alpha} (from {settings.alpha_source}), "
             f"{'rsLoRA, ' if settings.use_rslora else ''}targets {', '.join(layout.target_modules + layout.target_parameters)}"
         )
+        if settings.fused_alphas:
+            ranks = sorted({settings.rank_pattern[k] for k in settings.fused_alphas})
+            notes.append(
+                f"LoRA: {len(settings.fused_alphas)} fused expert parameter(s) at rank {'/'.join(map(str, ranks))} take "
+                f"lora_alpha {'/'.join(str(v) for v in sorted(set(settings.fused_alphas.values())))} (alpha / r kept, as "
+                "PEFT sets it when it fuses per-projection targets under transformers 5)"
+            )
         if layout.lora_only:
             if base_model is None:
                 if lora != "adapter":
@@ -127,6 +134,10 @@ def build_views(
 
             model, hub_notes = hub_layout(model, config)
             notes.extend(hub_notes)
+        else:  # the loader fills the in-memory layout, which must be this transformers' own
+            from .hub_layout import check_legacy_experts
+
+            check_legacy_experts(model.specs(), config)
         views.model = Cast(model, out_dtype)
     return views
 
