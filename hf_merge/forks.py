@@ -60,3 +60,19 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+_processes_here = 1  # processes on this machine that each fork their own helpers (torchrun ranks that all read)
+
+
+def share_cpus(processes: int) -> None:
+    """From now on ``processes`` on this machine (this one included) fork helpers of their own:
+    :func:`helper_cpus` gives each its share of the CPUs."""
+    global _processes_here
+    _processes_here = max(1, processes)
+
+
+def helper_cpus() -> int:
+    """How many helper processes this process may fork to read in parallel (rank files, chunk
+    archives): its share of the CPUs (:func:`share_cpus`)."""
+    return max(1, usable_cpus() // _processes_here)

@@ -197,3 +197,16 @@ def test_a_damaged_chunk_read_by_another_process_gets_the_readers_own_error(chun
         for name in sorted(state):
             assert torch.equal(ck.read(name), state[name])
     assert chunks_pooled  # the good chunks came from the other processes
+
+
+def test_processes_that_all_read_share_the_cpus_for_their_readers(monkeypatch):
+    """torchrun with --dist-writers rank: every rank of a node reads the source and forks readers."""
+    from hf_merge import forks
+
+    monkeypatch.setattr(forks, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(forks, "_processes_here", 1)
+    assert forks.helper_cpus() == 16
+    forks.share_cpus(4)
+    assert forks.helper_cpus() == 4
+    forks.share_cpus(32)
+    assert forks.helper_cpus() == 1

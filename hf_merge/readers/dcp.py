@@ -50,7 +50,7 @@ import torch
 
 from .file_runs import FileRun, MappedFile
 from . import contained, rank_pool, record_crc
-from ..forks import usable_cpus
+from ..forks import helper_cpus
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import (
     CorruptCheckpointError,
@@ -512,7 +512,7 @@ class DcpCheckpoint(LazyCheckpoint):
                     for c in chunks:
                         if c.layout is None:
                             todo.setdefault(c.file, []).append((name, c))
-                cpus = usable_cpus()
+                cpus = helper_cpus()
                 if os.getpid() == self._opened_by and len(todo) > 1 and cpus > 1 and sum(map(len, todo.values())) >= PARALLEL_CHUNKS:
                     pool = rank_pool.RankPool({rel: (str(self.path / rel), items) for rel, items in todo.items()}, cpus,
                                               read=_read_file_chunks)

@@ -33,7 +33,7 @@ from .fsdp_files import (
     resolve_fsdp_dir, row_pieces,
 )
 from . import contained, record_crc
-from ..forks import usable_cpus
+from ..forks import helper_cpus
 from . import rank_pool
 from .rank_records import LazyLocals, LocalDTensor, load_local_records, load_mapped_rank_records, local_records
 
@@ -50,7 +50,7 @@ class FsdpCheckpoint(LazyCheckpoint):
         self._files: dict[int, MappedFile | None] = {}
         paths = [self.folder / rank_file_name(self.world_size, r) for r in range(self.world_size)]
         # many tensors x many ranks: ranks 1.. are read by other processes while this one reads rank 0
-        self._pool = (rank_pool.RankPool(dict(enumerate(paths[1:], 1)), usable_cpus(), read=local_records)
+        self._pool = (rank_pool.RankPool(dict(enumerate(paths[1:], 1)), helper_cpus(), read=local_records)
                       if rank_pool.worth(paths) else None)
         try:
             first = self._state(0)

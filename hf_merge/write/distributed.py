@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+from .. import forks
 from ..errors import DistributedError, HfMergeError
 from ..settings import DIST_TIMEOUT_VAR as TIMEOUT_VAR
 from ..settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
@@ -410,6 +411,8 @@ class Job:
         from ..pipeline import Writing
 
         writers = options.dist_writers
+        if writers == "rank":  # every rank on a node reads the source: their reader processes share its CPUs
+            forks.share_cpus(_int_or_none(os.environ.get("LOCAL_WORLD_SIZE")) or 1)
 
         main = self.rank == 0
         output = tmp = staged = None
