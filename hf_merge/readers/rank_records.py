@@ -116,6 +116,8 @@ class _DTensorRecord:
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if type(value) is tuple and all(type(v) is int for v in value):  # what a pickle gives, checked quickly
+        return value
     if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise TypeError(f"{what} is {str(value)[:60]}, not a tuple of integers")
     return tuple(int(v) for v in value)
