@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import forks
+from . import contained
 from .torch_zip import read_records
 
 #: rank pickles larger than this in all (about 1.5 s of walking on one core) are read in parallel
@@ -37,7 +38,7 @@ PARALLEL_PICKLE_BYTES = 2 << 20
 
 def pickle_bytes(path: Path) -> int:
     """The size of a ``torch.save`` file's ``data.pkl`` (its zip directory read, nothing else)."""
-    with open(path, "rb") as f:
+    with open(contained.check(path), "rb") as f:
         records = read_records(f, Path(path).name)
     return sum(r.size for name, r in records.items() if name.endswith("data.pkl"))
 
