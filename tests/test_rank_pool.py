@@ -210,3 +210,70 @@ def test_processes_that_all_read_share_the_cpus_for_their_readers(monkeypatch):
     assert forks.helper_cpus() == 4
     forks.share_cpus(32)
     assert forks.helper_cpus() == 1
+
+
+# --------------------------------------------------------------------------------------------
+# A process killed halfway through a result; an interrupt while the processes are forked
+# --------------------------------------------------------------------------------------------
+
+HANG_GUARD_S = 300  # only against a hung test; nothing is timed
+
+
+def _wait_for_a_full_pipe() -> None:
+    """Until one of this process's pipes holds a pipe's worth of bytes (its writer then blocks
+    halfway through a message): the kernel's state, read until it is so; no delay."""
+    import fcntl
+    import termios
+
+    while True:
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                if not os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                    continue
+                held = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+                if held and held >= fcntl.fcntl(fd, 1032) - 4096:  # F_GETPIPE_SZ, less a page
+                    return
+            except OSError:
+                continue
+
+
+def test_a_process_killed_halfway_through_a_result_leaves_its_items_to_the_caller(qwen2_vocab2k_ws2):
+    """The OOM killer's SIGKILL lands while a reader is blocked sending a large result (the parent
+    busy elsewhere): what it sent is cut short. Its items come back as None; no hang."""
+    import threading
+
+    paths = {r: qwen2_vocab2k_ws2.actor / f"model_world_size_2_rank_{r}.pt" for r in (0, 1)}
+    assert min(p.stat().st_size for p in paths.values()) > 1 << 17  # more than a pipe holds
+    pool = rank_pool.RankPool(paths, processes=1, read=Path.read_bytes)
+    try:
+        _wait_for_a_full_pipe()
+        pool._procs[0].kill()
+        pool._procs[0].join()
+        got: list = []
+        taker = threading.Thread(target=lambda: got.extend(pool.take(r) for r in paths), daemon=True)
+        taker.start()
+        taker.join(HANG_GUARD_S)
+        assert not taker.is_alive(), "take() hangs on a result cut short"
+        assert got == [None, None]
+    finally:
+        pool.close()
+
+
+def test_an_interrupt_while_the_readers_are_forked_leaves_no_reader_running(llama_tied_bf16_ws4, pooled, monkeypatch):
+    """Ctrl-C while the pool forks (a large process forks slowly) is raised once the forks are done,
+    from inside the pool's constructor: the processes already started are ended there, not left
+    reading (a notebook's kernel would keep them until it exits)."""
+    import multiprocessing
+    import signal
+
+    start = multiprocessing.context.ForkProcess.start
+
+    def start_then_interrupt(self):
+        start(self)
+        os.kill(os.getpid(), signal.SIGINT)  # deferred by the pool until its forks are done
+
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        fsdp.open_fsdp(llama_tied_bf16_ws4.actor)
+    monkeypatch.undo()
+    assert multiprocessing.active_children() == []
