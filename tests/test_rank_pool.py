@@ -277,3 +277,55 @@ def test_an_interrupt_while_the_readers_are_forked_leaves_no_reader_running(llam
         fsdp.open_fsdp(llama_tied_bf16_ws4.actor)
     monkeypatch.undo()
     assert multiprocessing.active_children() == []
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI while its reader processes run (tests/phase_driver.py holds a reader: an event, no delay)
+# --------------------------------------------------------------------------------------------
+
+
+def _held_reader(src: Path, target: Path):
+    from test_signals import Held
+
+    held = Held("reading", ["merge", src, target, "--max-shard-size", "20KB", "--workers", "1"])
+    reader = held.reached()
+    with open(f"/proc/{reader}/status") as f:  # a child of the merge, not the merge itself
+        assert f"PPid:\t{held.proc.pid}\n" in f.read()
+    return held, reader
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_while_the_readers_run_leaves_no_target_and_no_reader(signum, qwen2_fp32_ws2, tmp_path):
+    import signal
+
+    from test_signals import _group_alive
+
+    target = tmp_path / "sub" / "out"
+    held, _ = _held_reader(qwen2_fp32_ws2.actor, target)
+    try:
+        done = held.signal(getattr(signal, signum))
+        assert done.returncode == 130, done.stderr
+        assert [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")] == [
+            "error: interrupted; nothing was written to the target"], done.stderr
+        assert "Traceback" not in done.stderr
+        assert not (tmp_path / "sub").exists()
+        assert not _group_alive(held.proc.pid)  # the reader ended by the merge, not left reading
+    finally:
+        held.close()
+
+
+def test_a_reader_killed_mid_run_leaves_its_rank_to_the_merge(qwen2_fp32_ws2, tmp_path):
+    """The OOM killer ends a reader process: the merge reads its rank itself and writes the same bytes."""
+    import signal
+
+    from test_signals import HANG_GUARD_S
+
+    held, reader = _held_reader(qwen2_fp32_ws2.actor, tmp_path / "pooled")
+    try:
+        os.kill(reader, signal.SIGKILL)
+        out, err = held.proc.communicate(timeout=HANG_GUARD_S)
+        assert held.proc.returncode == 0, err
+    finally:
+        held.close()
+    hf_merge.merge(str(qwen2_fp32_ws2.actor), str(tmp_path / "serial"), max_shard_size="20KB")
+    assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
