@@ -295,15 +295,24 @@ def _held_reader(src: Path, target: Path):
 
 
 @pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
-def test_an_interrupt_while_the_readers_run_leaves_no_target_and_no_reader(signum, qwen2_fp32_ws2, tmp_path):
+@pytest.mark.parametrize("to", ["merge", "group"])
+def test_an_interrupt_while_the_readers_run_leaves_no_target_and_no_reader(signum, to, qwen2_fp32_ws2, tmp_path):
+    """To the merge (``kill PID``) or to its whole process group, readers included (Ctrl-C in a
+    terminal, a batch system's SIGTERM to the job's processes)."""
     import signal
+    import subprocess
 
-    from test_signals import _group_alive
+    from test_signals import HANG_GUARD_S, _group_alive
 
     target = tmp_path / "sub" / "out"
     held, _ = _held_reader(qwen2_fp32_ws2.actor, target)
     try:
-        done = held.signal(getattr(signal, signum))
+        if to == "merge":
+            done = held.signal(getattr(signal, signum))
+        else:
+            os.killpg(held.proc.pid, getattr(signal, signum))
+            out, err = held.proc.communicate(timeout=HANG_GUARD_S)
+            done = subprocess.CompletedProcess(held.proc.args, held.proc.returncode, out, err)
         assert done.returncode == 130, done.stderr
         assert [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")] == [
             "error: interrupted; nothing was written to the target"], done.stderr
@@ -329,3 +338,22 @@ def test_a_reader_killed_mid_run_leaves_its_rank_to_the_merge(qwen2_fp32_ws2, tm
         held.close()
     hf_merge.merge(str(qwen2_fp32_ws2.actor), str(tmp_path / "serial"), max_shard_size="20KB")
     assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_reader_interrupted_on_its_own_ends_quietly_and_the_merge_reads_its_rank(signum, qwen2_fp32_ws2, tmp_path):
+    """A reader that gets the interrupt before the merge ends it (Ctrl-C reaches the whole process
+    group; the merge may be inside a long call): it ends without a traceback of its own on the
+    terminal, and a merge that goes on reads its rank itself."""
+    import signal
+
+    from test_signals import HANG_GUARD_S
+
+    held, reader = _held_reader(qwen2_fp32_ws2.actor, tmp_path / "pooled")
+    try:
+        os.kill(reader, getattr(signal, signum))
+        out, err = held.proc.communicate(timeout=HANG_GUARD_S)
+        assert held.proc.returncode == 0, err
+        assert "Traceback" not in err and "Process " not in err, err
+    finally:
+        held.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -54,6 +55,9 @@ def _read(jobs: list[tuple[Any, Any]], read: Callable[[Any], Any], conn: Connect
     """In a forked process: ``(key, read(item))`` of each job sent on ``conn``, by a thread (the
     next item is read while the parent is busy); None for an item ``read`` failed on."""
     forks.child_started(parent)
+    for s in (signal.SIGINT, signal.SIGTERM):  # an interrupt ends a reader at once and quietly (no traceback
+        if signal.getsignal(s) != signal.SIG_IGN:  # of its own): the parent ends too, or reads its items itself
+            signal.signal(s, signal.SIG_DFL)
     out: queue_module.SimpleQueue = queue_module.SimpleQueue()
     sender = threading.Thread(target=_send, args=(out, conn), daemon=True)
     sender.start()
