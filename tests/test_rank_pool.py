@@ -357,3 +357,28 @@ def test_a_reader_interrupted_on_its_own_ends_quietly_and_the_merge_reads_its_ra
         assert "Traceback" not in err and "Process " not in err, err
     finally:
         held.close()
+
+
+def test_when_no_process_can_be_forked_the_ranks_are_read_here(llama_tied_bf16_ws4, pooled, tmp_path, monkeypatch):
+    """A large process on a node without overcommit gets ENOMEM from fork (EAGAIN under a process
+    limit): the pool is only a speed-up, so the ranks it could not hand out are read here and the
+    merge writes the same bytes; from the second fork on, the first process's ranks still come back."""
+    import errno
+
+    monkeypatch.setattr(rank_pool, "PARALLEL_PICKLE_BYTES", 1 << 62)
+    hf_merge.merge(str(llama_tied_bf16_ws4.actor), str(tmp_path / "serial"), max_shard_size="100KB")
+    monkeypatch.setattr(rank_pool, "PARALLEL_PICKLE_BYTES", 0)
+    real_fork, forks_made = os.fork, []
+
+    def fork():
+        if forks_made:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        forks_made.append(1)
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", fork)
+    monkeypatch.setattr(fsdp, "helper_cpus", lambda: 3)  # a process per rank: ranks 2 and 3 find no fork
+    # one writer (this process): forked writers would need fork too (--workers 1 is the way out there)
+    hf_merge.merge(str(llama_tied_bf16_ws4.actor), str(tmp_path / "pooled"), max_shard_size="100KB", workers=1)
+    assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
+    assert {p.name for p in pooled} == {"model_world_size_4_rank_1.pt"}  # the one process forked

@@ -97,19 +97,22 @@ class RankPool:
         shares = [[(k, items[k]) for k in keys[i::n]] for i in range(n)]
         self._owner = {k: i for i, share in enumerate(shares) for k, _ in share}
         self._procs: list[mp.process.BaseProcess] = []
-        self._conns: list[Connection | None] = []
+        self._conns: list[Connection | None] = []  # [i]: share i's process (those started)
         self._got: list[dict[Any, Any]] = [{} for _ in shares]
         try:
             with forks.signals_deferred():  # an interrupt lands after the forks, not in one
                 for share in shares:
                     receive, send = ctx.Pipe(duplex=False)
-                    self._conns.append(receive)
                     proc = ctx.Process(target=_read, args=(share, read, send, os.getpid()), daemon=True)
-                    self._procs.append(proc)
                     try:
                         proc.start()
+                    except OSError:  # no fork (ENOMEM of a large process, EAGAIN): the caller reads the rest
+                        receive.close()
+                        break
                     finally:
                         send.close()  # the child's is its only copy: its pipe ends when it does
+                    self._procs.append(proc)
+                    self._conns.append(receive)
         except BaseException:  # e.g. the interrupt that waited for the forks: none of them outlives this
             self.close()
             raise
@@ -121,7 +124,7 @@ class RankPool:
             return None
         got = self._got[owner]
         while key not in got:
-            conn = self._conns[owner]
+            conn = self._conns[owner] if owner < len(self._conns) else None
             if conn is None:
                 return None
             try:
