@@ -14,10 +14,10 @@ A DCP checkpoint saved by many ranks holds a ``torch.save`` archive per tensor p
 used: ~0.15 ms each. Where there are many (:data:`~hf_merge.readers.dcp.PARALLEL_CHUNKS`), the
 first tensor read hands the files to forked processes the same way.
 
-What a process could not read (any error, a dead process, a file changed since) comes back as
-None and the reader reads it itself, so every error is the one the reader raises and nothing is
-taken from a file that changed: the file's version (device, inode, size, modification and change
-times) must be the one the other process read, unchanged while it read.
+What a process could not read (any error, a dead process, a file changed since, a fork refused)
+comes back as None and the reader reads it itself, so every error is the one the reader raises and
+nothing is taken from a file that changed: the file's version (device, inode, size, modification
+and change times) must be the one the other process read, unchanged while it read.
 """
 
 from __future__ import annotations
