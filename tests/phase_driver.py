@@ -14,7 +14,9 @@ encoder threads or fsyncs). Phases:
 - ``forked``: a forked writer process starts its file (the parent waits for its writers);
 - ``encoding``: the GGUF encoder thread has a chunk to encode (the main thread waits for it);
 - ``syncing``: the fsyncs of the output files before the rename (fsync threads);
-- ``placed``: the target is renamed into place, its parent folder not fsynced yet (main thread).
+- ``placed``: the target is renamed into place, its parent folder not fsynced yet (main thread);
+- ``reading``: a reader process of the rank pool (readers/rank_pool.py, its size bar lowered to 0)
+  starts a verl FSDP rank file (the parent waits for what it sends).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def main() -> int:
         hold_in(quant, "encode")
     elif phase == "syncing":
         hold_in(durable, "sync_file")
+    elif phase == "reading":
+        import hf_merge.readers.fsdp as fsdp
+        import hf_merge.readers.rank_pool as rank_pool
+
+        rank_pool.PARALLEL_PICKLE_BYTES = 0
+        hold_in(fsdp, "local_records", lambda *a: os.getpid() != driver)
     elif phase == "placed":
         hold_in(durable, "sync_dir", lambda path: ".hf-merge-tmp-" not in str(path))  # the parent, after the rename
     else:

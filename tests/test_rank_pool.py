@@ -210,3 +210,175 @@ def test_processes_that_all_read_share_the_cpus_for_their_readers(monkeypatch):
     assert forks.helper_cpus() == 4
     forks.share_cpus(32)
     assert forks.helper_cpus() == 1
+
+
+# --------------------------------------------------------------------------------------------
+# A process killed halfway through a result; an interrupt while the processes are forked
+# --------------------------------------------------------------------------------------------
+
+HANG_GUARD_S = 300  # only against a hung test; nothing is timed
+
+
+def _wait_for_a_full_pipe() -> None:
+    """Until one of this process's pipes holds a pipe's worth of bytes (its writer then blocks
+    halfway through a message): the kernel's state, read until it is so; no delay."""
+    import fcntl
+    import termios
+
+    while True:
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                if not os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                    continue
+                held = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+                if held and held >= fcntl.fcntl(fd, 1032) - 4096:  # F_GETPIPE_SZ, less a page
+                    return
+            except OSError:
+                continue
+
+
+def test_a_process_killed_halfway_through_a_result_leaves_its_items_to_the_caller(qwen2_vocab2k_ws2):
+    """The OOM killer's SIGKILL lands while a reader is blocked sending a large result (the parent
+    busy elsewhere): what it sent is cut short. Its items come back as None; no hang."""
+    import threading
+
+    paths = {r: qwen2_vocab2k_ws2.actor / f"model_world_size_2_rank_{r}.pt" for r in (0, 1)}
+    assert min(p.stat().st_size for p in paths.values()) > 1 << 17  # more than a pipe holds
+    pool = rank_pool.RankPool(paths, processes=1, read=Path.read_bytes)
+    try:
+        _wait_for_a_full_pipe()
+        pool._procs[0].kill()
+        pool._procs[0].join()
+        got: list = []
+        taker = threading.Thread(target=lambda: got.extend(pool.take(r) for r in paths), daemon=True)
+        taker.start()
+        taker.join(HANG_GUARD_S)
+        assert not taker.is_alive(), "take() hangs on a result cut short"
+        assert got == [None, None]
+    finally:
+        pool.close()
+
+
+def test_an_interrupt_while_the_readers_are_forked_leaves_no_reader_running(llama_tied_bf16_ws4, pooled, monkeypatch):
+    """Ctrl-C while the pool forks (a large process forks slowly) is raised once the forks are done,
+    from inside the pool's constructor: the processes already started are ended there, not left
+    reading (a notebook's kernel would keep them until it exits)."""
+    import multiprocessing
+    import signal
+
+    start = multiprocessing.context.ForkProcess.start
+
+    def start_then_interrupt(self):
+        start(self)
+        os.kill(os.getpid(), signal.SIGINT)  # deferred by the pool until its forks are done
+
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        fsdp.open_fsdp(llama_tied_bf16_ws4.actor)
+    monkeypatch.undo()
+    assert multiprocessing.active_children() == []
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI while its reader processes run (tests/phase_driver.py holds a reader: an event, no delay)
+# --------------------------------------------------------------------------------------------
+
+
+def _held_reader(src: Path, target: Path):
+    from test_signals import Held
+
+    held = Held("reading", ["merge", src, target, "--max-shard-size", "20KB", "--workers", "1"])
+    reader = held.reached()
+    with open(f"/proc/{reader}/status") as f:  # a child of the merge, not the merge itself
+        assert f"PPid:\t{held.proc.pid}\n" in f.read()
+    return held, reader
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("to", ["merge", "group"])
+def test_an_interrupt_while_the_readers_run_leaves_no_target_and_no_reader(signum, to, qwen2_fp32_ws2, tmp_path):
+    """To the merge (``kill PID``) or to its whole process group, readers included (Ctrl-C in a
+    terminal, a batch system's SIGTERM to the job's processes)."""
+    import signal
+    import subprocess
+
+    from test_signals import HANG_GUARD_S, _group_alive
+
+    target = tmp_path / "sub" / "out"
+    held, _ = _held_reader(qwen2_fp32_ws2.actor, target)
+    try:
+        if to == "merge":
+            done = held.signal(getattr(signal, signum))
+        else:
+            os.killpg(held.proc.pid, getattr(signal, signum))
+            out, err = held.proc.communicate(timeout=HANG_GUARD_S)
+            done = subprocess.CompletedProcess(held.proc.args, held.proc.returncode, out, err)
+        assert done.returncode == 130, done.stderr
+        assert [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")] == [
+            "error: interrupted; nothing was written to the target"], done.stderr
+        assert "Traceback" not in done.stderr
+        assert not (tmp_path / "sub").exists()
+        assert not _group_alive(held.proc.pid)  # the reader ended by the merge, not left reading
+    finally:
+        held.close()
+
+
+def test_a_reader_killed_mid_run_leaves_its_rank_to_the_merge(qwen2_fp32_ws2, tmp_path):
+    """The OOM killer ends a reader process: the merge reads its rank itself and writes the same bytes."""
+    import signal
+
+    from test_signals import HANG_GUARD_S
+
+    held, reader = _held_reader(qwen2_fp32_ws2.actor, tmp_path / "pooled")
+    try:
+        os.kill(reader, signal.SIGKILL)
+        out, err = held.proc.communicate(timeout=HANG_GUARD_S)
+        assert held.proc.returncode == 0, err
+    finally:
+        held.close()
+    hf_merge.merge(str(qwen2_fp32_ws2.actor), str(tmp_path / "serial"), max_shard_size="20KB")
+    assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_reader_interrupted_on_its_own_ends_quietly_and_the_merge_reads_its_rank(signum, qwen2_fp32_ws2, tmp_path):
+    """A reader that gets the interrupt before the merge ends it (Ctrl-C reaches the whole process
+    group; the merge may be inside a long call): it ends without a traceback of its own on the
+    terminal, and a merge that goes on reads its rank itself."""
+    import signal
+
+    from test_signals import HANG_GUARD_S
+
+    held, reader = _held_reader(qwen2_fp32_ws2.actor, tmp_path / "pooled")
+    try:
+        os.kill(reader, getattr(signal, signum))
+        out, err = held.proc.communicate(timeout=HANG_GUARD_S)
+        assert held.proc.returncode == 0, err
+        assert "Traceback" not in err and "Process " not in err, err
+    finally:
+        held.close()
+
+
+def test_when_no_process_can_be_forked_the_ranks_are_read_here(llama_tied_bf16_ws4, pooled, tmp_path, monkeypatch):
+    """A large process on a node without overcommit gets ENOMEM from fork (EAGAIN under a process
+    limit): the pool is only a speed-up, so the ranks it could not hand out are read here and the
+    merge writes the same bytes; from the second fork on, the first process's ranks still come back."""
+    import errno
+
+    monkeypatch.setattr(rank_pool, "PARALLEL_PICKLE_BYTES", 1 << 62)
+    hf_merge.merge(str(llama_tied_bf16_ws4.actor), str(tmp_path / "serial"), max_shard_size="100KB")
+    monkeypatch.setattr(rank_pool, "PARALLEL_PICKLE_BYTES", 0)
+    real_fork, forks_made = os.fork, []
+
+    def fork():
+        if forks_made:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        forks_made.append(1)
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", fork)
+    monkeypatch.setattr(fsdp, "helper_cpus", lambda: 3)  # a process per rank: ranks 2 and 3 find no fork
+    # one writer (this process): forked writers would need fork too (--workers 1 is the way out there)
+    hf_merge.merge(str(llama_tied_bf16_ws4.actor), str(tmp_path / "pooled"), max_shard_size="100KB", workers=1)
+    assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
+    assert {p.name for p in pooled} == {"model_world_size_4_rank_1.pt"}  # the one process forked

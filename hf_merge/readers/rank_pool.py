@@ -14,10 +14,10 @@ A DCP checkpoint saved by many ranks holds a ``torch.save`` archive per tensor p
 used: ~0.15 ms each. Where there are many (:data:`~hf_merge.readers.dcp.PARALLEL_CHUNKS`), the
 first tensor read hands the files to forked processes the same way.
 
-What a process could not read (any error, a dead process, a file changed since) comes back as
-None and the reader reads it itself, so every error is the one the reader raises and nothing is
-taken from a file that changed: the file's version (device, inode, size, modification and change
-times) must be the one the other process read, unchanged while it read.
+What a process could not read (any error, a dead process, a file changed since, a fork refused)
+comes back as None and the reader reads it itself, so every error is the one the reader raises and
+nothing is taken from a file that changed: the file's version (device, inode, size, modification
+and change times) must be the one the other process read, unchanged while it read.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
+import threading
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,51 +52,97 @@ def worth(rank_files: list[Path]) -> bool:
     return len(rank_files) > 1 and pickle_bytes(rank_files[0]) * len(rank_files) >= PARALLEL_PICKLE_BYTES
 
 
-def _read(jobs: list[tuple[Any, Any]], read: Callable[[Any], Any], results, parent: int) -> None:
+def _read(jobs: list[tuple[Any, Any]], read: Callable[[Any], Any], conn: Connection, parent: int) -> None:
+    """In a forked process: ``(key, read(item))`` of each job sent on ``conn``, by a thread (the
+    next item is read while the parent is busy); None for an item ``read`` failed on."""
     forks.child_started(parent)
-    for key, item in jobs:
-        try:
-            results.put((key, read(item)))
-        except Exception:  # the reader reads this itself and raises its error (an interrupt ends the process)
-            results.put((key, None))
+    for s in (signal.SIGINT, signal.SIGTERM):  # an interrupt ends a reader at once and quietly (no traceback
+        if signal.getsignal(s) != signal.SIG_IGN:  # of its own): the parent ends too, or reads its items itself
+            signal.signal(s, signal.SIG_DFL)
+    out: queue_module.SimpleQueue = queue_module.SimpleQueue()
+    sender = threading.Thread(target=_send, args=(out, conn), daemon=True)
+    sender.start()
+    try:
+        for key, item in jobs:
+            try:
+                value = read(item)
+            except Exception:  # the reader reads this itself and raises its error (an interrupt ends the process)
+                value = None
+            out.put((key, value))
+    finally:
+        out.put(_DONE)
+        sender.join()
+
+
+_DONE = object()
+
+
+def _send(out: queue_module.SimpleQueue, conn: Connection) -> None:
+    while (got := out.get()) is not _DONE:
+        conn.send(got)
+    conn.close()
 
 
 class RankPool:
     """``read(item)`` of each of ``items`` (``{key: item}``, e.g. rank: file) in up to ``processes``
-    forked processes; :meth:`take` hands each result over."""
+    forked processes; :meth:`take` hands each result over.
+
+    Each process sends on a pipe of its own whose only writer it is: a process that dies (the OOM
+    killer's SIGKILL) even halfway through a result ends its pipe, and its keys come back as None;
+    a shared queue would hang there (a result cut short, its write lock held forever)."""
 
     def __init__(self, items: dict[Any, Any], processes: int, read: Callable[[Any], Any]):
         ctx = mp.get_context("fork")
-        self._results = ctx.Queue()
         keys = list(items)
         n = max(1, min(processes, len(keys)))
         shares = [[(k, items[k]) for k in keys[i::n]] for i in range(n)]
         self._owner = {k: i for i, share in enumerate(shares) for k, _ in share}
-        self._procs = [ctx.Process(target=_read, args=(share, read, self._results, os.getpid()), daemon=True)
-                       for share in shares]
-        self._got: dict[Any, Any] = {}
-        with forks.signals_deferred():  # an interrupt lands after the forks, not in one
-            for p in self._procs:
-                p.start()
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection | None] = []  # [i]: share i's process (those started)
+        self._got: list[dict[Any, Any]] = [{} for _ in shares]
+        try:
+            with forks.signals_deferred():  # an interrupt lands after the forks, not in one
+                for share in shares:
+                    receive, send = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_read, args=(share, read, send, os.getpid()), daemon=True)
+                    try:
+                        proc.start()
+                    except OSError:  # no fork (ENOMEM of a large process, EAGAIN): the caller reads the rest
+                        receive.close()
+                        break
+                    finally:
+                        send.close()  # the child's is its only copy: its pipe ends when it does
+                    self._procs.append(proc)
+                    self._conns.append(receive)
+        except BaseException:  # e.g. the interrupt that waited for the forks: none of them outlives this
+            self.close()
+            raise
 
     def take(self, key: Any) -> Any:
-        """What ``read`` gave for ``key``; None when its process did not read it."""
-        if key not in self._owner:
+        """What ``read`` gave for ``key``; None when its process did not read it (or died first)."""
+        owner = self._owner.get(key)
+        if owner is None:
             return None
-        while key not in self._got:
+        got = self._got[owner]
+        while key not in got:
+            conn = self._conns[owner] if owner < len(self._conns) else None
+            if conn is None:
+                return None
             try:
-                got_key, value = self._results.get(timeout=1.0)
-            except queue_module.Empty:  # a process that died sends nothing more: its items are read here
-                proc = self._procs[self._owner[key]]
-                if proc.exitcode is not None and self._results.empty():
-                    return None
-                continue
-            self._got[got_key] = value
-        return self._got.pop(key)
+                got_key, value = conn.recv()  # its results come in the order of its share
+            except (EOFError, OSError):  # the process ended, perhaps halfway through a result
+                conn.close()
+                self._conns[owner] = None
+                return None
+            got[got_key] = value
+        return got.pop(key)
 
     def close(self) -> None:
         for p in self._procs:
             if p.is_alive():
                 p.kill()
             p.join()
-        self._results.close()
+        for i, conn in enumerate(self._conns):
+            if conn is not None:
+                conn.close()
+                self._conns[i] = None
