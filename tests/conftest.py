@@ -162,6 +162,18 @@ def run_cli():
     return run_hf_merge
 
 
+def pytest_report_header(config):
+    """The free disk where the fixtures are written: the suite needs about 0.5 GB there, and a full
+    disk shows up as a torch.save failure inside a spawned fixture writer, not as a clear error."""
+    import tempfile
+
+    where = config.option.basetemp or tempfile.gettempdir()
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    return f"free disk under {where}: {free / 2**30:.1f} GiB" + ("  (under 1 GiB: fixtures may fail to write)" if free < 2**30 else "")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
     if BUILD_TIMES and (config.option.verbose > 0 or os.environ.get("HF_MERGE_FIXTURE_TIMINGS")):
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in BUILD_TIMES.items())
