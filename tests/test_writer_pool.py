@@ -54,6 +54,7 @@ def test_a_writer_killed_mid_run_stops_the_merge_with_one_line(qwen2_fp32_ws2, t
         held.close()
 
 
+@pytest.mark.slow  # passed before too
 def test_ctrl_c_to_the_group_while_the_writers_run_ends_them_quietly(qwen2_fp32_ws2, tmp_path):
     """Ctrl-C in a terminal signals the merge and its writers: exit 130, one line, no writer's traceback."""
     target = tmp_path / "sub" / "out"

@@ -9,9 +9,10 @@ in flight, never a shard or the model.
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
 (the plan is deterministic and partitions by file), each reporting on a pipe of its own
 (:class:`hf_merge.forks.Forked`): a writer killed is :class:`~hf_merge.errors.WriterDiedError`, never
-a hang; the shares of writers that could not be forked are written by this process. Across machines the same partition is used by
-:mod:`hf_merge.write.distributed`: each rank calls :func:`write_shards` with its share of the files
-(``files=``) and no index, reporting bytes through ``progress=``.
+a hang; the shares of writers that could not be forked are written by this process. Across
+machines the same partition is used by :mod:`hf_merge.write.distributed`: each rank calls
+:func:`write_shards` with its share of the files (``files=``) and no index, reporting bytes
+through ``progress=``.
 """
 
 from __future__ import annotations
@@ -135,12 +136,12 @@ def _write_files(
 def _worker(files: list[FilePlan], conn, ckpt: LazyCheckpoint, folder: Path, sha256: bool, cores: int) -> None:
     """In a forked writer (:class:`~hf_merge.forks.Forked`): write ``files``, sending progress,
     digests, the records other writers hold pieces of, and any error, on ``conn``."""
-    import torch
-
-    torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
-    inherited = _open_descriptors()  # the parent's too: it keeps its readers open until the merge ends
-    crc = record_crc.Placed()
     try:
+        import torch
+
+        torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
+        inherited = _open_descriptors()  # the parent's too: it keeps its readers open until the merge ends
+        crc = record_crc.Placed()
         for name, digest in _write_files(ckpt, files, folder, lambda n: conn.send(("bytes", n)), sha256, cores, crc):
             conn.send(("sha256", (name, digest)))
         conn.send(("crc", crc.hand_over(inherited)))  # records other writers hold pieces of: the parent combines
