@@ -29,6 +29,16 @@ class HfMergeError(Exception):
 
     exit_code = 2
 
+    def __reduce__(self):  # unpickled whole whatever its __init__ takes (a forked writer sends it to the parent)
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class SourceNotFoundError(HfMergeError):
     """The source path does not exist or holds nothing hf_merge can read."""
@@ -89,6 +99,13 @@ class HubError(HfMergeError):
 
 class DistributedError(HfMergeError):
     """A rank of a distributed (torchrun) merge failed, died or timed out; no target was written."""
+
+
+class WriterDiedError(HfMergeError):
+    """A forked writer process died without reporting an error (killed: the OOM killer, a signal);
+    nothing was written to the target."""
+
+    exit_code = 3
 
 
 class PickleRefusedError(UnsafeCheckpointError):

@@ -22,10 +22,7 @@ and change times) must be the one the other process read, unchanged while it rea
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import queue as queue_module
-import signal
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -52,13 +49,9 @@ def worth(rank_files: list[Path]) -> bool:
     return len(rank_files) > 1 and pickle_bytes(rank_files[0]) * len(rank_files) >= PARALLEL_PICKLE_BYTES
 
 
-def _read(jobs: list[tuple[Any, Any]], read: Callable[[Any], Any], conn: Connection, parent: int) -> None:
+def _read(jobs: list[tuple[Any, Any]], conn: Connection, read: Callable[[Any], Any]) -> None:
     """In a forked process: ``(key, read(item))`` of each job sent on ``conn``, by a thread (the
     next item is read while the parent is busy); None for an item ``read`` failed on."""
-    forks.child_started(parent)
-    for s in (signal.SIGINT, signal.SIGTERM):  # an interrupt ends a reader at once and quietly (no traceback
-        if signal.getsignal(s) != signal.SIG_IGN:  # of its own): the parent ends too, or reads its items itself
-            signal.signal(s, signal.SIG_DFL)
     out: queue_module.SimpleQueue = queue_module.SimpleQueue()
     sender = threading.Thread(target=_send, args=(out, conn), daemon=True)
     sender.start()
@@ -85,38 +78,19 @@ def _send(out: queue_module.SimpleQueue, conn: Connection) -> None:
 
 class RankPool:
     """``read(item)`` of each of ``items`` (``{key: item}``, e.g. rank: file) in up to ``processes``
-    forked processes; :meth:`take` hands each result over.
-
-    Each process sends on a pipe of its own whose only writer it is: a process that dies (the OOM
-    killer's SIGKILL) even halfway through a result ends its pipe, and its keys come back as None;
-    a shared queue would hang there (a result cut short, its write lock held forever)."""
+    forked processes (:class:`~hf_merge.forks.Forked`: a pipe of its own each); :meth:`take` hands
+    each result over. The keys of a process that died, even halfway through a result (the OOM
+    killer's SIGKILL), or that could not be forked come back as None."""
 
     def __init__(self, items: dict[Any, Any], processes: int, read: Callable[[Any], Any]):
-        ctx = mp.get_context("fork")
         keys = list(items)
         n = max(1, min(processes, len(keys)))
         shares = [[(k, items[k]) for k in keys[i::n]] for i in range(n)]
         self._owner = {k: i for i, share in enumerate(shares) for k, _ in share}
-        self._procs: list[mp.process.BaseProcess] = []
-        self._conns: list[Connection | None] = []  # [i]: share i's process (those started)
         self._got: list[dict[Any, Any]] = [{} for _ in shares]
-        try:
-            with forks.signals_deferred():  # an interrupt lands after the forks, not in one
-                for share in shares:
-                    receive, send = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_read, args=(share, read, send, os.getpid()), daemon=True)
-                    try:
-                        proc.start()
-                    except OSError:  # no fork (ENOMEM of a large process, EAGAIN): the caller reads the rest
-                        receive.close()
-                        break
-                    finally:
-                        send.close()  # the child's is its only copy: its pipe ends when it does
-                    self._procs.append(proc)
-                    self._conns.append(receive)
-        except BaseException:  # e.g. the interrupt that waited for the forks: none of them outlives this
-            self.close()
-            raise
+        self._forked = forks.Forked(_read, shares, read)
+        self._procs = self._forked.procs
+        self._conns = self._forked.conns  # [i]: share i's process (those started)
 
     def take(self, key: Any) -> Any:
         """What ``read`` gave for ``key``; None when its process did not read it (or died first)."""
@@ -138,11 +112,4 @@ class RankPool:
         return got.pop(key)
 
     def close(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        for i, conn in enumerate(self._conns):
-            if conn is not None:
-                conn.close()
-                self._conns[i] = None
+        self._forked.close()

@@ -7,9 +7,12 @@ their place in the output file (``read_into``). Memory in use is the sink's buff
 in flight, never a shard or the model.
 
 Files are independent, so ``workers > 1`` forks processes that each write a share of the files
-(the plan is deterministic and partitions by file). Across machines the same partition is used by
-:mod:`hf_merge.write.distributed`: each rank calls :func:`write_shards` with its share of the files
-(``files=``) and no index, reporting bytes through ``progress=``.
+(the plan is deterministic and partitions by file), each reporting on a pipe of its own
+(:class:`hf_merge.forks.Forked`): a writer killed is :class:`~hf_merge.errors.WriterDiedError`, never
+a hang; the shares of writers that could not be forked are written by this process. Across
+machines the same partition is used by :mod:`hf_merge.write.distributed`: each rank calls
+:func:`write_shards` with its share of the files (``files=``) and no index, reporting bytes
+through ``progress=``.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import multiprocessing as mp
 import os
+import signal
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from .. import forks
+from ..errors import WriterDiedError
 from ..readers import file_runs, record_crc
 from . import engine
 from .plan import INDEX_NAME, FilePlan, ShardPlan
@@ -128,29 +133,24 @@ def _write_files(
         yield plan.name, write_file(ckpt, plan, folder, progress=progress, sha256=sha256, cores=cores, crc=crc)
 
 
-def _worker(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, queue, sha256: bool, cores: int, parent: int
-) -> None:
-    forks.child_started(parent)  # a SIGKILLed merge leaves no writer behind
-    import torch
-
-    torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
-    inherited = _open_descriptors()  # the parent's too: it keeps its readers open until the merge ends
-    crc = record_crc.Placed()
+def _worker(files: list[FilePlan], conn, ckpt: LazyCheckpoint, folder: Path, sha256: bool, cores: int) -> None:
+    """In a forked writer (:class:`~hf_merge.forks.Forked`): write ``files``, sending progress,
+    digests, the records other writers hold pieces of, and any error, on ``conn``."""
     try:
-        for name, digest in _write_files(ckpt, files, folder, lambda n: queue.put(("bytes", n)), sha256, cores, crc):
-            queue.put(("sha256", (name, digest)))
-        queue.put(("crc", crc.hand_over(inherited)))  # records other writers hold pieces of: the parent combines
+        import torch
+
+        torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
+        inherited = _open_descriptors()  # the parent's too: it keeps its readers open until the merge ends
+        crc = record_crc.Placed()
+        for name, digest in _write_files(ckpt, files, folder, lambda n: conn.send(("bytes", n)), sha256, cores, crc):
+            conn.send(("sha256", (name, digest)))
+        conn.send(("crc", crc.hand_over(inherited)))  # records other writers hold pieces of: the parent combines
         crc.finish()  # the rest: read here, in parallel with the other writers
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
-        try:
-            queue.put(("error", e))
-        except Exception:  # an exception that does not pickle: its text then
-            queue.put(("error", RuntimeError(f"{type(e).__name__}: {e}")))
-        queue.close()
-        queue.join_thread()  # flushed before _exit, so the parent gets the typed error (e.g. disk full)
-        os._exit(1)
-    queue.put(("done", None))
+        with contextlib.suppress(OSError):  # the parent gone
+            conn.send(("error", forks.sendable(e)))
+        return
+    conn.send(("done", None))
 
 
 def _open_descriptors() -> set[int]:
@@ -159,17 +159,6 @@ def _open_descriptors() -> set[int]:
         with contextlib.suppress(OSError):
             return {int(n) for n in os.listdir(folder)}
     return set()
-
-
-def _raise_reported_error(queue) -> None:
-    """Re-raise the error a dead writer reported, if it is still in the queue."""
-    while True:
-        try:
-            kind, value = queue.get(timeout=0.5)
-        except Exception:  # queue.Empty
-            return
-        if kind == "error":
-            raise value
 
 
 def default_workers(n_files: int, processes_here: int = 1) -> int:
@@ -234,46 +223,40 @@ def _write_parallel(
     ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, sha256: bool, cores: int,
     crc: "record_crc.Placed",
 ) -> dict[str, str | None]:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
     # Largest files first, round robin: shares of similar size.
     order = sorted(files, key=lambda f: -f.file_size)
     shares = [order[i::n] for i in range(n)]
-    procs = [ctx.Process(target=_worker, args=(ckpt, share, folder, queue, sha256, cores, os.getpid()),
-                         daemon=True) for share in shares]
-    done = 0
     digests: dict[str, str | None] = {}
-    try:
-        with forks.signals_deferred():  # an interrupt lands after the forks, not in one
-            for p in procs:
-                p.start()
-        while done < len(procs):
-            try:
-                kind, value = queue.get(timeout=1.0)
-            except Exception:  # queue.Empty: check nobody died
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    _raise_reported_error(queue)
-                    raise RuntimeError(f"a writer process exited with code {dead[0].exitcode}") from None
-                continue
-            if kind == "error":
-                raise value
-            if kind == "bytes":
-                update(value)
-            elif kind == "sha256":
-                digests[value[0]] = value[1]
-            elif kind == "crc":
-                crc.take(value)
-            else:
-                done += 1
-        for p in procs:
-            p.join()
-        failed = [p.exitcode for p in procs if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"a writer process exited with code {failed[0]}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    with contextlib.closing(forks.Forked(_worker, shares, ckpt, folder, sha256, cores)) as writers:
+        running = {conn: i for i, conn in enumerate(writers.conns)}
+        while running:
+            for conn in mp_connection.wait(list(running)):
+                try:
+                    kind, value = conn.recv()
+                except (EOFError, OSError):  # it died, perhaps halfway through a message
+                    raise _died(writers.procs[running[conn]]) from None
+                if kind == "error":
+                    raise value
+                if kind == "bytes":
+                    update(value)
+                elif kind == "sha256":
+                    digests[value[0]] = value[1]
+                elif kind == "crc":
+                    crc.take(value)
+                else:
+                    del running[conn]
+    for share in shares[len(writers.procs):]:  # no fork for these (ENOMEM, EAGAIN): written here
+        digests.update(_write_files(ckpt, share, folder, update, sha256, cores, crc))
     return digests
+
+
+def _died(proc) -> BaseException:
+    """The error for a writer that ended without a word (SIGKILL: the OOM killer, most often)."""
+    proc.join()
+    code = proc.exitcode
+    if code in (-signal.SIGINT, -signal.SIGTERM):  # Ctrl-C to the process group, a batch system's SIGTERM
+        return KeyboardInterrupt()
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return WriterDiedError(f"a writer process {how} before its files were done (SIGKILL: most often the kernel's "
+                           "OOM killer); nothing was written to the target. Free memory or lower --workers "
+                           "(each writer holds an interpreter, ~200 MB), and merge again")
