@@ -185,11 +185,14 @@ def test_detecting_fsdp_imports_no_other_reader(qwen2_fp32_ws2):
 
 def test_a_plain_fsdp_merge_imports_only_what_it_uses(qwen2_fp32_ws2, tmp_path):
     """A dense verl FSDP merge (no --verify, no --push-to-hub, no LoRA) imports no other format's
-    reader or name table, no LoRA transform, no verification and no Hub upload module."""
+    reader or name table, no LoRA transform, no verification and no Hub upload module; nor
+    torch.distributed's tensor / checkpoint packages (the rank files are read through stand-ins,
+    test_rank_records.py; one fresh interpreter checks both)."""
     from helpers import fresh_merge_imports
 
     mods = [d.module for d in formats.declared() if d.name != "fsdp"] + [
         "hf_merge.transforms.name_table", "hf_merge.transforms.lora", "hf_merge.verification", "hf_merge.publish.hub",
+        "torch.distributed.tensor", "torch.distributed.checkpoint",
     ]
     result = fresh_merge_imports(["merge", qwen2_fp32_ws2.actor, tmp_path / "out"], mods)
     assert result == {"code": 0, **dict.fromkeys(mods, False)}

@@ -140,7 +140,10 @@ def test_truncated_rank_file_is_a_typed_error(qwen2_fp32_ws2, tmp_path):
         load_rank_records(src)
 
 
-@pytest.mark.parametrize("name", ["hsdp_fsdp2_ckpt", "qwen2_fp32_ws2"])  # dense (LoRA imports peft)
+# dense (LoRA imports peft); the 1-D mesh qwen2_fp32_ws2 is checked with the rest of what a plain
+# merge leaves unimported, in the same fresh interpreter (test_formats.py)
+@pytest.mark.slow  # a fresh interpreter; make test keeps the 1-D mesh case (test_formats.py)
+@pytest.mark.parametrize("name", ["hsdp_fsdp2_ckpt"])
 def test_merge_does_not_import_torch_distributed_tensor(name, checkpoint, tmp_path):
     mods = ["torch.distributed.tensor", "torch.distributed.checkpoint"]
     result = fresh_merge_imports(["merge", checkpoint(name).actor, tmp_path / "out"], mods)
