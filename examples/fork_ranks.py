@@ -2,19 +2,21 @@
 training libraries once, so that no rank pays their import (about 1.5 CPU-s for torch and 3 for
 megatron-core, per rank, under ``spawn``).
 
-The generators' parents run nothing but these imports before they fork: no thread, no process
-group, no tensor work. Where ``fork`` is missing (macOS, Windows) the ranks are spawned.
+The generators' parents run nothing but these imports before they fork: no thread of their own,
+no process group, no tensor work (a fork after ``import torch``, as DataLoader workers are
+made). Off Linux (macOS, where forking a process that loaded these libraries is
+unsafe, and Windows, which has no fork) the ranks are spawned.
 """
 
 from __future__ import annotations
 
 import importlib
-import multiprocessing
+import sys
 
 
 def rank_start_method(preload: tuple[str, ...]) -> str:
-    """Import ``preload`` here and return ``"fork"``; ``"spawn"`` where there is no fork."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    """Import ``preload`` here and return ``"fork"``; ``"spawn"`` off Linux."""
+    if sys.platform != "linux":
         return "spawn"
     for name in preload:
         importlib.import_module(name)
