@@ -40,6 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fork_ranks import rank_start_method  # noqa: E402
+
 WORLD = 2
 SEED = 1234
 
@@ -301,13 +304,23 @@ def _worker(rank: int, root: str, port: int, only: list[str]) -> None:
         dist.destroy_process_group()
 
 
+#: What the ranks import, imported once by the parent before it forks them (examples/fork_ranks.py).
+PRELOAD = (
+    "accelerate", "transformers", "safetensors.torch", "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp", "torchtitan.components.checkpoint", "torchtitan.components.optimizer",
+    "torchtitan.models.llama3", "torchtitan.models.qwen3",
+)
+
+
 def write_all(root: Path, only: list[str] | None = None) -> Path:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(str(root), port, only or list(WRITERS)), nprocs=WORLD, join=True)
+    _torchtitan_stand_ins()  # before the preload imports torchtitan's models
+    method = rank_start_method(PRELOAD)
+    mp.start_processes(_worker, args=(str(root), port, only or list(WRITERS)), nprocs=WORLD, join=True, start_method=method)
     (Path(root) / "fixture.json").write_text(json.dumps({"written": only or list(WRITERS), "torch": torch.__version__}))
     return Path(root)
 

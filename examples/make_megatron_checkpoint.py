@@ -1,7 +1,7 @@
 """Write tiny, real verl-style Megatron checkpoints on CPU (test fixtures and a demo).
 
 Each variant is a Megatron-Core ``GPTModel`` built under a gloo process group (TP x PP ranks
-started with ``torch.multiprocessing`` spawn, default TP=2, PP=2), given deterministic non-trivial
+forked by ``torch.multiprocessing`` after megatron-core is imported once, default TP=2, PP=2), given deterministic non-trivial
 weights (norms != 1, biases != 0), and saved with Megatron's own ``dist_checkpointing``
 (``torch_dist`` backend, fully parallel save strategy, the content metadata verl passes), as verl's
 ``save_dist_checkpointing`` does. Around each ``dist_ckpt`` the verl folder layout is created:
@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from fork_ranks import rank_start_method
 
 # --------------------------------------------------------------------------------------------
 # Model families: one tiny shape per family, plus how it reads in Megatron and in transformers.
@@ -140,7 +142,7 @@ def hf_config_dict(fam: Family, *, tied: bool) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Megatron side (only imported inside the spawned workers).
+# Megatron side (imported by the parent just before it forks the workers: ``PRELOAD``).
 # --------------------------------------------------------------------------------------------
 
 
@@ -510,6 +512,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What every rank imports, imported once by the parent before it forks the ranks.
+PRELOAD = (
+    "megatron.core.dist_checkpointing.optimizer",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.tensor_parallel.random",
+    "transformers",
+)
+
+
 def make_checkpoints(
     root: Path, variants: list[Variant] = DEFAULT_VARIANTS, *, tp: int = 2, pp: int = 2
 ) -> dict[str, Path]:
@@ -526,7 +538,7 @@ def make_checkpoints(
         args=(world, _free_port(), str(root), [asdict(v) for v in variants], tp, pp),
         nprocs=world,
         join=True,
-        start_method="spawn",
+        start_method=rank_start_method(PRELOAD),
     )
     return {v.name: root / v.name / v.role for v in variants}
 

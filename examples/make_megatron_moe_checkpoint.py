@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_megatron_checkpoint as dense  # noqa: E402
+from fork_ranks import rank_start_method  # noqa: E402
 
 VOCAB = dense.VOCAB
 SEQ = dense.SEQ
@@ -380,7 +381,8 @@ def make_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, Pa
     for name in names:
         shutil.rmtree(root / name, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(EP, dense._free_port(), str(root), names), nprocs=EP, join=True, start_method="spawn")
+    method = rank_start_method((*dense.PRELOAD, "megatron.core.transformer.multi_latent_attention", "megatron.core.transformer.moe.moe_utils"))
+    mp.start_processes(_worker, args=(EP, dense._free_port(), str(root), names), nprocs=EP, join=True, start_method=method)
     return {name: _paths(root, name)["base"] for name in names}
 
 

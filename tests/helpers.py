@@ -158,22 +158,27 @@ def read_json(path: Path) -> dict:
 
 
 # A merge in a fresh interpreter, reporting which optional heavy modules it imported. hub_layout
-# is bypassed: its transformers import (which imports torch.distributed.tensor) is cut elsewhere.
+# is bypassed unless asked for: its transformers import (which imports torch.distributed.tensor)
+# is cut elsewhere.
 _FRESH_MERGE = """
 import importlib, json, sys
-hl = importlib.import_module("hf_merge.transforms.hub_layout")
-hl.hub_layout = lambda model, config: (model, [])
+if sys.argv[1] == "bypass":
+    hl = importlib.import_module("hf_merge.transforms.hub_layout")
+    hl.hub_layout = lambda model, config: (model, [])
 from hf_merge.cli.app import main
-code = main(sys.argv[2:])
-print(json.dumps({"code": code, **{m: m in sys.modules for m in sys.argv[1].split(",")}}))
+code = main(sys.argv[3:])
+print(json.dumps({"code": code, **{m: m in sys.modules for m in sys.argv[2].split(",")}}))
 """
 
 
-def fresh_merge_imports(argv: list[str], modules: list[str]) -> dict:
-    """Run ``hf-merge ARGV`` in a new interpreter: ``{"code": exit code, module: imported?}``."""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+def fresh_merge_imports(argv: list[str], modules: list[str], *, hub_layout: bool = False, env: dict | None = None) -> dict:
+    """Run ``hf-merge ARGV`` in a new interpreter: ``{"code": exit code, module: imported?}``.
+    ``hub_layout=True`` runs the real Hub-layout step; ``env``: more environment variables."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **(env or {}))
+    mode = "real" if hub_layout else "bypass"
     proc = subprocess.run(
-        [sys.executable, "-c", _FRESH_MERGE, ",".join(modules), *map(str, argv)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", _FRESH_MERGE, mode, ",".join(modules), *map(str, argv)], capture_output=True, text=True, env=env,
+        timeout=300,
     )
     assert proc.stdout.strip(), proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

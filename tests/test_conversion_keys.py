@@ -1,18 +1,15 @@
 """hf_merge.transforms.conversion_keys: the keys transformers declares weight conversions for, read from its
-source without importing it, equal what transformers itself builds; any unknown shape is "unknown"."""
+source without importing it, equal what transformers itself builds; any unknown shape is "unknown".
+That a first merge of an untied dense model imports no transformers at all is checked in
+test_formats.py (one fresh interpreter for everything a plain merge leaves unimported)."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import folder_tensors
 
-import hf_merge
 from hf_merge.transforms.conversion_keys import keys_from_source
 
 
@@ -54,18 +51,3 @@ def test_known_shapes_and_a_changed_pattern_table():
     assert keys_from_source(table + body) == {"mixtral", "x", "minimax"}
     assert keys_from_source(table + "_MODEL_TO_CONVERSION_PATTERN['y'] = 'mixtral'\n" + body) is None
     assert keys_from_source(table + "_MODEL_TO_CONVERSION_PATTERN.update(y='mixtral')\n" + body) is None
-
-
-def test_dense_first_merge_imports_no_transformers(qwen2_fp32_ws2, tmp_path):
-    """An untied dense model with an empty plan cache: the Hub-layout decision ("as stored") is
-    made from transformers' declarations read from its source; transformers is never imported."""
-    code = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2]); "
-            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'); assert not loaded, loaded[:5]")
-    repo = str(Path(hf_merge.__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=repo, HF_MERGE_CACHE=str(tmp_path / "cache"))
-    subprocess.run([sys.executable, "-c", code, str(qwen2_fp32_ws2.actor), str(tmp_path / "out")], check=True, env=env)
-    assert list((tmp_path / "cache" / "hub_layout").glob("*.json"))  # the passthrough plan, stored
-    hf_merge.merge(qwen2_fp32_ws2.actor, tmp_path / "asked")  # in this process transformers is imported: asked
-    want = folder_tensors(tmp_path / "asked")
-    got = folder_tensors(tmp_path / "out")
-    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)

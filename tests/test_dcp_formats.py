@@ -296,6 +296,7 @@ def test_metadata_stand_ins_equal_torchs_objects(dcp_root, megatron_root, monkey
         assert specs or byte_keys
 
 
+@pytest.mark.slow  # a fresh interpreter; make test keeps the verl FSDP merge's import checks (test_formats.py)
 def test_dcp_merge_does_not_import_torch_distributed_checkpoint(dcp_root, tmp_path):
     src = dcp_root / "accelerate" / "ckpt"
     argv = ["merge", src, tmp_path / "out", "--config", dcp_root / "accelerate" / "config"]

@@ -48,6 +48,7 @@ def test_merge_then_fast_exit(qwen2_fp32_ws2, tmp_path):
     assert not list(tmp_path.glob(".out.hf-merge-*"))  # temporary folder and lock gone
 
 
+@pytest.mark.slow  # a fresh interpreter; make test keeps test_merge_then_fast_exit and test_error_code_kept
 def test_piped_output_is_complete(qwen2_fp32_ws2):
     proc = _run("inspect", str(qwen2_fp32_ws2.actor), "--json", "--tensors")
     assert proc.returncode == 0, proc.stderr
@@ -62,6 +63,7 @@ def test_error_code_kept(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter; make test keeps test_merge_then_fast_exit and test_error_code_kept
 def test_error_after_torch_import_keeps_code(tmp_path):
     source = tmp_path / "src"
     source.mkdir()

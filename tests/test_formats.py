@@ -163,36 +163,31 @@ def test_marks_hide_no_format_in_any_fixture_folder(qwen2_fp32_ws2, tmp_path):
     assert detections_differing_from_every_probe(qwen2_fp32_ws2.root) == []
 
 
-def test_detecting_fsdp_imports_no_other_reader(qwen2_fp32_ws2):
-    """A plain verl FSDP folder's detection imports the FSDP reader only: the other formats' marks
-    (file names) are not there, so their modules (and Megatron's name tables) stay unimported."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = (
-        "import sys; from hf_merge.readers import formats; print(formats.detect(sys.argv[1]).chosen.name); "
-        "print(','.join(sorted(m for m in sys.modules if m.startswith(('hf_merge.readers.', 'hf_merge.transforms.')))))"
-    )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    out = subprocess.run([sys.executable, "-c", code, str(qwen2_fp32_ws2.root)], capture_output=True, text=True, check=True, env=env).stdout
-    chosen, modules = out.split()
-    readers = {d.module for d in formats.declared()} & set(modules.split(","))
-    assert chosen == "fsdp" and readers == {"hf_merge.readers.fsdp"}
-    assert not [m for m in modules.split(",") if m.startswith("hf_merge.transforms.name_table")]
-
-
 def test_a_plain_fsdp_merge_imports_only_what_it_uses(qwen2_fp32_ws2, tmp_path):
-    """A dense verl FSDP merge (no --verify, no --push-to-hub, no LoRA) imports no other format's
-    reader or name table, no LoRA transform, no verification and no Hub upload module."""
-    from helpers import fresh_merge_imports
+    """A dense verl FSDP merge (no --verify, no --push-to-hub, no LoRA) of the checkpoint root, in a
+    fresh interpreter with an empty plan cache, imports no other format's reader or name table, no
+    LoRA transform, no verification and no Hub upload module; nor torch.distributed's tensor /
+    checkpoint packages (the rank files are read through stand-ins, test_rank_records.py); nor
+    transformers: for an untied dense model the Hub-layout decision ("as stored") is made from
+    transformers' declarations read from its source (conversion_keys.py), then stored in the plan
+    cache. Detection is part of the merge: a plain verl FSDP folder's detection imports the FSDP
+    reader only, as the other formats' marks (file names) are not there. One fresh interpreter
+    checks all of it; the bytes equal those of the same merge in this process, where transformers
+    is imported and asked."""
+    from helpers import assert_tensors_equal, folder_tensors, fresh_merge_imports, read_json, run_cli
 
     mods = [d.module for d in formats.declared() if d.name != "fsdp"] + [
         "hf_merge.transforms.name_table", "hf_merge.transforms.lora", "hf_merge.verification", "hf_merge.publish.hub",
+        "torch.distributed.tensor", "torch.distributed.checkpoint", "transformers",
     ]
-    result = fresh_merge_imports(["merge", qwen2_fp32_ws2.actor, tmp_path / "out"], mods)
+    cache = tmp_path / "cache"
+    argv = ["merge", qwen2_fp32_ws2.root, tmp_path / "out"]
+    result = fresh_merge_imports(argv, mods, hub_layout=True, env={"HF_MERGE_CACHE": str(cache)})
     assert result == {"code": 0, **dict.fromkeys(mods, False)}
+    assert read_json(tmp_path / "out" / "hf_merge.json")["source"]["format"] == "fsdp"
+    assert list((cache / "hub_layout").glob("*.json"))  # the passthrough plan, stored
+    assert run_cli("merge", qwen2_fp32_ws2.root, tmp_path / "asked").returncode == 0  # HF_MERGE_CACHE=off here
+    assert_tensors_equal(folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "asked"))
 
 
 @pytest.mark.parametrize("backend", ["megatron", "deepspeed", "accelerate", "colossalai", "torchtitan", "dcp", "hf"])

@@ -80,7 +80,8 @@ def _stock_header(vocab, path: Path) -> bytes:
     return path.read_bytes()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen2-fixture", "sentencepiece"])
+# GPT-2's 50,257 tokens take seconds both ways: make test-slow (make test keeps the BPE and SentencePiece cases)
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=pytest.mark.slow), "qwen2-fixture", "sentencepiece"])
 def test_header_equals_the_transformers_way(kind, request, tmp_path, monkeypatch):
     """Every key (tokens, types, scores, merges, special ids, add-bos/eos, chat template, pre) of
     the file ``write_file`` writes from ``load_vocab`` equals, byte for byte, the previous way's

@@ -122,6 +122,8 @@ def inproc(hub, monkeypatch, tmp_path):
 
     assert isinstance(_http.get_session(), httpx2.Client)
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    # downloads (a model card transformers' push_to_hub reads first) resolve through this template
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)

@@ -345,33 +345,49 @@ def test_plan_cache_off(tmp_path, monkeypatch):
     assert layout_cache.get("hub_layout", "k") is None
 
 
-def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_path, monkeypatch):
-    """Which weights a tied model ties is asked of transformers (its class, or its skeleton) once:
-    the answer is cached with the Hub layout, so a later merge of the model imports no transformers
-    at all (checked in a fresh process) and writes the same bytes; a damaged entry is a miss."""
-    import subprocess
-    import sys
-
+def _tied_pairs_cached(ckpt, tmp_path, monkeypatch):
+    """Merge the tied model once with an empty plan cache: (its source, the cache entry, the tensors)."""
     from hf_merge.transforms import layout_cache
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("HF_MERGE_CACHE", str(cache))
-    src = llama_tied_bf16_ws4.actor
-    hf_merge.merge(src, tmp_path / "first")
+    hf_merge.merge(ckpt.actor, tmp_path / "first")
     (entry,) = (cache / "tied").glob("*.json")
     assert layout_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}
-    code = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2]); "
-            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'); assert not loaded, loaded[:5]")
-    repo = str(Path(hf_merge.__file__).resolve().parents[1])
-    subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cached")], check=True,
-                   env=dict(os.environ, PYTHONPATH=repo))
     want = folder_tensors(tmp_path / "first")
     assert "lm_head.weight" not in want  # the alias is dropped, as save_pretrained does
+    return ckpt.actor, entry, want
+
+
+def test_plan_cache_tied_pairs(llama_tied_bf16_ws4, tmp_path, monkeypatch):
+    """Which weights a tied model ties is asked of transformers (its class, or its skeleton) once:
+    the answer is cached with the Hub layout and a later merge writes the same bytes from it; a
+    damaged entry is a miss."""
+    from hf_merge.transforms import layout_cache
+
+    src, entry, want = _tied_pairs_cached(llama_tied_bf16_ws4, tmp_path, monkeypatch)
+    hf_merge.merge(src, tmp_path / "cached")
     assert_bytes_equal(folder_tensors(tmp_path / "cached"), want)
     entry.write_text('{"lm_head.weight": 3}')
     hf_merge.merge(src, tmp_path / "recomputed")
     assert_bytes_equal(folder_tensors(tmp_path / "recomputed"), want)
     assert layout_cache.get("tied", entry.stem) == {"lm_head.weight": "model.embed_tokens.weight"}  # rewritten
+
+
+@pytest.mark.slow  # a fresh interpreter; make test keeps test_conversion_keys' (untied, first merge)
+def test_plan_cache_tied_pairs_without_transformers(llama_tied_bf16_ws4, tmp_path, monkeypatch):
+    """With the tied pairs cached, a merge of the model imports no transformers at all (checked in
+    a fresh process) and writes the same bytes."""
+    import subprocess
+    import sys
+
+    src, _, want = _tied_pairs_cached(llama_tied_bf16_ws4, tmp_path, monkeypatch)
+    code = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2]); "
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'); assert not loaded, loaded[:5]")
+    repo = str(Path(hf_merge.__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cached")], check=True,
+                   env=dict(os.environ, PYTHONPATH=repo))
+    assert_bytes_equal(folder_tensors(tmp_path / "cached"), want)
 
 
 # --- the model zoo: each family's quirk, on the transformers stack the test runs under ---------

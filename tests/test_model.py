@@ -33,6 +33,8 @@ from transformers import (  # noqa: E402  (`import hf_merge` patched the Auto cl
     Qwen2Model,
 )
 
+from test_hub import hub, inproc  # noqa: E402,F401 - the Hub stand-in fixtures
+
 
 def _logits(model, ids):
     with torch.no_grad():
@@ -91,6 +93,7 @@ def test_patch_applies_when_transformers_auto_loads_later():
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
 
 
+@pytest.mark.slow  # a fresh interpreter; make test keeps test_patch_applies_when_transformers_auto_loads_later
 def test_import_hf_merge_patches_auto_classes():
     code = "import hf_merge\nfrom transformers import AutoModel\nassert callable(AutoModel.from_sharded_pretrained)\n"
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -373,25 +376,13 @@ def test_save_pretrained_reloads_with_from_pretrained(qwen2_fp32_ws2, loaded, tm
     assert torch.equal(_logits(again, ref["input_ids"]), ref["logits"])
 
 
-def test_push_to_hub_uploads_the_model(qwen2_fp32_ws2, tmp_path):
-    """push_to_hub against the loopback Hub stand-in (tests/hub_server.py), in a fresh process."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from hub_server import HubStandIn
-
-    code = textwrap.dedent(
-        f"""
-        import hf_merge
-        from transformers import AutoModelForCausalLM
-        m = AutoModelForCausalLM.from_sharded_pretrained({str(qwen2_fp32_ws2.actor)!r}, dtype="float32")
-        m.push_to_hub("tester/tiny-merged")
-        """
-    )
-    with HubStandIn() as hub:
-        env = dict(os.environ, **hub.env(str(tmp_path / "hf_home")), PYTHONPATH=str(REPO))
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        files = set(hub.repos["tester/tiny-merged"].files)
-    assert {"config.json", "model.safetensors"} <= files
+def test_push_to_hub_uploads_the_model(inproc, qwen2_fp32_ws2):  # noqa: F811
+    """push_to_hub against the loopback Hub stand-in (tests/hub_server.py), in this process: the
+    ``inproc`` fixture points huggingface_hub at the stand-in (test_hub.py runs the CLI's push as a
+    subprocess)."""
+    model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32")
+    model.push_to_hub("tester/tiny-merged")
+    assert {"config.json", "model.safetensors"} <= set(inproc.repos["tester/tiny-merged"].files)
 
 
 def test_attn_implementation_and_config_object(qwen2_fp32_ws2):

@@ -299,8 +299,10 @@ def _held_reader(src: Path, target: Path):
     return held, reader
 
 
-@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("to", ["merge", "group"])
+@pytest.mark.parametrize(("to", "signum"), [
+    ("merge", "SIGTERM"), ("group", "SIGINT"),  # each signal and each receiver once in `make test`
+    pytest.param("merge", "SIGINT", marks=pytest.mark.slow), pytest.param("group", "SIGTERM", marks=pytest.mark.slow),
+])
 def test_an_interrupt_while_the_readers_run_leaves_no_target_and_no_reader(signum, to, qwen2_fp32_ws2, tmp_path):
     """To the merge (``kill PID``) or to its whole process group, readers included (Ctrl-C in a
     terminal, a batch system's SIGTERM to the job's processes)."""
@@ -345,7 +347,7 @@ def test_a_reader_killed_mid_run_leaves_its_rank_to_the_merge(qwen2_fp32_ws2, tm
     assert _weights(tmp_path / "pooled") == _weights(tmp_path / "serial")
 
 
-@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", ["SIGINT", pytest.param("SIGTERM", marks=pytest.mark.slow)])  # SIGTERM: make test-slow
 def test_a_reader_interrupted_on_its_own_ends_quietly_and_the_merge_reads_its_rank(signum, qwen2_fp32_ws2, tmp_path):
     """A reader that gets the interrupt before the merge ends it (Ctrl-C reaches the whole process
     group; the merge may be inside a long call): it ends without a traceback of its own on the
