@@ -268,6 +268,24 @@ class HubLayout(LazyCheckpoint):
                 return
         out.copy_(_replay(recipe, self._source))
 
+    def shared_storage(self, name: str) -> str | None:
+        """The source whose storage output ``name`` is a view of in ``save_pretrained``'s state dict
+        (an expert split out of a fused tensor), or None (the source itself, or a new tensor: a
+        ``cat``, a copying ``contiguous``). The splitter keeps a storage's views in one file."""
+        recipe = self._recipes[name]
+        if isinstance(recipe, _Leaf):
+            return None
+        span = self._spans.get(name)
+        if span is not None:  # a contiguous range of one source: a view of it
+            return span.source
+        sources = set(_leaves(recipe))
+        if len(sources) != 1:
+            return None
+        source = self.base.specs()[next(iter(sources))]
+        leaf = torch.empty(source.shape, dtype=source.dtype, device="meta")
+        out = _replay(recipe, lambda _: leaf)  # torch's own view rules, on the meta device
+        return source.name if isinstance(out, torch.Tensor) and out._base is leaf else None
+
     def _source(self, name: str) -> torch.Tensor:
         """A whole source tensor, kept until another is asked for (siblings share it)."""
         with self._lock:

@@ -273,6 +273,8 @@ def _plan(request: Request) -> _Planned:
     from .engine import byte_recipe
     from ..forks import usable_cpus
     from .plan import plan_shards
+    from .save_order import natural_key
+    from ..transformers_compat import has_weight_conversions
     from .shards import default_workers
 
     folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
@@ -297,8 +299,11 @@ def _plan(request: Request) -> _Planned:
         raise _Skip("LoRA")
     if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
         raise _Skip("a cast")
-    plan = plan_shards(specs, max_shard_size=options.shard_bytes(),
-                       metadata={"hf_merge_version": __version__, "source_format": weights_label("fsdp")})
+    metadata = {"hf_merge_version": __version__, "source_format": weights_label("fsdp")}
+    plan = plan_shards(specs, max_shard_size=options.shard_bytes(), metadata=metadata)
+    if plan.index is not None and has_weight_conversions():  # sharded: in the order transformers 5 saves in
+        plan = plan_shards(sorted(specs.values(), key=lambda s: natural_key(s.name)),
+                           max_shard_size=options.shard_bytes(), metadata=metadata)
     side = side_files_bytes([config_dir], plan.index["weight_map"] if plan.index else None)
     check_free_space(Path(request.target), sum(f.file_size for f in plan.files), side)  # the merge says so first
     ranges = byte_recipe(index, plan.files[0])

@@ -1,0 +1,130 @@
+"""Which tensor goes to which shard file, and the index's counts, as ``save_pretrained`` decides them.
+
+``save_pretrained`` hands huggingface_hub's splitter (greedy, in the order it is given, each
+storage sized once) the model's state dict after its save-time steps:
+
+- transformers 5.x: tied aliases removed, then ``revert_weight_conversion``, which sorts the names
+  (``dot_natural_key``: ``layers.2`` before ``layers.10``) for every model ``from_pretrained``
+  loaded — a trained model — and then writes each converter's outputs where its first source
+  was. The per-expert tensors it splits out of one fused ``[E, 2F, H]`` tensor are views of that
+  tensor's storage: the splitter sizes them as that storage and keeps them in one file.
+- transformers 4.x: ``model.state_dict()`` order, a VLM's prefixes renamed in place.
+
+:func:`plan_like_save_pretrained` feeds :func:`~hf_merge.write.plan.plan_shards` the same: the Hub
+layout's own order (it ran the very ``revert_weight_conversion``), else the sorted names (5.x) or
+the order of the model's ``state_dict`` on a meta skeleton (4.x); the shared storages of the Hub
+layout; and ``total_parameters`` as ``model.num_parameters()`` counts it (:func:`total_parameters`).
+A single-file plan needs none of this (inside a file the order is safetensors' own), so none of
+it runs, and transformers is not imported, unless the output is sharded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..spec import TensorSpec
+from .plan import ShardPlan, plan_shards
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["natural_key", "plan_like_save_pretrained", "saved_order", "total_parameters"]
+
+
+def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_size: "int | str | None",
+                              metadata: dict[str, str] | None = None, quantized: Any = None) -> ShardPlan:
+    """The files ``save_pretrained(max_shard_size=...)`` of the trained model would write, planned
+    from ``view`` (the output's lazy checkpoint; ``quantized`` the bitsandbytes view in it, if any)."""
+    group = quantized.group if quantized is not None else None
+    plan = plan_shards(view.specs(), max_shard_size=max_shard_size, metadata=metadata, group=group)
+    if plan.index is None:
+        return plan
+    from ..transforms.hub_layout import HubLayout
+
+    hub = _inner(view, HubLayout)
+    storage = None
+    if hub is not None and quantized is None:  # quantized parts are new tensors, grouped by module instead
+        def storage(spec: TensorSpec) -> "tuple[str, int] | None":
+            source = hub.shared_storage(spec.name)
+            return None if source is None else (source, hub.base.specs()[source].numel * spec.dtype.itemsize)
+    return plan_shards(
+        saved_order(view.specs(), config, reverted=hub is not None), max_shard_size=max_shard_size,
+        metadata=metadata, group=group, storage=storage,
+        total_parameters=total_parameters(view, config, hub=hub, quantized=quantized),
+    )
+
+
+def saved_order(specs: dict[str, TensorSpec], config: dict[str, Any], *, reverted: bool) -> list[TensorSpec]:
+    """``specs`` in the order ``save_pretrained`` gives the splitter (``reverted``: they come from
+    transformers' own ``revert_weight_conversion``, already in its order)."""
+    from ..transformers_compat import checkpoint_order, has_weight_conversions
+
+    if reverted:
+        return list(specs.values())
+    if has_weight_conversions():
+        return [specs[n] for n in checkpoint_order(specs)]
+    keys = _state_dict_keys(config)  # 4.x: the model's own order
+    if keys is None or not set(specs) <= keys.keys():
+        return list(specs.values())  # names the model does not have (e.g. quantized parts): as read
+    return sorted(specs.values(), key=lambda s: keys[s.name])
+
+
+def natural_key(name: str) -> list[tuple]:
+    """Sort key of state-dict names with numbers compared as numbers (``layers.2`` before
+    ``layers.10``, ``shard_2`` before ``shard_11``), the order transformers 5's
+    ``revert_weight_conversion`` gives; without importing it (the CLI's head start plans torch-free,
+    and the merge checks its plan against its own, from transformers)."""
+    parts: list[tuple] = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+            continue
+        text = part.rstrip("0123456789")
+        digits = part[len(text):]
+        parts.append((1, text, int(digits)) if digits else (1, text))
+    return parts
+
+
+def total_parameters(view: Any, config: dict[str, Any], *, hub: Any = None, quantized: Any = None) -> int:
+    """``model.num_parameters()`` of the model the output is, from specs alone.
+
+    Every parameter once (a tied alias is not in the output), no buffers, and for a bitsandbytes
+    4-bit weight twice the elements of its packed ``uint8`` storage, as transformers counts it.
+    The output tensors that are persistent buffers (DeepSeek-V3's ``e_score_correction_bias``) are
+    known from the model's meta skeleton; where transformers cannot build it (no known class), every
+    tensor counts.
+    """
+    specs = view.specs()
+    count = sum(quantized.parameters(s) if quantized is not None else s.numel for s in specs.values())
+    buffers = _persistent_buffers(config)
+    inner = hub.base.specs() if hub is not None else specs  # the model's own names
+    return count - sum(inner[b].numel for b in buffers if b in inner)
+
+
+def _inner(view: Any, kind: type) -> Any:
+    while view is not None and not isinstance(view, kind):
+        view = getattr(view, "base", None)
+    return view
+
+
+def _skeleton(config: dict[str, Any]) -> Any:
+    from ..transforms.skeleton import model_class_for, skeleton
+
+    try:
+        cls = model_class_for(config)
+        return None if cls is None else skeleton(cls, config)
+    except Exception as e:  # noqa: BLE001 - transformers cannot build it: the counts say so in the docs
+        logger.debug("no meta skeleton for the shard order / parameter count (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _state_dict_keys(config: dict[str, Any]) -> "dict[str, int] | None":
+    model = _skeleton(config)
+    return None if model is None else {k: i for i, k in enumerate(model.state_dict())}
+
+
+def _persistent_buffers(config: dict[str, Any]) -> set[str]:
+    model = _skeleton(config)
+    if model is None:
+        return set()
+    return {n for n, _ in model.named_buffers()} & set(model.state_dict())
