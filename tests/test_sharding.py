@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +175,17 @@ def test_tensors_in_a_file_are_in_safetensors_order(tmp_path):
     write_shards(InMemory(), plan, tmp_path)
     save_file(values, tmp_path / "saved.safetensors", metadata={"format": "pt"})
     assert comparable(tmp_path / "model.safetensors") == comparable(tmp_path / "saved.safetensors")
+
+
+@pytest.mark.compat
+def test_a_second_sharded_merge_imports_no_transformers(qwen2_fp32_ws2, tmp_path):
+    """What the meta skeleton says (state_dict order, persistent buffers) is kept in the plan cache:
+    the next sharded merge of a dense model asks transformers nothing, and writes the same files."""
+    code = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2], dtype='auto', max_shard_size='40KB'); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')[:3])")
+    env = dict(os.environ, PYTHONPATH=str(Path(hf_merge.__file__).resolve().parents[1]), HF_MERGE_CACHE=str(tmp_path / "cache"))
+    loaded = [subprocess.run([sys.executable, "-c", code, str(qwen2_fp32_ws2.actor), str(tmp_path / out)], env=env,
+                             check=True, capture_output=True, text=True).stdout.strip() for out in ("first", "second")]
+    assert loaded[0] != "[]" and loaded[1] == "[]"  # the first built the skeleton, the second read the cache
+    assert list((tmp_path / "cache" / "saved_state").glob("*.json"))
+    assert weight_files(tmp_path / "first") == weight_files(tmp_path / "second")

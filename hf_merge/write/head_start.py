@@ -17,6 +17,7 @@ taken is not trusted: the merge writes the file again. The child changes how fas
 never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast,
 a tie, LoRA, a model ``save_pretrained`` renames (the Hub layout), bytes that are not rank-file
 runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
+A sharded plan is in the order transformers 5 saves in (:func:`~hf_merge.write.save_order.natural_key`).
 """
 
 from __future__ import annotations

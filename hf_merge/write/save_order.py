@@ -11,11 +11,12 @@ storage sized once) the model's state dict after its save-time steps:
 - transformers 4.x: ``model.state_dict()`` order, a VLM's prefixes renamed in place.
 
 :func:`plan_like_save_pretrained` feeds :func:`~hf_merge.write.plan.plan_shards` the same: the Hub
-layout's own order (it ran the very ``revert_weight_conversion``), else the sorted names (5.x) or
-the order of the model's ``state_dict`` on a meta skeleton (4.x); the shared storages of the Hub
-layout; and ``total_parameters`` as ``model.num_parameters()`` counts it (:func:`total_parameters`).
-A single-file plan needs none of this (inside a file the order is safetensors' own), so none of
-it runs, and transformers is not imported, unless the output is sharded.
+layout's own order (it ran the very ``revert_weight_conversion``), else the names sorted by
+:func:`natural_key` (5.x) or in the order of the model's ``state_dict`` on a meta skeleton (4.x);
+the shared storages of the Hub layout; and ``total_parameters`` as ``model.num_parameters()``
+counts it (:func:`total_parameters`). A single-file plan needs none of this (inside a file the
+order is safetensors' own), so none of it runs unless the output is sharded; what the skeleton
+says is kept in the plan cache, so a sharded merge imports transformers once per model.
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_si
 def saved_order(specs: dict[str, TensorSpec], config: dict[str, Any], *, reverted: bool) -> list[TensorSpec]:
     """``specs`` in the order ``save_pretrained`` gives the splitter (``reverted``: they come from
     transformers' own ``revert_weight_conversion``, already in its order)."""
-    from ..transformers_compat import checkpoint_order, has_weight_conversions
+    from ..transformers_compat import has_weight_conversions
 
     if reverted:
         return list(specs.values())
     if has_weight_conversions():
-        return [specs[n] for n in checkpoint_order(specs)]
+        return sorted(specs.values(), key=lambda s: natural_key(s.name))
     keys = _state_dict_keys(config)  # 4.x: the model's own order
     if keys is None or not set(specs) <= keys.keys():
         return list(specs.values())  # names the model does not have (e.g. quantized parts): as read
@@ -71,9 +72,10 @@ def saved_order(specs: dict[str, TensorSpec], config: dict[str, Any], *, reverte
 
 def natural_key(name: str) -> list[tuple]:
     """Sort key of state-dict names with numbers compared as numbers (``layers.2`` before
-    ``layers.10``, ``shard_2`` before ``shard_11``), the order transformers 5's
-    ``revert_weight_conversion`` gives; without importing it (the CLI's head start plans torch-free,
-    and the merge checks its plan against its own, from transformers)."""
+    ``layers.10``, ``shard_2`` before ``shard_11``): the key transformers 5's
+    ``revert_weight_conversion`` sorts by (``dot_natural_key``), written here so that neither the
+    merge nor the CLI's torch-free head start imports transformers for it (tests/test_sharding.py
+    compares the two keys, and the merged shards with ``save_pretrained``'s)."""
     parts: list[tuple] = []
     for part in name.split("."):
         if part.isdigit():
@@ -118,13 +120,35 @@ def _skeleton(config: dict[str, Any]) -> Any:
         return None
 
 
-def _state_dict_keys(config: dict[str, Any]) -> "dict[str, int] | None":
+def _model_facts(config: dict[str, Any]) -> "dict[str, list[str]] | None":
+    """``{"keys": the model's state_dict names in order, "buffers": those that are persistent
+    buffers}`` from its meta skeleton, or None (transformers cannot build it). Kept in the plan
+    cache (:mod:`hf_merge.transforms.layout_cache`): building the skeleton imports transformers and
+    the model's code (2.4 s of CPU for a Qwen2-7B-sized config), once per model and transformers."""
+    from ..transforms import layout_cache
+
+    key = None
+    if layout_cache.cache_dir() is not None:
+        key = layout_cache.digest({"plan": "saved_state", "format": 1, "versions": layout_cache.runtime(), "config": config})
+        stored = layout_cache.get("saved_state", key)
+        if (isinstance(stored, dict) and set(stored) == {"keys", "buffers"}
+                and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in stored.values())):
+            return stored
     model = _skeleton(config)
-    return None if model is None else {k: i for i, k in enumerate(model.state_dict())}
+    if model is None:
+        return None
+    keys = list(model.state_dict())
+    facts = {"keys": keys, "buffers": sorted({n for n, _ in model.named_buffers()} & set(keys))}
+    if key is not None:
+        layout_cache.put("saved_state", key, facts)
+    return facts
+
+
+def _state_dict_keys(config: dict[str, Any]) -> "dict[str, int] | None":
+    facts = _model_facts(config)
+    return None if facts is None else {k: i for i, k in enumerate(facts["keys"])}
 
 
 def _persistent_buffers(config: dict[str, Any]) -> set[str]:
-    model = _skeleton(config)
-    if model is None:
-        return set()
-    return {n for n, _ in model.named_buffers()} & set(model.state_dict())
+    facts = _model_facts(config)
+    return set() if facts is None else set(facts["buffers"])
