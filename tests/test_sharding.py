@@ -28,7 +28,7 @@ from hf_merge.write.shard_size import default_from_source, default_from_transfor
 
 #: what hf-merge adds to the header metadata save_pretrained writes ({"format": "pt"})
 PROVENANCE_KEYS = ("hf_merge_version", "source_format")
-SMALL = "40KB"  # 3 to 8 files for the fixtures' tiny models
+SMALL = "30KB"  # 4 to 16 files for the fixtures' tiny models (at 40KB Mixtral's experts fall in the same files grouped or not)
 
 
 def comparable(path: Path) -> str:
@@ -75,6 +75,7 @@ CASES = {  # id: (fixture, merge options)
     "bf16_cast": ("qwen2_fp32_ws2", {"dtype": "bfloat16"}),
     "lora_fused": ("lora_ckpt", {"lora": "fuse", "dtype": "auto"}),
     "moe_hub_layout": ("hub:qwen3_moe", {}),
+    "moe_copied_halves": ("hub:mixtral", {}),  # w1 / w3: views of copies the reverse conversion makes
     "moe_persistent_buffer": ("hub:deepseek_v3", {}),
     "dcp": ("dcp:dcp_plain", {"dtype": "auto"}),
 }
@@ -177,15 +178,29 @@ def test_tensors_in_a_file_are_in_safetensors_order(tmp_path):
     assert comparable(tmp_path / "model.safetensors") == comparable(tmp_path / "saved.safetensors")
 
 
+def merge_in_fresh_processes(source: Path, tmp_path: Path, options: str) -> list[str]:
+    """Two merges, each in a new interpreter, sharing a plan cache: the transformers modules each imported."""
+    code = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2], max_shard_size='" + SMALL + "'" + options + "); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')[:3])")
+    env = dict(os.environ, PYTHONPATH=str(Path(hf_merge.__file__).resolve().parents[1]), HF_MERGE_CACHE=str(tmp_path / "cache"))
+    return [subprocess.run([sys.executable, "-c", code, str(source), str(tmp_path / out)], env=env, check=True,
+                           capture_output=True, text=True).stdout.strip() for out in ("first", "second")]
+
+
 @pytest.mark.compat
 def test_a_second_sharded_merge_imports_no_transformers(qwen2_fp32_ws2, tmp_path):
     """What the meta skeleton says (state_dict order, persistent buffers) is kept in the plan cache:
     the next sharded merge of a dense model asks transformers nothing, and writes the same files."""
-    code = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2], dtype='auto', max_shard_size='40KB'); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')[:3])")
-    env = dict(os.environ, PYTHONPATH=str(Path(hf_merge.__file__).resolve().parents[1]), HF_MERGE_CACHE=str(tmp_path / "cache"))
-    loaded = [subprocess.run([sys.executable, "-c", code, str(qwen2_fp32_ws2.actor), str(tmp_path / out)], env=env,
-                             check=True, capture_output=True, text=True).stdout.strip() for out in ("first", "second")]
+    loaded = merge_in_fresh_processes(qwen2_fp32_ws2.actor, tmp_path, ", dtype='auto'")
     assert loaded[0] != "[]" and loaded[1] == "[]"  # the first built the skeleton, the second read the cache
     assert list((tmp_path / "cache" / "saved_state").glob("*.json"))
     assert weight_files(tmp_path / "first") == weight_files(tmp_path / "second")
+
+
+def test_a_stored_hub_layout_keeps_the_shared_storages(hub_root, tmp_path):
+    """The plan cache stores which experts view one storage (a stored recipe no longer shows it):
+    the merge from a stored plan cuts the files as save_pretrained does, as the first merge did."""
+    merge_in_fresh_processes(hub_root / "mixtral", tmp_path, "")
+    assert list((tmp_path / "cache" / "hub_layout").glob("*.json"))
+    save_pretrained_of(hub_root / "mixtral" / "reference", tmp_path / "saved", max_shard_size=SMALL)
+    assert weight_files(tmp_path / "first") == weight_files(tmp_path / "second") == weight_files(tmp_path / "saved")

@@ -7,7 +7,8 @@ storage sized once) the model's state dict after its save-time steps:
   (``dot_natural_key``: ``layers.2`` before ``layers.10``) for every model ``from_pretrained``
   loaded — a trained model — and then writes each converter's outputs where its first source
   was. The per-expert tensors it splits out of one fused ``[E, 2F, H]`` tensor are views of that
-  tensor's storage: the splitter sizes them as that storage and keeps them in one file.
+  tensor's storage (or of a copy the reverse made of part of it, Mixtral's ``w1`` / ``w3``): the
+  splitter sizes them as that storage and keeps them in one file.
 - transformers 4.x: ``model.state_dict()`` order, a VLM's prefixes renamed in place.
 
 :func:`plan_like_save_pretrained` feeds :func:`~hf_merge.write.plan.plan_shards` the same: the Hub
@@ -46,8 +47,8 @@ def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_si
     storage = None
     if hub is not None and quantized is None:  # quantized parts are new tensors, grouped by module instead
         def storage(spec: TensorSpec) -> "tuple[str, int] | None":
-            source = hub.shared_storage(spec.name)
-            return None if source is None else (source, hub.base.specs()[source].numel * spec.dtype.itemsize)
+            viewed = hub.shared_storage(spec.name)
+            return None if viewed is None else (viewed[0], viewed[1] * spec.dtype.itemsize)
     return plan_shards(
         saved_order(view.specs(), config, reverted=hub is not None), max_shard_size=max_shard_size,
         metadata=metadata, group=group, storage=storage,
