@@ -204,3 +204,16 @@ def test_a_stored_hub_layout_keeps_the_shared_storages(hub_root, tmp_path):
     assert list((tmp_path / "cache" / "hub_layout").glob("*.json"))
     save_pretrained_of(hub_root / "mixtral" / "reference", tmp_path / "saved", max_shard_size=SMALL)
     assert weight_files(tmp_path / "first") == weight_files(tmp_path / "second") == weight_files(tmp_path / "saved")
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_megatron_moe_experts_share_their_fused_storage(name, megatron_moe_root, tmp_path):
+    """A source already in the saved layout (Megatron's per-expert names): the storages the experts
+    view in save_pretrained's state dict come from the model's own reverse conversion (meta skeleton).
+    The reference is the single-file merge loaded with from_pretrained and saved sharded."""
+    source = megatron_moe_root / name / "actor"
+    hf_merge.merge(source, tmp_path / "single", dtype="auto")
+    hf_merge.merge(source, tmp_path / "merged", dtype="auto", max_shard_size=SMALL)
+    save_pretrained_of(tmp_path / "single", tmp_path / "saved", max_shard_size=SMALL)
+    got, want = weight_files(tmp_path / "merged"), weight_files(tmp_path / "saved")
+    assert len(want) >= 4 and got == want

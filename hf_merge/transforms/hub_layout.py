@@ -199,11 +199,9 @@ def _storages(recipes: dict[str, Any], base_specs: dict[str, TensorSpec]) -> dic
 
 def _reverse_conversions(model) -> list:
     """What ``revert_weight_conversion`` reverses for a freshly built model (transformers' own list)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
+    from ..transformers_compat import reverse_conversions
 
-    conversions = get_model_conversion_mapping(model, add_legacy=False)
-    return [c for c in conversions if not isinstance(c, PrefixChange)]
+    return reverse_conversions(model)
 
 
 def _may_convert(config: dict[str, Any], arch: str) -> bool:

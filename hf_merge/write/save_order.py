@@ -45,9 +45,15 @@ def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_si
 
     hub = _inner(view, HubLayout)
     storage = None
-    if hub is not None and quantized is None:  # quantized parts are new tensors, grouped by module instead
+    if quantized is None:  # quantized parts are new tensors, grouped by module instead
+        if hub is not None:  # the storages of the reverse conversion hf-merge replays
+            shared = hub.storages()
+        else:  # a source already in the saved layout (Megatron, DeepSpeed...): those of the model's own
+            facts = _model_facts(config)
+            shared = facts["storages"] if facts is not None and set(view.specs()) <= set(facts["keys"]) else {}
+
         def storage(spec: TensorSpec) -> "tuple[str, int] | None":
-            viewed = hub.shared_storage(spec.name)
+            viewed = shared.get(spec.name)
             return None if viewed is None else (viewed[0], viewed[1] * spec.dtype.itemsize)
     return plan_shards(
         saved_order(view.specs(), config, reverted=hub is not None), max_shard_size=max_shard_size,
@@ -63,12 +69,13 @@ def saved_order(specs: dict[str, TensorSpec], config: dict[str, Any], *, reverte
 
     if reverted:
         return list(specs.values())
-    if has_weight_conversions():
+    facts = _model_facts(config)
+    keys = {k: i for i, k in enumerate(facts["keys"])} if facts is not None else {}
+    if keys and set(specs) <= keys.keys():
+        return sorted(specs.values(), key=lambda s: keys[s.name])
+    if has_weight_conversions():  # names the model does not have (e.g. quantized parts): sorted all the same
         return sorted(specs.values(), key=lambda s: natural_key(s.name))
-    keys = _state_dict_keys(config)  # 4.x: the model's own order
-    if keys is None or not set(specs) <= keys.keys():
-        return list(specs.values())  # names the model does not have (e.g. quantized parts): as read
-    return sorted(specs.values(), key=lambda s: keys[s.name])
+    return list(specs.values())
 
 
 def natural_key(name: str) -> list[tuple]:
@@ -121,33 +128,46 @@ def _skeleton(config: dict[str, Any]) -> Any:
         return None
 
 
-def _model_facts(config: dict[str, Any]) -> "dict[str, list[str]] | None":
-    """``{"keys": the model's state_dict names in order, "buffers": those that are persistent
-    buffers}`` from its meta skeleton, or None (transformers cannot build it). Kept in the plan
-    cache (:mod:`hf_merge.transforms.layout_cache`): building the skeleton imports transformers and
-    the model's code (2.4 s of CPU for a Qwen2-7B-sized config), once per model and transformers."""
+def _model_facts(config: dict[str, Any]) -> "dict[str, Any] | None":
+    """What ``save_pretrained`` of the model hands the splitter, from its meta skeleton, or None
+    (transformers cannot build it): ``keys``, the names in that order (transformers 5: after
+    ``revert_weight_conversion``; 4.x: ``state_dict``'s; tied aliases included), ``storages``, the
+    saved tensors that view one storage (``{name: [first name viewing it, its elements]}``: the
+    experts of a fused parameter), and ``buffers``, the persistent buffers. Kept in the plan cache
+    (:mod:`hf_merge.transforms.layout_cache`): building the skeleton imports transformers and the
+    model's code (2.4 s of CPU for a Qwen2-7B-sized config), once per model and transformers."""
     from ..transforms import layout_cache
 
     key = None
     if layout_cache.cache_dir() is not None:
-        key = layout_cache.digest({"plan": "saved_state", "format": 1, "versions": layout_cache.runtime(), "config": config})
+        key = layout_cache.digest({"plan": "saved_state", "format": 2, "versions": layout_cache.runtime(), "config": config})
         stored = layout_cache.get("saved_state", key)
-        if (isinstance(stored, dict) and set(stored) == {"keys", "buffers"}
-                and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in stored.values())):
+        if _facts_valid(stored):
             return stored
     model = _skeleton(config)
     if model is None:
         return None
-    keys = list(model.state_dict())
-    facts = {"keys": keys, "buffers": sorted({n for n, _ in model.named_buffers()} & set(keys))}
+    import torch
+
+    from ..transformers_compat import has_weight_conversions, saved_state
+
+    state = saved_state(model) if has_weight_conversions() else model.state_dict()
+    owners: dict[int, str] = {}
+    storages = {name: [owners.setdefault(id(t._base), name), t._base.numel()]
+                for name, t in state.items() if isinstance(t, torch.Tensor) and t._base is not None}
+    facts = {"keys": list(state), "storages": storages,
+             "buffers": sorted({n for n, _ in model.named_buffers()} & set(model.state_dict()))}
     if key is not None:
         layout_cache.put("saved_state", key, facts)
     return facts
 
 
-def _state_dict_keys(config: dict[str, Any]) -> "dict[str, int] | None":
-    facts = _model_facts(config)
-    return None if facts is None else {k: i for i, k in enumerate(facts["keys"])}
+def _facts_valid(stored: Any) -> bool:
+    return (isinstance(stored, dict) and set(stored) == {"keys", "storages", "buffers"}
+            and all(isinstance(stored[k], list) and all(isinstance(n, str) for n in stored[k]) for k in ("keys", "buffers"))
+            and isinstance(stored["storages"], dict)
+            and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int)
+                    for v in stored["storages"].values()))
 
 
 def _persistent_buffers(config: dict[str, Any]) -> set[str]:
