@@ -12,10 +12,11 @@ storage sized once) the model's state dict after its save-time steps:
 - transformers 4.x: ``model.state_dict()`` order, a VLM's prefixes renamed in place.
 
 :func:`plan_like_save_pretrained` feeds :func:`~hf_merge.write.plan.plan_shards` the same: the Hub
-layout's own order (it ran the very ``revert_weight_conversion``), else the names sorted by
-:func:`natural_key` (5.x) or in the order of the model's ``state_dict`` on a meta skeleton (4.x);
-the shared storages of the Hub layout; and ``total_parameters`` as ``model.num_parameters()``
-counts it (:func:`total_parameters`). A single-file plan needs none of this (inside a file the
+layout's own order and storages (it ran the very ``revert_weight_conversion``); for a source
+already in the saved layout, the order and storages of the model's own saved state dict on a meta
+skeleton (:func:`~hf_merge.transformers_compat.saved_state`; 4.x: ``state_dict``'s order); where
+transformers cannot build the model, the names sorted by :func:`natural_key` (5.x) or as read
+(4.x); and ``total_parameters`` as ``model.num_parameters()`` counts it (:func:`total_parameters`). A single-file plan needs none of this (inside a file the
 order is safetensors' own), so none of it runs unless the output is sharded; what the skeleton
 says is kept in the plan cache, so a sharded merge imports transformers once per model.
 """
@@ -151,7 +152,11 @@ def _model_facts(config: dict[str, Any]) -> "dict[str, Any] | None":
 
     from ..transformers_compat import has_weight_conversions, saved_state
 
-    state = saved_state(model) if has_weight_conversions() else model.state_dict()
+    try:
+        state = saved_state(model) if has_weight_conversions() else model.state_dict()
+    except Exception as e:  # noqa: BLE001 - the reverse does not run on meta tensors: the names' own order then
+        logger.debug("no saved state dict for the shard order (%s: %s)", type(e).__name__, e)
+        return None
     owners: dict[int, str] = {}
     storages = {name: [owners.setdefault(id(t._base), name), t._base.numel()]
                 for name, t in state.items() if isinstance(t, torch.Tensor) and t._base is not None}
