@@ -31,6 +31,7 @@ from .options import MergeOptions
 from .write.atomic import check_apart, check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
 from .write.plan import ShardPlan, plan_shards
+from .write.save_order import plan_like_save_pretrained
 from .provenance import merge_record, write_record
 from .readers import record_crc
 from .spec import dtype_name
@@ -55,7 +56,10 @@ def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None,
         source: checkpoint folder (see :func:`hf_merge.open_checkpoint`).
         target: output folder; written atomically (temporary folder beside it, renamed at the end).
         dtype: ``None`` (the config's dtype), ``"auto"`` (keep the shards' dtype) or a dtype.
-        max_shard_size: largest output file, e.g. ``"5GB"``.
+        max_shard_size: largest output file, e.g. ``"5GB"``; default (None): the installed
+            transformers' ``save_pretrained`` default (``"50GB"`` in 5.x, ``"5GB"`` in 4.57), so the
+            files are cut, and the tensors ordered into them, as ``save_pretrained`` of the trained
+            model would (see docs/sharding.md).
         workers: processes writing output files in parallel (default: one per file, up to the CPUs).
         config: folder with config.json / tokenizer, when the checkpoint has no ``huggingface/``.
         overwrite: replace a non-empty ``target``.
@@ -361,16 +365,15 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
             logger.info(note)
         for warning in warnings:
             logger.warning(warning)
+        model_cfg = cfg  # the model's own config (the skeleton the shard order and counts come from)
         if qview is not None:  # quantize
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
         metadata = {"hf_merge_version": __version__, "source_format": weights_label(ckpt.info.format)}
         model_plan = adapter = None
-        if views.model is not None:
-            model_plan = plan_shards(
-                views.model.specs(), max_shard_size=options.shard_bytes(), metadata=metadata,
-                group=qview.group if qview is not None else None,  # quantize: a module's parts stay together
-            )
+        if views.model is not None:  # quantize: a module's parts stay together
+            model_plan = plan_like_save_pretrained(views.model, model_cfg, max_shard_size=options.shard_bytes(),
+                                                   metadata=metadata, quantized=qview)
         if views.adapter is not None:
             adapter = PeftAdapter(views.adapter, views.adapter_config, metadata)
             if model_plan is None:

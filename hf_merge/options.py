@@ -19,7 +19,7 @@ from .errors import HfMergeError
 class MergeOptions:
     backend: str = "auto"
     dtype: Any = None  # None (the config's), "auto" (the shards'), or a dtype / its name
-    max_shard_size: "int | str" = "5GB"
+    max_shard_size: "int | str | None" = None  # None: the installed transformers' save_pretrained default
     workers: int | None = None
     config: "str | Path | None" = None
     overwrite: bool = False
@@ -42,11 +42,13 @@ class MergeOptions:
     source_crc: bool = True
 
     def shard_bytes(self) -> int:
-        """``max_shard_size`` in bytes (``--max-shard-size`` named in the error)."""
+        """``max_shard_size`` in bytes (``--max-shard-size`` named in the error); when None, the
+        default of the installed transformers' ``save_pretrained`` (:mod:`hf_merge.write.shard_size`)."""
         from .sizes import parse_size
+        from .write.shard_size import default_max_shard_size
 
         try:
-            return parse_size(self.max_shard_size)
+            return parse_size(default_max_shard_size() if self.max_shard_size is None else self.max_shard_size)
         except ValueError as e:
             raise HfMergeError(f"--max-shard-size: {e}") from None
 

@@ -49,6 +49,8 @@ __all__ = [
     "no_init_weights",
     "progress",
     "rename_checkpoint_key",
+    "reverse_conversions",
+    "saved_state",
     "rope_unread",
     "set_attn_implementation",
     "Stacking",
@@ -237,6 +239,33 @@ def weight_mapping(model: Any) -> list:
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     return get_model_conversion_mapping(model, None, None)
+
+
+def reverse_conversions(model: Any) -> list:
+    """What ``revert_weight_conversion`` reverses for a model built from its config: the class's
+    conversions (no legacy renames, no prefix changes), as ``from_pretrained`` keeps them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+
+
+def saved_state(model: Any) -> dict[str, Any]:
+    """``model.state_dict()`` as ``save_pretrained`` of it, loaded by ``from_pretrained``, hands it
+    to the splitter: after ``revert_weight_conversion`` (its order; per-expert tensors as views of
+    their fused parameter), tied aliases kept. On a meta-device model, meta tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    missing = object()
+    before = model.__dict__.get("_weight_conversions", missing)
+    model._weight_conversions = reverse_conversions(model)
+    try:
+        return revert_weight_conversion(model, model.state_dict())
+    finally:
+        if before is missing:
+            del model._weight_conversions
+        else:
+            model._weight_conversions = before
 
 
 def checkpoint_order(names: Iterable[str]) -> list[str]:

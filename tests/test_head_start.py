@@ -26,6 +26,18 @@ pytestmark = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def without_conversion_table(monkeypatch) -> None:
+    """``transformers.conversion_mapping`` out of ``sys.modules`` for the test, the module and the
+    package's attribute put back after it: a sharded merge builds the model's meta skeleton, which
+    imports the module again, and that second copy must not outlive the test (``import
+    transformers.conversion_mapping`` would give it, where hf-merge reads ``sys.modules``)."""
+    original = sys.modules.get("transformers.conversion_mapping")
+    monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)
+    package = sys.modules.get("transformers")
+    if original is not None and package is not None:
+        monkeypatch.setattr(package, "conversion_mapping", original, raising=False)
+
+
 @pytest.fixture
 def adoptions(monkeypatch):
     """What ``HeadStart.adopt`` answered, per call, in this process."""
@@ -33,7 +45,7 @@ def adoptions(monkeypatch):
     real = head_start.HeadStart.adopt
     # as in a fresh CLI process: transformers' conversion table read from its source, not asked
     # (an earlier test may have imported it; the child then declines, not knowing the Hub layout)
-    monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)
+    without_conversion_table(monkeypatch)
 
     def recording(self, *args, **kwargs):
         answers.append(real(self, *args, **kwargs))
@@ -261,7 +273,7 @@ def test_the_torch_free_index_agrees_with_the_torch_reader(name, checkpoint):
 def test_the_child_declines_what_is_not_a_plain_copy(change, qwen2_fp32_ws2, tmp_path, monkeypatch):
     import shutil
 
-    monkeypatch.delitem(sys.modules, "transformers.conversion_mapping", raising=False)  # as in a fresh CLI
+    without_conversion_table(monkeypatch)  # as in a fresh CLI
     reason = {"hub layout": "Hub layout", "cast": "a cast", "tied": "tied"}[change]
 
     source = tmp_path / "actor"

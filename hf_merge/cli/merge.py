@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "auto: keep the shards' dtype",
     )
     p.add_argument("--max-shard-size", default=None, type=size_arg, metavar="SIZE",
-                   help="largest output file: 5GB (default), 2G, 500MB, 4GiB or a byte count")
+                   help="largest output file: 5GB, 2G, 500MB, 4GiB or a byte count; default: the installed "
+                   f"transformers' save_pretrained default{_shard_default()}, so the files are cut where it cuts them")
     p.add_argument("--workers", type=positive_int, default=None, help="processes writing output files (default: one per file, one per CPU, at most 8)")
     p.add_argument("--dist-writers", choices=("node", "rank"), default=None,
                    help="under torchrun: which ranks write the files: node (default: one process per node, with "
@@ -191,6 +192,14 @@ def _quantize_options(args: argparse.Namespace):
 
     skip = tuple(m.strip() for m in (args.quant_skip_modules or "").split(",") if m.strip())
     return QuantizeOptions(args.quantize, double_quant=args.double_quant, compute_dtype=args.quant_compute_dtype, skip_modules=skip)
+
+
+def _shard_default() -> str:
+    """`` (50GB)``: save_pretrained's default as read from transformers' source (no import), if it can be."""
+    from ..write.shard_size import default_from_transformers_source
+
+    found = default_from_transformers_source()
+    return f" ({found})" if found is not None else ""
 
 
 def merge_options(args: argparse.Namespace):

@@ -160,6 +160,38 @@ def _replay(recipe: Any, leaf: Any) -> Any:
     return recipe
 
 
+def _storages(recipes: dict[str, Any], base_specs: dict[str, TensorSpec]) -> dict[str, tuple[str, int]]:
+    """For each output that is a view: the storage it views (named by the first output viewing it)
+    and that storage's elements. Every recipe is replayed on meta tensors in one pass, each recorded
+    call once, so siblings (the experts one ``chunk`` / ``unbind`` made) are views of the same tensor,
+    as in transformers' reverse conversion; torch's own view rules decide what is a view."""
+    leaves: dict[str, torch.Tensor] = {}
+    done: dict[int, Any] = {}  # id of a recorded call -> its result (the recipes keep the calls alive)
+
+    def run(recipe: Any) -> Any:
+        if isinstance(recipe, _Leaf):
+            if recipe.name not in leaves:
+                spec = base_specs[recipe.name]
+                leaves[recipe.name] = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+            return leaves[recipe.name]
+        if isinstance(recipe, _Call):
+            if id(recipe) not in done:
+                result = recipe.fn(*(run(a) for a in recipe.args), **{k: run(v) for k, v in recipe.kwargs})
+                done[id(recipe)] = result if recipe.index is None else result[recipe.index]
+            return done[id(recipe)]
+        if isinstance(recipe, (tuple, list)):
+            return type(recipe)(run(item) for item in recipe)
+        return recipe
+
+    owners: dict[int, str] = {}
+    found: dict[str, tuple[str, int]] = {}
+    for name, recipe in recipes.items():
+        tensor = run(recipe)
+        if isinstance(tensor, torch.Tensor) and tensor._base is not None:
+            found[name] = (owners.setdefault(id(tensor._base), name), tensor._base.numel())
+    return found
+
+
 # --------------------------------------------------------------------------------------------
 # The model skeleton and transformers' own reverse conversion
 # --------------------------------------------------------------------------------------------
@@ -167,11 +199,9 @@ def _replay(recipe: Any, leaf: Any) -> Any:
 
 def _reverse_conversions(model) -> list:
     """What ``revert_weight_conversion`` reverses for a freshly built model (transformers' own list)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
+    from ..transformers_compat import reverse_conversions
 
-    conversions = get_model_conversion_mapping(model, add_legacy=False)
-    return [c for c in conversions if not isinstance(c, PrefixChange)]
+    return reverse_conversions(model)
 
 
 def _may_convert(config: dict[str, Any], arch: str) -> bool:
@@ -229,7 +259,7 @@ class HubLayout(LazyCheckpoint):
     """
 
     def __init__(self, base: LazyCheckpoint, recipes: dict[str, Any], specs: dict[str, TensorSpec], *, architecture: str,
-                 spans: "dict[str, _Span] | None" = None):
+                 spans: "dict[str, _Span] | None" = None, storages: "dict[str, tuple[str, int]] | None" = None):
         self.base = base
         self.info = base.info
         self.architecture = architecture
@@ -243,6 +273,7 @@ class HubLayout(LazyCheckpoint):
                 if span is not None:
                     spans[name] = span
         self._spans: dict[str, _Span] = spans
+        self._storages = storages  # computed when first asked for (a sharded plan), or from a stored plan
         self._lock = threading.Lock()
         self._cached: tuple[str, torch.Tensor] | None = None  # one source in flight, for non-view recipes
 
@@ -267,6 +298,19 @@ class HubLayout(LazyCheckpoint):
                     read_into(piece, out[first : first + len(values(piece))])
                 return
         out.copy_(_replay(recipe, self._source))
+
+    def shared_storage(self, name: str) -> "tuple[str, int] | None":
+        """``(storage, elements)`` when output ``name`` is, in ``save_pretrained``'s state dict, a view
+        of a storage (an expert split out of a fused tensor, or out of a copy transformers' reverse
+        made of it), named by the first output that views it; None when it is a tensor of its own.
+        The splitter sizes a storage once and keeps its views in one file."""
+        return self.storages().get(name)
+
+    def storages(self) -> dict[str, tuple[str, int]]:
+        """:meth:`shared_storage` of every output that is a view."""
+        if self._storages is None:
+            self._storages = _storages(self._recipes, self.base.specs())
+        return self._storages
 
     def _source(self, name: str) -> torch.Tensor:
         """A whole source tensor, kept until another is asked for (siblings share it)."""
@@ -446,7 +490,7 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
         return base, []
     view, notes = _view(base, *plan)
     if key is not None:
-        encoded = _encode_plan(*plan, view._spans)
+        encoded = _encode_plan(*plan, view._spans, view.storages())
         problem = _check_plan(plan[1], plan[2], view._spans, specs)  # what a stored copy must pass too
         if problem is not None:
             logger.debug("%s: plan not cached (%s)", plan[0], problem)
@@ -455,14 +499,15 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     return view, notes
 
 
-def _view(base: LazyCheckpoint, arch: str, recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans=None):
+def _view(base: LazyCheckpoint, arch: str, recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans=None,
+          storages=None):
     changed = sum(1 for n, r in recipes.items() if not (isinstance(r, _Leaf) and r.name == n))
     note = f"Hub layout: {changed} of {len(recipes)} tensors renamed or split as {arch}.save_pretrained writes them"
-    return HubLayout(base, recipes, out_specs, architecture=arch, spans=spans), [note]
+    return HubLayout(base, recipes, out_specs, architecture=arch, spans=spans, storages=storages), [note]
 
 
 _PASSTHROUGH = "passthrough"  # the plan of a model save_pretrained writes as it holds it
-PLAN_FORMAT = 2  # bump when the meaning of a stored plan changes (2: checked entries, keys with runtime())
+PLAN_FORMAT = 3  # bump when the meaning of a stored plan changes (2: checked entries, keys with runtime(); 3: storages)
 
 
 def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
@@ -631,15 +676,18 @@ def _decode(value: Any, specs: dict[str, TensorSpec]) -> Any:
     raise ValueError("unknown node")
 
 
-def _encode_plan(arch: str, recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans: dict[str, "_Span"]) -> Any:
+def _encode_plan(arch: str, recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans: dict[str, "_Span"],
+                 storages: dict[str, tuple[str, int]]) -> Any:
     """The plan as JSON: an output that is a contiguous range of one source (the per-expert
-    splits) as just ``{"span": [source, offset]}``, any other as its recipe."""
+    splits) as just ``{"span": [source, offset]}``, any other as its recipe; then, for a view,
+    the storage it views (:meth:`HubLayout.shared_storage`)."""
     outputs = []
     try:
         for name, spec in out_specs.items():
             span = spans.get(name)
             how = {"span": [span.source, span.offset]} if span is not None else _encode(recipes[name])
-            outputs.append([name, list(spec.shape), dtype_name(spec.dtype), how])
+            storage = [list(storages[name])] if name in storages else []
+            outputs.append([name, list(spec.shape), dtype_name(spec.dtype), how, *storage])
     except _NotEncodable as e:
         logger.debug("%s: plan not cached (a recipe holds a %s)", arch, e)
         return None
@@ -655,8 +703,9 @@ def _span_recipe(span: "_Span", shape: tuple[int, ...], numel: int) -> _Call:
 
 
 def _decode_plan(stored: Any, specs: dict[str, TensorSpec]):
-    """A stored plan ``(architecture, recipes, output specs, spans)``, checked (its sources exist
-    and hold its spans, its calls are replayable), :data:`_PASSTHROUGH`, or None (a miss)."""
+    """A stored plan ``(architecture, recipes, output specs, spans, storages)``, checked (its sources
+    exist and hold its spans, its calls are replayable, its storages are outputs' and hold them),
+    :data:`_PASSTHROUGH`, or None (a miss)."""
     if not isinstance(stored, dict):
         return None
     if stored.get("passthrough") is True:
@@ -666,8 +715,14 @@ def _decode_plan(stored: Any, specs: dict[str, TensorSpec]):
         recipes: dict[str, Any] = {}
         out_specs: dict[str, TensorSpec] = {}
         spans: dict[str, _Span] = {}
-        for name, shape, dtype, how in stored["outputs"]:
+        storages: dict[str, tuple[str, int]] = {}
+        for name, shape, dtype, how, *storage in stored["outputs"]:
             spec = TensorSpec(str(name), tuple(int(n) for n in shape), parse_dtype(dtype))
+            if storage:
+                (owner, numel), = storage
+                storages[spec.name] = (str(owner), int(numel))
+                if int(numel) < spec.numel:
+                    raise ValueError(f"storage of {name} smaller than it")
             if isinstance(how, dict) and "span" in how:
                 source, offset = str(how["span"][0]), int(how["span"][1])
                 if source not in specs or not 0 <= offset <= specs[source].numel - spec.numel:
@@ -681,10 +736,12 @@ def _decode_plan(stored: Any, specs: dict[str, TensorSpec]):
         logger.debug("plan cache: stored Hub layout ignored (%s)", e)
         return None
     problem = _check_plan(recipes, out_specs, spans, specs)
+    if problem is None and any(owner not in out_specs for owner, _ in storages.values()):
+        problem = "a storage named after no output"
     if problem is not None:
         logger.debug("plan cache: stored Hub layout ignored (%s)", problem)
         return None
-    return arch, recipes, out_specs, spans
+    return arch, recipes, out_specs, spans, storages
 
 
 def _check_plan(recipes: dict[str, Any], out_specs: dict[str, TensorSpec], spans: dict[str, "_Span"],

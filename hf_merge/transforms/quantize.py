@@ -510,6 +510,17 @@ class Quantized(LazyCheckpoint):
         part = self._part.get(spec.name)
         return part[0] if part else None
 
+    def parameters(self, spec: TensorSpec) -> int:
+        """What transformers' ``num_parameters`` counts for output tensor ``spec``: a 4-bit weight
+        as twice the elements of its packed ``uint8`` storage, its quantization state as nothing,
+        any other tensor as its elements."""
+        part = self._part.get(spec.name)
+        if part is None:
+            return spec.numel
+        if part[1] != "weight":
+            return 0
+        return spec.numel * 2 * spec.dtype.itemsize if self.options.is_4bit else spec.numel
+
     # -- records ----------------------------------------------------------------------------
 
     def provenance(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ taken is not trusted: the merge writes the file again. The child changes how fas
 never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast,
 a tie, LoRA, a model ``save_pretrained`` renames (the Hub layout), bytes that are not rank-file
 runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
+A sharded plan is in the order transformers 5 saves in (:func:`~hf_merge.write.save_order.natural_key`).
 """
 
 from __future__ import annotations
@@ -273,6 +274,8 @@ def _plan(request: Request) -> _Planned:
     from .engine import byte_recipe
     from ..forks import usable_cpus
     from .plan import plan_shards
+    from .save_order import natural_key
+    from ..transformers_compat import has_weight_conversions
     from .shards import default_workers
 
     folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
@@ -297,8 +300,11 @@ def _plan(request: Request) -> _Planned:
         raise _Skip("LoRA")
     if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
         raise _Skip("a cast")
-    plan = plan_shards(specs, max_shard_size=options.shard_bytes(),
-                       metadata={"hf_merge_version": __version__, "source_format": weights_label("fsdp")})
+    metadata = {"hf_merge_version": __version__, "source_format": weights_label("fsdp")}
+    plan = plan_shards(specs, max_shard_size=options.shard_bytes(), metadata=metadata)
+    if plan.index is not None and has_weight_conversions():  # sharded: in the order transformers 5 saves in
+        plan = plan_shards(sorted(specs.values(), key=lambda s: natural_key(s.name)),
+                           max_shard_size=options.shard_bytes(), metadata=metadata)
     side = side_files_bytes([config_dir], plan.index["weight_map"] if plan.index else None)
     check_free_space(Path(request.target), sum(f.file_size for f in plan.files), side)  # the merge says so first
     ranges = byte_recipe(index, plan.files[0])

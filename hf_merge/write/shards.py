@@ -214,9 +214,10 @@ def write_shards(
 
 
 def write_index(plan: ShardPlan, folder: Path) -> None:
-    """``model.safetensors.index.json`` for a sharded plan (nothing for a single file)."""
+    """``model.safetensors.index.json`` for a sharded plan (nothing for a single file), dumped as
+    ``save_pretrained`` dumps it (indent 2, keys sorted, a final newline)."""
     if plan.index is not None:
-        (Path(folder) / INDEX_NAME).write_text(json.dumps(plan.index, indent=2, sort_keys=False) + "\n")
+        (Path(folder) / INDEX_NAME).write_text(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
 
 
 def _write_parallel(
