@@ -17,10 +17,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .version import __version__
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
-from .readers.formats import find_format, weights_label
+from .readers.formats import find_format
 from .hf_files import (
     GENERATION_CONFIG, checkpoint_config, copy_side_files, missing_side_files, without_stale_quantization, write_config,
     written_dtype,
@@ -188,10 +187,10 @@ class PeftAdapter:
     file never sharded (PEFT loads one). Alone (``--lora adapter``) it gets the tokenizer files too;
     nested in a model folder (``--lora both``) it is written in that folder's finish."""
 
-    def __init__(self, view: LazyCheckpoint, adapter_config: dict[str, Any], metadata: dict[str, str]):
+    def __init__(self, view: LazyCheckpoint, adapter_config: dict[str, Any]):
         self.view, self.adapter_config = view, adapter_config
         # PEFT loads one adapter file: never shard it.
-        self.file_plan: ShardPlan = plan_shards(view.specs(), max_shard_size=2**62, metadata=metadata,
+        self.file_plan: ShardPlan = plan_shards(view.specs(), max_shard_size=2**62,
                                                 filename_pattern=ADAPTER_PATTERN)
         self.side_files: Path | None = None  # the config folder whose tokenizer files it gets (alone)
 
@@ -369,13 +368,12 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
         if qview is not None:  # quantize
             provenance["quantization"] = qview.provenance()
             cfg = qview.output_config(cfg)
-        metadata = {"hf_merge_version": __version__, "source_format": weights_label(ckpt.info.format)}
         model_plan = adapter = None
         if views.model is not None:  # quantize: a module's parts stay together
             model_plan = plan_like_save_pretrained(views.model, model_cfg, max_shard_size=options.shard_bytes(),
-                                                   metadata=metadata, quantized=qview)
+                                                   quantized=qview)
         if views.adapter is not None:
-            adapter = PeftAdapter(views.adapter, views.adapter_config, metadata)
+            adapter = PeftAdapter(views.adapter, views.adapter_config)
             if model_plan is None:
                 adapter.side_files = config_dir
         planned = [f for f in (model_plan.files if model_plan else []) + (adapter.plan() if adapter else [])]

@@ -91,7 +91,7 @@ def test_declared_literals_equal_the_registry_and_import_no_reader():
     import subprocess
     import sys
 
-    fields = ("name", "description", "priority", "aliases", "cli", "hf_folder", "weights_label")
+    fields = ("name", "description", "priority", "aliases", "cli", "hf_folder", "marks")
     declared = [tuple(getattr(d, k) for k in fields) for d in formats.declared()]
     assert declared == [tuple(getattr(f, k) for k in fields) for f in formats.registry().values()]
     code = "import sys, hf_merge.readers.formats as f; f.format_names(); f.declared(); print('torch' in sys.modules)"
@@ -120,8 +120,8 @@ def test_one_name_per_format_and_the_old_spellings_are_aliases(qwen2_fp32_ws2, t
     hf_merge.merge(qwen2_fp32_ws2.root, tmp_path / "merged")
     assert json.loads((tmp_path / "merged" / "hf_merge.json").read_text())["source"]["format"] == "fsdp"
     shard = next((tmp_path / "merged").glob("*.safetensors"))
-    with safe_open(str(shard), "pt") as f:
-        assert f.metadata()["source_format"] == "verl-fsdp"
+    with safe_open(str(shard), "pt") as f:  # the header's metadata is save_pretrained's: provenance is in hf_merge.json
+        assert f.metadata() == {"format": "pt"}
 
 
 def test_formats_declare_their_cli_options():

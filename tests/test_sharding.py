@@ -2,8 +2,7 @@
 
 The reference model is the fixture's ``reference/`` folder loaded with ``from_pretrained``, as a
 trained model is, and saved with the same ``max_shard_size``. Every file is compared: the index
-byte for byte, each shard byte for byte but for the two provenance entries hf-merge adds to the
-safetensors header metadata (``hf_merge_version``, ``source_format``).
+and every shard byte for byte (hf-merge's provenance is in ``hf_merge.json``, not in the weight files).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import hashlib
 import inspect
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -26,23 +24,12 @@ from hf_merge.sizes import parse_size
 from hf_merge.write.save_order import natural_key
 from hf_merge.write.shard_size import default_from_source, default_from_transformers_source
 
-#: what hf-merge adds to the header metadata save_pretrained writes ({"format": "pt"})
-PROVENANCE_KEYS = ("hf_merge_version", "source_format")
 SMALL = "30KB"  # 4 to 16 files for the fixtures' tiny models (at 40KB Mixtral's experts fall in the same files grouped or not)
 
 
 def comparable(path: Path) -> str:
-    """sha256 of a file; for safetensors, of its header (less hf-merge's provenance) and its data."""
-    raw = path.read_bytes()
-    if path.suffix != ".safetensors":
-        return hashlib.sha256(raw).hexdigest()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    meta = header.get("__metadata__", {})
-    assert meta.get("format") == "pt", path
-    for key in PROVENANCE_KEYS:
-        meta.pop(key, None)
-    return hashlib.sha256(json.dumps(list(header.items())).encode() + raw[8 + n :]).hexdigest()
+    """sha256 of a file's bytes (safetensors included: header, metadata ``{"format": "pt"}`` and data)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def weight_files(folder: Path) -> dict[str, str]:

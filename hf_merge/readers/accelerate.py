@@ -81,7 +81,6 @@ def probe(path: Path) -> bool:
 FORMAT = SourceFormat(
     name="accelerate",
     aliases=("accelerate-fsdp",),
-    weights_label="accelerate-fsdp",
     description="accelerate FSDP save_state folders (pytorch_model_fsdp_0/ DCP; optimizer and RNG files skipped)",
     probe=probe,
     open=open_accelerate,

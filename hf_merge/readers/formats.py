@@ -30,8 +30,7 @@ Contract of a format:
 - ``cli`` declares the command-line options of the format's reader options (:class:`CliOption`);
   merge and inspect add them (:mod:`hf_merge.cli._formats`), so a format's options are written
   in its own module only.
-- ``name``, ``description``, ``priority``, ``aliases``, ``cli``, ``hf_folder``, ``weights_label``
-  and ``marks`` are written as literals in the ``FORMAT = SourceFormat(...)`` statement:
+- ``name``, ``description``, ``priority``, ``aliases``, ``cli``, ``hf_folder`` and ``marks`` are written as literals in the ``FORMAT = SourceFormat(...)`` statement:
   :func:`declared` reads them from the module's source without importing it (readers import
   torch, ~1.5 s), so ``--help``, the ``--backend`` choices and argument checks cost nothing.
   A test keeps :func:`declared` and :func:`registry` equal. :func:`get_format` imports only the
@@ -79,10 +78,6 @@ class SourceFormat:
     aliases: tuple[str, ...] = ()  # older spellings, accepted on input
     cli: tuple[CliOption, ...] = ()  # the CLI options of some of ``options``
     hf_folder: bool = False  # the source is a Hugging Face model folder already: nothing is un-sharded
-    # The label written in the safetensors header's "source_format" (default: name). Earlier
-    # releases wrote another spelling there for some formats; kept so the weight files stay
-    # byte-identical across the renaming.
-    weights_label: str | None = None
     marks: tuple[str, ...] = ()  # what makes a folder a candidate for the probe (see the module docstring)
 
     def __post_init__(self) -> None:
@@ -102,12 +97,11 @@ class Declared:
     aliases: tuple[str, ...] = ()
     cli: tuple[CliOption, ...] = ()
     hf_folder: bool = False
-    weights_label: str | None = None
     marks: tuple[str, ...] = ()
 
 
 _LITERAL_DEFAULTS = {
-    "priority": 100, "aliases": (), "cli": (), "hf_folder": False, "weights_label": None, "marks": (),
+    "priority": 100, "aliases": (), "cli": (), "hf_folder": False, "marks": (),
 }
 
 
@@ -226,11 +220,6 @@ def is_hf_folder(name: str | None) -> bool:
     found = find_declared(name) if name else None
     return found is not None and found.hf_folder
 
-
-def weights_label(name: str) -> str:
-    """The ``source_format`` written in the safetensors header for format ``name``."""
-    found = find_declared(name)
-    return (found.weights_label or found.name) if found is not None else name
 
 
 @dataclass(frozen=True)

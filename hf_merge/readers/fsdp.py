@@ -240,7 +240,6 @@ def open_fsdp(path: Path, *, config_dir: Path | None = None) -> FsdpCheckpoint:
 FORMAT = SourceFormat(
     name="fsdp",
     aliases=("verl-fsdp",),
-    weights_label="verl-fsdp",
     description="verl FSDP1/FSDP2 rank files (model_world_size_N_rank_r.pt of DTensors)",
     probe=probe,
     open=open_fsdp,

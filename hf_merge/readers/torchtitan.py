@@ -62,7 +62,6 @@ def probe(path: Path) -> bool:
 FORMAT = SourceFormat(
     name="torchtitan",
     aliases=("torchtitan-dcp",),
-    weights_label="torchtitan-dcp",
     description="torchtitan checkpoint/step-N DCP folders (Llama 3, Qwen3; names mapped by a table)",
     probe=probe,
     open=open_torchtitan,

@@ -263,8 +263,6 @@ class _Planned:
 def _plan(request: Request) -> _Planned:
     """The merge's first file as a plain copy would write it: the FSDP reader's layout
     (:class:`~hf_merge.readers.fsdp_files.RankIndex`), the merge's planner and byte recipe."""
-    from .. import __version__
-    from ..readers.formats import weights_label
     from ..readers import rank_pool
     from ..readers.fsdp_files import RankIndex, check_rank_files_present, detect_world_size, rank_file_name, resolve_fsdp_dir
     from ..spec import output_dtype_name
@@ -300,11 +298,10 @@ def _plan(request: Request) -> _Planned:
         raise _Skip("LoRA")
     if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
         raise _Skip("a cast")
-    metadata = {"hf_merge_version": __version__, "source_format": weights_label("fsdp")}
-    plan = plan_shards(specs, max_shard_size=options.shard_bytes(), metadata=metadata)
+    plan = plan_shards(specs, max_shard_size=options.shard_bytes())
     if plan.index is not None and has_weight_conversions():  # sharded: in the order transformers 5 saves in
         plan = plan_shards(sorted(specs.values(), key=lambda s: natural_key(s.name)),
-                           max_shard_size=options.shard_bytes(), metadata=metadata)
+                           max_shard_size=options.shard_bytes())
     side = side_files_bytes([config_dir], plan.index["weight_map"] if plan.index else None)
     check_free_space(Path(request.target), sum(f.file_size for f in plan.files), side)  # the merge says so first
     ranges = byte_recipe(index, plan.files[0])

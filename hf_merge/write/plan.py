@@ -33,6 +33,9 @@ from ..spec import TensorSpec, safetensors_code
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+#: every file's ``__metadata__``, as ``save_pretrained`` writes it (provenance is in ``hf_merge.json``,
+#: so the weight files are byte for byte those ``save_pretrained`` writes)
+SAVE_PRETRAINED_METADATA = {"format": "pt"}
 
 
 GroupFn = Callable[[TensorSpec], "str | None"]
@@ -118,7 +121,6 @@ def plan_shards(
     specs: "dict[str, TensorSpec] | list[TensorSpec]",
     *,
     max_shard_size: "int | str | None" = None,
-    metadata: dict[str, str] | None = None,
     filename_pattern: str = SAFETENSORS_PATTERN,
     group: GroupFn | None = None,
     storage: StorageFn | None = None,
@@ -161,9 +163,8 @@ def plan_shards(
         filename_pattern=filename_pattern,
         max_shard_size=parse_size(max_shard_size),
     )
-    meta = {"format": "pt", **(metadata or {})}
     files = [
-        FilePlan(fname, [by_name[n] for n in names], meta, group=group)
+        FilePlan(fname, [by_name[n] for n in names], dict(SAVE_PRETRAINED_METADATA), group=group)
         for fname, names in split.filename_to_tensors.items()
     ]
     index = None

@@ -35,11 +35,11 @@ __all__ = ["natural_key", "plan_like_save_pretrained", "saved_order", "total_par
 
 
 def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_size: "int | str | None",
-                              metadata: dict[str, str] | None = None, quantized: Any = None) -> ShardPlan:
+                              quantized: Any = None) -> ShardPlan:
     """The files ``save_pretrained(max_shard_size=...)`` of the trained model would write, planned
     from ``view`` (the output's lazy checkpoint; ``quantized`` the bitsandbytes view in it, if any)."""
     group = quantized.group if quantized is not None else None
-    plan = plan_shards(view.specs(), max_shard_size=max_shard_size, metadata=metadata, group=group)
+    plan = plan_shards(view.specs(), max_shard_size=max_shard_size, group=group)
     if plan.index is None:
         return plan
     from ..transforms.hub_layout import HubLayout
@@ -58,7 +58,7 @@ def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_si
             return None if viewed is None else (viewed[0], viewed[1] * spec.dtype.itemsize)
     return plan_shards(
         saved_order(view.specs(), config, reverted=hub is not None), max_shard_size=max_shard_size,
-        metadata=metadata, group=group, storage=storage,
+        group=group, storage=storage,
         total_parameters=total_parameters(view, config, hub=hub, quantized=quantized),
     )
 
