@@ -5,17 +5,30 @@ STAMP := $(VENV)/.installed
 TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 torchdata==0.11.0 \
 	einops==0.8.2 docstring_parser==0.18.0 typeguard==4.6.1 shtab==1.13.0
 
-# The compatibility pass (docs/compatibility.md): the transformers 4.x stack of a verl 0.6-era
-# training environment, on the same CPU torch, in a second venv; runs the tests marked `compat`.
+# The compatibility pass (docs/compatibility.md): two transformers 4.x stacks, each on the same CPU
+# torch in a venv of its own, run the tests marked `compat`: 4.57 (verl 0.7 with sglang 0.5.6 pins
+# 4.57.1) and the declared floor 4.51.1 (verl 0.5 with sglang 0.4.6.post5 pins it; vllm 0.8.5 asks >= it).
 COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
-STACK_4X := transformers==4.57.6 peft==0.17.1 accelerate==1.10.1 "huggingface_hub>=0.34,<0.35" safetensors==0.4.3
-COMPAT_STACK := torch==2.13.0 $(STACK_4X)
+COMPAT_OLDEST_VENV ?= .venv-compat-4.51
+COMPAT_OLDEST_PY := $(COMPAT_OLDEST_VENV)/bin/python
+COMPAT_OLDEST_STAMP := $(COMPAT_OLDEST_VENV)/.installed
+STACK_4X_REST := peft==0.17.1 accelerate==1.10.1 "huggingface_hub>=0.34,<0.35" safetensors==0.4.3
+STACK_4X := transformers==4.57.6 $(STACK_4X_REST)
+STACK_451 := transformers==4.51.1 $(STACK_4X_REST)
 COMPAT_TEST := pytest pytest-timeout megatron-core==0.16.1 gguf==0.19.0 sentencepiece==0.2.3 protobuf==7.36.2
+# $(call compat_venv,VENV,STACK,TRANSFORMERS): a venv of torch 2.13.0 and STACK with hf-merge installed
+# into it, checked to keep that torch and transformers (installing hf-merge must not change them)
+compat_venv = $(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install -q --upgrade pip && \
+	$(1)/bin/python -m pip install -q torch==2.13.0 $(2) $(COMPAT_TEST) && $(1)/bin/python -m pip install -q -e . && \
+	$(1)/bin/python -c "from importlib.metadata import version as v; \
+		assert (v('torch'), v('transformers')) == ('2.13.0+cpu', '$(3)'), (v('torch'), v('transformers'))" && \
+	touch $(1)/.installed
 
 # The torch-runtime pass (docs/compatibility.md), not in CI (several GB of CUDA wheels, run on CPU):
-# the oldest declared torch with the transformers 4.57 stack, the newest torch with the `test` extra.
+# the oldest declared torch with the oldest transformers stack (torch 2.6.0 + transformers 4.51.1: verl 0.5
+# with sglang 0.4.6.post5), the newest torch with the `test` extra.
 # torch is installed first and pinned again beside the stack, and checked after: pip may not change it.
 TORCH_OLDEST := 2.6.0
 TORCH_NEWEST := 2.15.0
@@ -57,23 +70,20 @@ test-slow: $(STAMP)
 test-all: test test-slow
 
 $(COMPAT_STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_PY) -m pip install -q --upgrade pip
-	$(COMPAT_PY) -m pip install -q $(COMPAT_STACK) $(COMPAT_TEST)
-	$(COMPAT_PY) -m pip install -q -e .
-	# installing hf-merge into a training environment must keep its torch and transformers
-	$(COMPAT_PY) -c "from importlib.metadata import version as v; \
-		assert (v('torch'), v('transformers')) == ('2.13.0+cpu', '4.57.6'), (v('torch'), v('transformers'))"
-	touch $(COMPAT_STAMP)
+	$(call compat_venv,$(COMPAT_VENV),$(STACK_4X),4.57.6)
 
-test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest -q -m compat tests
+$(COMPAT_OLDEST_STAMP): pyproject.toml Makefile
+	$(call compat_venv,$(COMPAT_OLDEST_VENV),$(STACK_451),4.51.1)
+
+# both stacks run; either failing fails the target
+test-compat: $(COMPAT_STAMP) $(COMPAT_OLDEST_STAMP)
+	$(COMPAT_PY) -m pytest -q -m compat tests; a=$$?; $(COMPAT_OLDEST_PY) -m pytest -q -m compat tests && exit $$a
 
 $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OLDEST_VENV)/bin/python -m pip install -q torch==$(TORCH_OLDEST)
-	$(OLDEST_VENV)/bin/python -m pip install -q torch==$(TORCH_OLDEST) $(STACK_4X) $(COMPAT_TEST) -e .
+	$(OLDEST_VENV)/bin/python -m pip install -q torch==$(TORCH_OLDEST) $(STACK_451) $(COMPAT_TEST) -e .
 	$(call torch_is,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
 	touch $@
 
@@ -102,4 +112,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_merge.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(COMPAT_OLDEST_VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache

@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from hf_merge.transformers_compat import dtype_kwargs
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = Path(__file__).resolve().parent
@@ -291,7 +292,7 @@ def child(tool: str, source: str, dtype: str, fingerprint_path: str | None, devi
     if tool.startswith("from_sharded_pretrained"):
         model = AutoModelForCausalLM.from_sharded_pretrained(source, dtype=dtype, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **dtype_kwargs(dtype), **kwargs)
     _sync(device_map)
     wall, c1 = time.perf_counter() - t0, os.times()
     if profiler is not None:

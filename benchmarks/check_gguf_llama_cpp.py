@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from hf_merge.transformers_compat import dtype_kwargs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +39,7 @@ def hf_run(hf_dir: Path, ids: list[int], new_tokens: int) -> tuple[np.ndarray, l
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, **dtype_kwargs(torch.float32)).eval()
     with torch.no_grad():
         seq = torch.tensor([ids])
         logits = model(seq).logits[0].float().numpy()

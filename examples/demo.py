@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from hf_merge.transformers_compat import dtype_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
@@ -77,9 +78,9 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     merged_abs = out_abs / "merged"
-    model = AutoModelForCausalLM.from_pretrained(merged_abs, dtype="auto").eval()
-    ref = AutoModelForCausalLM.from_pretrained(ck.reference, dtype=torch.float32).eval()
-    ref_bf16 = AutoModelForCausalLM.from_pretrained(ck.reference, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(merged_abs, **dtype_kwargs("auto")).eval()
+    ref = AutoModelForCausalLM.from_pretrained(ck.reference, **dtype_kwargs(torch.float32)).eval()
+    ref_bf16 = AutoModelForCausalLM.from_pretrained(ck.reference, **dtype_kwargs(torch.bfloat16)).eval()
     print(f"[3/4] loaded     : {merged} as {type(model).__name__}, dtype {model.dtype}")
     ok = True
     if model.dtype != torch.bfloat16:

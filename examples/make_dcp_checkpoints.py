@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hf_merge.transformers_compat import dtype_kwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fork_ranks import rank_start_method  # noqa: E402
@@ -93,7 +94,7 @@ def _hf_model(arch: str, dtype=torch.float32, **extra):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(SEED)
-    return AutoModelForCausalLM.from_config(_tiny_config(arch, **extra), dtype=dtype).train()
+    return AutoModelForCausalLM.from_config(_tiny_config(arch, **extra), **dtype_kwargs(dtype)).train()
 
 
 def _accelerate(out: Path, rank: int, input_ids: torch.Tensor) -> None:

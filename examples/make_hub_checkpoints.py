@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from hf_merge.transformers_compat import dtype_key
+
 MODULE_NAME = "make_hub_checkpoints"
 WORLD_SIZE = 2
 STEP = 1
@@ -195,6 +197,21 @@ def build_model(name: str, seed: int = 0, *, lora: bool = True):
     return model
 
 
+def unbuildable(names: list[str]) -> dict[str, str]:
+    """``{name: why}`` for the models of ``names`` the installed transformers / peft cannot build
+    (the configs here are written for transformers >= 4.57: an older one lacks GPT-OSS, reads
+    Qwen2.5-VL's ``text_config`` otherwise, ...)."""
+    import transformers
+
+    out = {}
+    for name in names:
+        try:
+            build_model(name)
+        except Exception as e:  # noqa: BLE001 - any failure to build is the reason given
+            out[name] = f"transformers {transformers.__version__} cannot build {name}: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
 def _side_files(name: str, model, hf: Path) -> None:
     import make_fsdp_checkpoint as mk
     from transformers import GenerationConfig
@@ -203,7 +220,7 @@ def _side_files(name: str, model, hf: Path) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config.save_pretrained(hf)
     cj = json.loads((hf / "config.json").read_text())
-    cj["dtype"] = "float32"
+    cj[dtype_key()] = "float32"  # under the key the installed transformers writes (torch_dtype before 4.56)
     (hf / "config.json").write_text(json.dumps(cj, indent=2, sort_keys=True) + "\n")
     if name in ZOO:  # verl copies the Hub model's generation config, which is the model's own
         base.generation_config.save_pretrained(hf)

@@ -21,7 +21,7 @@ from .errors import MissingConfigError, UnsafeCheckpointError
 from .side_files import side_files
 from .spec import config_dtype_name, dtype_name, output_dtype_name, parse_dtype
 from . import config_fields
-from .transformers_compat import tied_weights
+from .transformers_compat import dtype_key, tied_weights
 
 DEFAULT_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -183,10 +183,9 @@ def without_stale_quantization(config: dict[str, Any], specs) -> tuple[dict[str,
 
 def write_config(config: dict[str, Any], folder: Path, *, dtype: torch.dtype | None) -> None:
     out = dict(config)
-    if dtype is not None:
-        out["dtype"] = dtype_name(dtype)
-        if "torch_dtype" in out:
-            out["torch_dtype"] = dtype_name(dtype)
+    if dtype is not None:  # under the key the installed transformers writes, and any other already there
+        for key in {dtype_key()} | ({"dtype", "torch_dtype"} & set(out)):
+            out[key] = dtype_name(dtype)
     (Path(folder) / "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
 
 

@@ -38,6 +38,8 @@ __all__ = [
     "expand_device_map",
     "finish_loading",
     "glob_alternation",
+    "dtype_key",
+    "dtype_kwargs",
     "has_weight_conversions",
     "infer_device_map",
     "init_contexts",
@@ -70,6 +72,29 @@ def major_version() -> int | None:
         return None
     head = re.match(r"\d+", version)
     return int(head.group()) if head else None
+
+
+@functools.lru_cache(maxsize=1)
+def version_tuple() -> tuple[int, int]:
+    """The installed transformers' (major, minor), read from its metadata ((0, 0) when absent)."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+    parts = re.findall(r"\d+", version)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
+def dtype_key() -> str:
+    """The name of the model's dtype, as ``from_pretrained`` / ``from_config`` take it and
+    ``config.json`` holds it: ``dtype`` since transformers 4.56, ``torch_dtype`` before (4.51-4.55
+    pass an unknown ``dtype`` keyword on to the model's ``__init__``, which fails)."""
+    return "dtype" if version_tuple() >= (4, 56) else "torch_dtype"
+
+
+def dtype_kwargs(dtype: Any) -> dict[str, Any]:
+    """``{dtype_key(): dtype}``: the keyword argument for ``from_pretrained`` / ``from_config``."""
+    return {dtype_key(): dtype}
 
 
 def has_weight_conversions() -> bool:
@@ -143,7 +168,10 @@ def legacy_saved_names(model_class: Any, names: list[str]) -> dict[str, str]:
     when nothing is renamed. Only for 4.x: transformers 5 declares this as a weight conversion."""
     if has_weight_conversions():
         raise RuntimeError("legacy_saved_names is transformers 4.x's rule; transformers 5 has weight conversions")
-    from transformers.modeling_utils import VLMS
+    try:
+        from transformers.modeling_utils import VLMS
+    except ImportError:  # before 4.52 a VLM's in-memory names were its saved ones: nothing renamed
+        return {}
 
     is_vlm = any(vlm in klass.__name__.lower() for klass in model_class.__mro__[:-1] for vlm in VLMS)
     mapping = getattr(model_class, "_checkpoint_conversion_mapping", None) or {}

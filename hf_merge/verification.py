@@ -22,6 +22,7 @@ import torch
 from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
 from .errors import HfMergeError, UnsupportedCheckpointError, VerificationError
 from .readers.formats import is_hf_folder
+from .transformers_compat import dtype_kwargs
 from .write.atomic import PROVENANCE_FILE
 
 CHUNK = 16 << 20
@@ -486,7 +487,7 @@ def _check_logits(target: Path, reference: Path | None, atol: float) -> list[tup
     quiet_bitsandbytes()
 
     def run(folder: Path) -> torch.Tensor:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, **dtype_kwargs(torch.float32)).eval()
         vocab = model.config.get_text_config().vocab_size
         ids = (torch.arange(16).reshape(2, 8) * 7919) % vocab
         with torch.no_grad():

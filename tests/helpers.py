@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
+from hf_merge.transformers_compat import dtype_kwargs
 
 
 def dcp_no_dist() -> dict:
@@ -47,7 +48,7 @@ def assert_tensors_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
 def model_logits(folder: Path, input_ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, **dtype_kwargs(dtype))
     model.eval()
     with torch.no_grad():
         return model(input_ids).logits.float()

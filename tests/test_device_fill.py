@@ -18,6 +18,7 @@ from hf_merge.hf_files import load_config
 from hf_merge.transforms.views import build_views
 from hf_merge.readers.dcp import DcpCheckpoint
 from helpers import dcp_no_dist
+from hf_merge.transformers_compat import dtype_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -102,7 +103,7 @@ def test_cuda_load_equals_from_pretrained_of_the_merge(qwen2_fp32_ws2, tmp_path,
         device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.norm": "cpu",
                       "model.rotary_emb": "cpu", "lm_head": "cpu"}
     ours = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype=dtype, device_map=device_map)
-    ref = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype, device_map=device_map)
+    ref = AutoModelForCausalLM.from_pretrained(merged, **dtype_kwargs(dtype), device_map=device_map)
     ref_state = ref.state_dict()
     for key, value in ours.state_dict().items():
         assert value.device == ref_state[key].device and torch.equal(value, ref_state[key]), key

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only unpickling)
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from hf_merge.transformers_compat import dtype_kwargs
 
 
 # What ``import torch.distributed.tensor`` / ``torch.distributed.device_mesh`` register with
@@ -257,7 +258,7 @@ def test_reference_logits_reproduce(name, request):
     data = torch.load(ck.logits, weights_only=True)
     assert data["input_ids"].shape == (2, 8) and data["input_ids"].dtype == torch.long
     assert data["logits"].dtype == torch.float32 and torch.isfinite(data["logits"]).all()
-    model = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(ck.reference, **dtype_kwargs("auto")).eval()
     assert model.dtype == getattr(torch, ck.options["train_dtype"])
     with torch.no_grad():
         logits = model(input_ids=data["input_ids"]).logits.float()

@@ -13,6 +13,7 @@ from helpers import (
 )
 
 import hf_merge
+from hf_merge.transformers_compat import dtype_key
 
 LAYOUT_FIXTURES = [
     pytest.param("qwen2_fp32_ws2", marks=pytest.mark.compat),
@@ -104,7 +105,7 @@ def test_a_quantized_base_models_config_is_written_without_its_quantization(qwen
     assert "quantization_config (fp8) left out" in r.stderr, r.stderr
     written = read_json(target / "config.json")
     assert "quantization_config" not in written
-    assert written == {k: v for k, v in read_json(config / "config.json").items() if k != "quantization_config"} | {"dtype": "float32"}
+    assert written == {k: v for k, v in read_json(config / "config.json").items() if k != "quantization_config"} | {"dtype": "float32", dtype_key(): "float32"}
     input_ids, want = reference_logits(qwen2_fp32_ws2)
     torch.testing.assert_close(model_logits(target, input_ids), want, rtol=0, atol=1e-6)
 

@@ -24,6 +24,7 @@ from hf_merge.hf_files import checkpoint_config
 from hf_merge.transforms.views import build_views
 from hf_merge.transforms.hub_layout import HubLayout, hub_layout
 from hf_merge.transformers_compat import has_weight_conversions
+from hf_merge.transformers_compat import dtype_kwargs
 
 #: transformers 4.x holds MoE experts one module each, as saved: no fused layout to revert
 needs_conversions = pytest.mark.skipif(
@@ -46,7 +47,7 @@ def merged_logits(folder: Path, name: str, input_ids: torch.Tensor) -> torch.Ten
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if name in IMAGE_TEXT else AutoModelForCausalLM
-    model = auto.from_pretrained(folder, dtype=torch.float32).eval()
+    model = auto.from_pretrained(folder, **dtype_kwargs(torch.float32)).eval()
     with torch.no_grad():
         return model(input_ids=input_ids).logits.float()
 
@@ -58,7 +59,10 @@ def test_merge_equals_save_pretrained(hub_root, tmp_path, name):
     only a VLM's prefixes are renamed, as its save_pretrained does."""
     src, target = hub_root / name, tmp_path / name
     result = hf_merge.merge(src, target, verify=True)  # verify re-builds the same stack from the source
-    if has_weight_conversions() or name in IMAGE_TEXT:
+    import transformers.modeling_utils
+
+    # 4.52-4.57 rename a VLM's prefixes on save (their VLMS list); 4.51 holds them as saved
+    if has_weight_conversions() or (name in IMAGE_TEXT and hasattr(transformers.modeling_utils, "VLMS")):
         assert any(n.startswith("Hub layout:") for n in result.notes)
     assert_bytes_equal(folder_tensors(target), folder_tensors(src / "reference"))
     ref = torch.load(src / "reference" / "logits.pt", weights_only=True)
@@ -111,7 +115,7 @@ def test_vlm_processor_files_and_loader(hub_root, tmp_path, name):
     assert (target / "preprocessor_config.json").is_file()
     loaded = AutoModelForImageTextToText.from_sharded_pretrained(src, dtype="float32")
     direct = hf_merge.from_sharded_pretrained(src, dtype="float32")  # class from architectures
-    reference = AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32)
+    reference = AutoModelForImageTextToText.from_pretrained(target, **dtype_kwargs(torch.float32))
     assert type(loaded) is type(reference) is type(direct)
     assert type(reference).__name__ == read_json(target / "config.json")["architectures"][0]
     want = reference.state_dict()
@@ -256,7 +260,7 @@ def test_unknown_operation_is_an_error_naming_it(hub_root, monkeypatch):
 
 def test_fixture_record(hub_root):
     info = json.loads((hub_root / "fixture.json").read_text())
-    assert set(MODELS) <= set(info["models"])
+    assert set(MODELS) - set(hub_root.unbuilt) <= set(info["models"])
     # null where the torch here cannot run an FSDP2 forward on CPU (torch 2.6: no check was made)
     expected = 0.0 if mk.FSDP2_CPU_FORWARD else None
     assert all(m["fsdp_forward_max_abs_diff"] == expected for m in info["models"].values())
@@ -484,7 +488,9 @@ def test_transformers_4_refuses_the_fused_experts_of_a_transformers_5_checkpoint
     from helpers import error_line, run_cli
 
     line = error_line(run_cli("merge", TF5_QWEN3_MOE, tmp_path / "out"))
-    assert "model.layers.0.mlp.experts.gate_up_proj" in line and "transformers 4.57" in line, line
+    import transformers
+
+    assert "model.layers.0.mlp.experts.gate_up_proj" in line and f"transformers {transformers.__version__}" in line, line
     assert "transformers>=5" in line, line
     assert not (tmp_path / "out").exists()
     with pytest.raises(MappingError, match=r"fused expert.*experts\.gate_up_proj.*transformers>=5"):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hf_merge
+from hf_merge.transformers_compat import dtype_kwargs
 
 DATA = Path(__file__).parent / "data"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -68,7 +69,7 @@ def assert_load_equals_the_merge(source: Path, config: Path | None, tmp_path: Pa
 
     merged = tmp_path / "merged"
     hf_merge.merge(source, merged, config=config, dtype="float32")
-    ref = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(merged, **dtype_kwargs(torch.float32))
     ours = AutoModelForCausalLM.from_sharded_pretrained(source, config=config, dtype="float32")
     want = ref.state_dict()
     got = ours.state_dict()

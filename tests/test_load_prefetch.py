@@ -24,6 +24,7 @@ from hf_merge.load import page_mapper
 from hf_merge.load import prefetch as prefetch_mod
 from hf_merge.readers import record_crc
 from test_load_formats import SOURCES, _Fixtures, assert_load_equals_the_merge
+from hf_merge.transformers_compat import dtype_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -73,7 +74,7 @@ def test_a_cast_load_takes_nothing_prefetched_and_loads_the_cast_weights(request
     ours = AutoModelForCausalLM.from_sharded_pretrained(source, dtype="bfloat16")
     assert seen.made and seen.made[0].taken == 0
     hf_merge.merge(source, tmp_path / "merged", dtype="bfloat16")
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", **dtype_kwargs(torch.bfloat16))
     for key, value in ref.state_dict().items():
         assert torch.equal(ours.state_dict()[key], value), key
 

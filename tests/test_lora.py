@@ -10,13 +10,14 @@ import torch
 from helpers import assert_tensors_equal, error_line, folder_tensors, model_logits, reference_logits, run_cli
 
 import hf_merge
+from hf_merge.transformers_compat import dtype_kwargs
 
 
 def _peft_logits(base_dir, adapter_dir, input_ids):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, **dtype_kwargs(torch.float32))
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     with torch.no_grad():
         return model(input_ids).logits.float()

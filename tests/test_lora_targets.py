@@ -19,6 +19,7 @@ from helpers import assert_tensors_equal, folder_tensors, read_json
 import hf_merge
 import make_hub_checkpoints as mh
 from hf_merge.describe import describe
+from hf_merge.transformers_compat import dtype_kwargs
 
 VLM_LORA = ["qwen2_5_vl_lora", "qwen2_5_vl_merger_lora"]
 
@@ -60,7 +61,7 @@ def load_adapter(base_dir: Path, adapter_dir: Path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
+    base = AutoModelForImageTextToText.from_pretrained(base_dir, **dtype_kwargs(torch.float32))
     return PeftModel.from_pretrained(base, adapter_dir)
 
 
@@ -86,7 +87,7 @@ def test_vlm_adapter_loads_with_peft(hub_root, base_dir, peft_reference, tmp_pat
     if mode == "both":  # the fused model computes the same
         from transformers import AutoModelForImageTextToText
 
-        fused = AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32)
+        fused = AutoModelForImageTextToText.from_pretrained(target, **dtype_kwargs(torch.float32))
         torch.testing.assert_close(logits(fused), want, rtol=0, atol=1e-5)
 
 

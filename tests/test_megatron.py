@@ -35,6 +35,7 @@ from hf_merge.readers import record_crc
 from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.readers.megatron import open_megatron, probe
 from hf_merge.transforms.fused import split_gate_up, split_qkv
+from hf_merge.transformers_compat import dtype_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -63,7 +64,7 @@ def hf_model_from(ckpt):
     ckpt.info.config_overrides.apply(cfg)
     config = AutoConfig.for_model(**cfg)
     cls = AutoModelForTokenClassification if ckpt.info.details["value_model"] else AutoModelForCausalLM
-    model = cls.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = cls.from_config(config, attn_implementation="eager", **dtype_kwargs(torch.float32))
     state = {k: ckpt.read(k, dtype=torch.float32) for k in ckpt.keys()}
     result = model.load_state_dict(state, strict=False)
     allowed_missing = {"lm_head.weight"} if ckpt.info.details["tied"] else set()
@@ -536,7 +537,7 @@ def test_cli_merge_loads_in_transformers_with_megatron_logits(megatron_root, nam
     assert proc.returncode == 0, proc.stderr
     assert json.loads((target / "hf_merge.json").read_text())["verification"]["passed"] is True
     cls = AutoModelForTokenClassification if var.value else AutoModelForCausalLM
-    model = cls.from_pretrained(target, dtype=torch.float32, attn_implementation="eager").eval()
+    model = cls.from_pretrained(target, **dtype_kwargs(torch.float32), attn_implementation="eager").eval()
     if var.value:
         cfg = json.loads((target / "config.json").read_text())
         assert cfg["num_labels"] == 1 and cfg["architectures"][0].endswith("ForTokenClassification")

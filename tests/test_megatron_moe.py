@@ -23,6 +23,7 @@ from hf_merge.readers.dcp import DcpCheckpoint
 from hf_merge.readers.megatron import hf_names, open_megatron
 from hf_merge.transforms import Renamed
 from hf_merge.transforms.name_table import NameRule, NameTable, Split, find_table
+from hf_merge.transformers_compat import dtype_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -60,7 +61,7 @@ def _hf_model(config_dir: Path):
     cfg = json.loads((config_dir / "config.json").read_text())
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", **dtype_kwargs(torch.float32)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def save_pretrained_layout(megatron_moe_root, tmp_path_factory):
 def test_logits_equal_megatron(megatron_moe_root, merged, name):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(merged[name], attn_implementation="eager", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(merged[name], attn_implementation="eager", **dtype_kwargs(torch.float32)).eval()
     ref = torch.load(megatron_moe_root / name.removesuffix("_legacy") / "reference.pt", weights_only=True)
     with torch.no_grad():
         logits = model(ref["input_ids"]).logits
@@ -122,7 +123,7 @@ def test_output_is_save_pretrained_layout(merged, save_pretrained_layout, name):
     assert f"model.layers.1.{expert}.weight" in got
 
     resaved = merged[name].parent / f"{name}_resaved"
-    AutoModelForCausalLM.from_pretrained(merged[name], dtype=torch.float32).save_pretrained(resaved)
+    AutoModelForCausalLM.from_pretrained(merged[name], **dtype_kwargs(torch.float32)).save_pretrained(resaved)
     ours, theirs = folder_tensors(merged[name]), folder_tensors(resaved)
     assert sorted(ours) == sorted(theirs)
     for k, t in theirs.items():
@@ -238,7 +239,7 @@ def test_from_sharded_pretrained_fills_the_stacked_experts_itself(megatron_moe_r
 
     import hf_merge
 
-    ref = AutoModelForCausalLM.from_pretrained(merged[name], attn_implementation="eager", dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(merged[name], attn_implementation="eager", **dtype_kwargs(torch.float32)).eval()
     loops = []
     weight_loop = mu.convert_and_load_state_dict_in_model
     monkeypatch.setattr(mu, "convert_and_load_state_dict_in_model", lambda *a, **k: loops.append(1) or weight_loop(*a, **k))
@@ -273,7 +274,7 @@ def test_stacked_experts_through_the_staging_ring(megatron_moe_root, merged, dty
     monkeypatch.setattr(loader, "stages", lambda device: True)
     monkeypatch.setattr(loader, "StagerPool", lambda: StagerPool(slot_bytes=1024))
     ours = hf_merge.from_sharded_pretrained(megatron_moe_root / SOURCES["qwen2_moe"], dtype=dtype, disable_mmap=True)
-    ref = AutoModelForCausalLM.from_pretrained(merged["qwen2_moe"], dtype=getattr(torch, dtype))
+    ref = AutoModelForCausalLM.from_pretrained(merged["qwen2_moe"], **dtype_kwargs(getattr(torch, dtype)))
     want = ref.state_dict()
     for key, value in ours.state_dict().items():
         assert value.dtype == want[key].dtype and torch.equal(value, want[key]), key

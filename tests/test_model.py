@@ -21,6 +21,7 @@ import hf_merge
 import hf_merge.load.auto
 from hf_merge.errors import HfMergeError, LoraError, MappingError, MissingConfigError, SourceNotFoundError
 from hf_merge.load.model import from_sharded_pretrained, load_tokenizer
+from hf_merge.transformers_compat import dtype_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,7 @@ def _no_meta(model):
 @pytest.fixture(scope="module")
 def ref(qwen2_fp32_ws2):
     """The unsharded fp32 reference model, as from_pretrained loads it."""
-    return AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, **dtype_kwargs(torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,7 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
     model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep")  # fp32, as trained
     assert mappers and mappers[0].mapped_bytes > 0
     assert 0 < mappers[0].read_bytes < mappers[0].mapped_bytes  # the partial pages at the pieces' ends are read
-    ref = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto")
+    ref = AutoModelForCausalLM.from_pretrained(ck.reference, **dtype_kwargs("auto"))
     ours, theirs = model.state_dict(), ref.state_dict()
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
@@ -207,7 +208,7 @@ def test_weights_are_the_rank_files_pages_not_copies(qwen2_vocab2k_ws2, min_page
     assert torch.equal(_logits(model, logits["input_ids"]), logits["logits"])
     saved = tmp_path / "saved"
     model.save_pretrained(saved)  # safetensors reads the mapped pages like any tensor
-    again = AutoModelForCausalLM.from_pretrained(saved, dtype="auto").state_dict()
+    again = AutoModelForCausalLM.from_pretrained(saved, **dtype_kwargs("auto")).state_dict()
     assert all(torch.equal(again[n], t) for n, t in theirs.items())
     rank_files = {str(f.resolve()) for f in ck.rank_files}
     backed = [n for n, t in ours.items() if _mapped_files(t) & rank_files]
@@ -243,7 +244,7 @@ def test_a_piece_the_kernel_refuses_to_map_is_read(qwen2_vocab2k_ws2, monkeypatc
     ours = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="keep").state_dict()
     rank_files = {str(f.resolve()) for f in ck.rank_files}
     assert not [n for n, t in ours.items() if _mapped_files(t) & rank_files]
-    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype="auto").state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, **dtype_kwargs("auto")).state_dict()
     assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
 
 
@@ -258,7 +259,7 @@ def test_weights_read_into_own_memory_when_disabled_or_cast(qwen2_vocab2k_ws2, k
     ours = model.state_dict()
     assert not [n for n, t in ours.items() if _mapped_files(t) & rank_files]
     dtype = "auto" if kwargs["dtype"] == "keep" else kwargs["dtype"]
-    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, dtype=dtype).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(ck.reference, **dtype_kwargs(dtype)).state_dict()
     assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
 
 
@@ -267,7 +268,7 @@ def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_f
     assert json.loads((qwen2_fp32_ws2.hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor)  # dtype: the config's
     assert model.dtype == torch.bfloat16 and model.config.dtype == torch.bfloat16
-    ref = AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, **dtype_kwargs(torch.bfloat16))
     ids = torch.load(qwen2_fp32_ws2.logits)["input_ids"]
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
     auto = from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="auto")  # from_pretrained's "auto": the config's
@@ -280,7 +281,7 @@ def test_default_dtype_is_the_configs_and_bf16_equals_the_reference_cast(qwen2_f
 def test_auto_model_builds_the_base_model(qwen2_fp32_ws2):
     model = AutoModel.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype=torch.float32)
     assert type(model) is Qwen2Model  # the `model.` prefix stripped, lm_head skipped
-    ref = AutoModel.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.float32)
+    ref = AutoModel.from_pretrained(qwen2_fp32_ws2.reference, **dtype_kwargs(torch.float32))
     ids = torch.load(qwen2_fp32_ws2.logits)["input_ids"]
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
@@ -488,7 +489,7 @@ def test_bitsandbytes_equals_from_pretrained_quantized(qwen2_fp32_ws2, bits):
     model = AutoModelForCausalLM.from_sharded_pretrained(
         qwen2_fp32_ws2.actor, dtype="float32", quantization_config=qc, device_map="cpu"
     )
-    ref = AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.float32, quantization_config=qc, device_map="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, **dtype_kwargs(torch.float32), quantization_config=qc, device_map="cpu")
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == ref.model.layers[0].self_attn.q_proj.weight.dtype
     assert model.model.layers[0].self_attn.q_proj.weight.dtype in (torch.uint8, torch.int8)
     assert _no_meta(model) == []
@@ -511,7 +512,7 @@ def test_lora_adapter_gives_a_peft_model(checkpoint, name):
     ck = checkpoint(name)
     model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="float32", lora="adapter")
     assert isinstance(model, PeftModel) and not model.training
-    base = AutoModelForCausalLM.from_pretrained(ck.reference_base, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(ck.reference_base, **dtype_kwargs(torch.float32))
     ref = PeftModel.from_pretrained(base, ck.reference_adapter)
     ids = torch.load(ck.logits)["input_ids"]
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
@@ -530,7 +531,7 @@ def test_lora_only_checkpoint_with_base_model(lora_only_ckpt):
     fused = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="float32", base_model=ck.base_model)
     torch.testing.assert_close(_logits(fused, ids), torch.load(ck.logits)["logits"], rtol=1e-5, atol=1e-5)
     model = AutoModelForCausalLM.from_sharded_pretrained(ck.actor, dtype="float32", lora="adapter", base_model=ck.base_model)
-    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ck.base_model, dtype=torch.float32), ck.reference_adapter)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ck.base_model, **dtype_kwargs(torch.float32)), ck.reference_adapter)
     assert torch.equal(_logits(model, ids), _logits(ref, ids))
 
 

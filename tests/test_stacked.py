@@ -10,6 +10,7 @@ import torch
 
 from hf_merge import transformers_compat as compat
 from hf_merge.load.stacked import slots
+from hf_merge.transformers_compat import dtype_kwargs
 
 pytestmark = pytest.mark.skipif(not compat.has_weight_conversions(), reason="transformers 4.x has no weight converters")
 
@@ -100,7 +101,7 @@ def test_a_dcp_checkpoint_with_one_tensor_per_expert(tmp_path, monkeypatch):
         max_position_embeddings=64, architectures=["Qwen3MoeForCausalLM"],
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32)).eval()
     model.save_pretrained(tmp_path / "hf")
     state = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in state

@@ -840,7 +840,7 @@ def _load_with_transformers(
             None,
             config=config,
             state_dict=state,
-            dtype=load_dtype,
+            **compat.dtype_kwargs(load_dtype),
             device_map=device_map,
             max_memory=max_memory,
             offload_buffers=offload_buffers,

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..spec import TensorSpec
 from .plan import ShardPlan, plan_shards
+from .shard_size import index_counts_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_si
     return plan_shards(
         saved_order(view.specs(), config, reverted=hub is not None), max_shard_size=max_shard_size,
         group=group, storage=storage,
-        total_parameters=total_parameters(view, config, hub=hub, quantized=quantized),
+        total_parameters=total_parameters(view, config, hub=hub, quantized=quantized) if index_counts_parameters() else None,
     )
 
 

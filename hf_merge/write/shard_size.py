@@ -10,6 +10,9 @@ cuts its files where the installed transformers would, so the value is read from
   executed): importing it costs about 1.5 s of CPU, and a dense merge imports no transformers
   (nor does the CLI's torch-free head start, :mod:`hf_merge.write.head_start`);
 - a source of another shape: the import and :func:`inspect.signature` after all.
+
+The same source says whether ``save_pretrained`` writes ``total_parameters`` into the index's
+metadata (:func:`index_counts_parameters`: 4.57 and 5.x do, 4.51 does not).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-__all__ = ["default_from_source", "default_from_transformers_source", "default_max_shard_size"]
+__all__ = ["default_from_source", "default_from_transformers_source", "default_max_shard_size", "index_counts_parameters"]
 
 _PARAMETER = "max_shard_size"
 
@@ -39,16 +42,29 @@ def default_max_shard_size() -> "int | str":
     return inspect.signature(loaded.PreTrainedModel.save_pretrained).parameters[_PARAMETER].default
 
 
-def default_from_transformers_source() -> "int | str | None":
-    """The default read from the installed transformers' ``modeling_utils.py`` (nothing imported), or None."""
+@functools.lru_cache(maxsize=1)
+def _modeling_source() -> "str | None":
+    """The installed transformers' ``modeling_utils.py`` (read, nothing imported), or None."""
     spec = importlib.util.find_spec("transformers")  # the package's location; nothing is imported
     if spec is None or not spec.submodule_search_locations:
         return None
     try:
-        text = (Path(next(iter(spec.submodule_search_locations))) / "modeling_utils.py").read_text(encoding="utf-8")
+        return (Path(next(iter(spec.submodule_search_locations))) / "modeling_utils.py").read_text(encoding="utf-8")
     except OSError:
         return None
-    return default_from_source(text)
+
+
+def default_from_transformers_source() -> "int | str | None":
+    """The default read from the installed transformers' ``modeling_utils.py`` (nothing imported), or None."""
+    text = _modeling_source()
+    return None if text is None else default_from_source(text)
+
+
+def index_counts_parameters() -> bool:
+    """Whether the installed ``save_pretrained`` writes ``"total_parameters"`` into a sharded
+    index's metadata (the key appears in its module's source; True where the source is unreadable)."""
+    text = _modeling_source()
+    return text is None or '"total_parameters"' in text
 
 
 def default_from_source(text: str) -> "int | str | None":
