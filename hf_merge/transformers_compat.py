@@ -35,11 +35,11 @@ __all__ = [
     "checkpoint_order",
     "dispatch",
     "dtype_plan",
+    "dtype_key",
+    "dtype_kwargs",
     "expand_device_map",
     "finish_loading",
     "glob_alternation",
-    "dtype_key",
-    "dtype_kwargs",
     "has_weight_conversions",
     "infer_device_map",
     "init_contexts",
@@ -58,6 +58,7 @@ __all__ = [
     "Stacking",
     "stacking",
     "tied_weights",
+    "version_tuple",
     "weight_mapping",
 ]
 

@@ -30,7 +30,8 @@ Contract of a format:
 - ``cli`` declares the command-line options of the format's reader options (:class:`CliOption`);
   merge and inspect add them (:mod:`hf_merge.cli._formats`), so a format's options are written
   in its own module only.
-- ``name``, ``description``, ``priority``, ``aliases``, ``cli``, ``hf_folder`` and ``marks`` are written as literals in the ``FORMAT = SourceFormat(...)`` statement:
+- ``name``, ``description``, ``priority``, ``aliases``, ``cli``, ``hf_folder`` and ``marks`` are
+  written as literals in the ``FORMAT = SourceFormat(...)`` statement:
   :func:`declared` reads them from the module's source without importing it (readers import
   torch, ~1.5 s), so ``--help``, the ``--backend`` choices and argument checks cost nothing.
   A test keeps :func:`declared` and :func:`registry` equal. :func:`get_format` imports only the
@@ -219,7 +220,6 @@ def is_hf_folder(name: str | None) -> bool:
     """Whether format ``name`` (a name or alias; None or unknown: no) reads Hugging Face folders as they are."""
     found = find_declared(name) if name else None
     return found is not None and found.hf_folder
-
 
 
 @dataclass(frozen=True)
