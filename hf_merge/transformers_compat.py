@@ -64,26 +64,26 @@ __all__ = [
 
 
 @functools.lru_cache(maxsize=1)
-def major_version() -> int | None:
-    """The installed transformers' major version (read from its metadata: nothing imported), or
-    None when it is not installed."""
+def _installed() -> tuple[int, int] | None:
+    """The installed transformers' (major, minor) from its metadata (nothing imported; a missing
+    minor is 0), or None when it is not installed or its version has no number."""
     try:
         version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         return None
-    head = re.match(r"\d+", version)
-    return int(head.group()) if head else None
+    head = re.match(r"(\d+)(?:\.(\d+))?", version)
+    return (int(head.group(1)), int(head.group(2) or 0)) if head else None
 
 
-@functools.lru_cache(maxsize=1)
+def major_version() -> int | None:
+    """The installed transformers' major version, or None when it is not installed."""
+    installed = _installed()
+    return None if installed is None else installed[0]
+
+
 def version_tuple() -> tuple[int, int]:
-    """The installed transformers' (major, minor), read from its metadata ((0, 0) when absent)."""
-    try:
-        version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        return (0, 0)
-    parts = re.findall(r"\d+", version)[:2]
-    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+    """The installed transformers' (major, minor); (0, 0) when it is not installed."""
+    return _installed() or (0, 0)
 
 
 def dtype_key() -> str:

@@ -38,7 +38,7 @@ from ..readers.file_runs import read_into, run_of, values
 from ..errors import MappingError
 from .skeleton import model_class_for, skeleton
 from ..spec import TensorSpec, c_contiguous, dtype_name, parse_dtype
-from ..transformers_compat import has_weight_conversions, legacy_saved_names
+from ..transformers_compat import has_weight_conversions, legacy_saved_names, reverse_conversions
 
 logger = logging.getLogger(__name__)
 
@@ -197,13 +197,6 @@ def _storages(recipes: dict[str, Any], base_specs: dict[str, TensorSpec]) -> dic
 # --------------------------------------------------------------------------------------------
 
 
-def _reverse_conversions(model) -> list:
-    """What ``revert_weight_conversion`` reverses for a freshly built model (transformers' own list)."""
-    from ..transformers_compat import reverse_conversions
-
-    return reverse_conversions(model)
-
-
 def _may_convert(config: dict[str, Any], arch: str) -> bool:
     """See :func:`hf_merge.transforms.conversion_keys.may_convert` (transformers asked when its source does not say)."""
     from .conversion_keys import may_convert
@@ -299,15 +292,11 @@ class HubLayout(LazyCheckpoint):
                 return
         out.copy_(_replay(recipe, self._source))
 
-    def shared_storage(self, name: str) -> "tuple[str, int] | None":
-        """``(storage, elements)`` when output ``name`` is, in ``save_pretrained``'s state dict, a view
-        of a storage (an expert split out of a fused tensor, or out of a copy transformers' reverse
-        made of it), named by the first output that views it; None when it is a tensor of its own.
-        The splitter sizes a storage once and keeps its views in one file."""
-        return self.storages().get(name)
-
     def storages(self) -> dict[str, tuple[str, int]]:
-        """:meth:`shared_storage` of every output that is a view."""
+        """``{output: (storage, elements)}`` for each output that is, in ``save_pretrained``'s state
+        dict, a view of a storage (an expert split out of a fused tensor, or out of a copy
+        transformers' reverse made of it), the storage named by the first output that views it.
+        The splitter sizes a storage once and keeps its views in one file."""
         if self._storages is None:
             self._storages = _storages(self._recipes, self.base.specs())
         return self._storages
@@ -535,7 +524,7 @@ def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):
             f"{arch}: transformers cannot build the model from config.json to find the layout save_pretrained "
             f"writes ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); fix config.json"
         ) from e
-    conversions = _reverse_conversions(model)
+    conversions = reverse_conversions(model)  # what revert_weight_conversion reverses for it
     if not conversions:
         return _PASSTHROUGH
     _check_operations(conversions, arch)
@@ -680,7 +669,7 @@ def _encode_plan(arch: str, recipes: dict[str, Any], out_specs: dict[str, Tensor
                  storages: dict[str, tuple[str, int]]) -> Any:
     """The plan as JSON: an output that is a contiguous range of one source (the per-expert
     splits) as just ``{"span": [source, offset]}``, any other as its recipe; then, for a view,
-    the storage it views (:meth:`HubLayout.shared_storage`)."""
+    the storage it views (:meth:`HubLayout.storages`)."""
     outputs = []
     try:
         for name, spec in out_specs.items():

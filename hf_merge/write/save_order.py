@@ -46,32 +46,35 @@ def plan_like_save_pretrained(view: Any, config: dict[str, Any], *, max_shard_si
     from ..transforms.hub_layout import HubLayout
 
     hub = _inner(view, HubLayout)
+    counts = index_counts_parameters()
+    # the meta skeleton's facts, read once: the order and storages where hf-merge replays no reverse
+    # conversion, the persistent buffers wherever the index counts parameters
+    facts = _model_facts(config) if hub is None or counts else None
     storage = None
     if quantized is None:  # quantized parts are new tensors, grouped by module instead
         if hub is not None:  # the storages of the reverse conversion hf-merge replays
             shared = hub.storages()
         else:  # a source already in the saved layout (Megatron, DeepSpeed...): those of the model's own
-            facts = _model_facts(config)
             shared = facts["storages"] if facts is not None and set(view.specs()) <= set(facts["keys"]) else {}
 
         def storage(spec: TensorSpec) -> "tuple[str, int] | None":
             viewed = shared.get(spec.name)
             return None if viewed is None else (viewed[0], viewed[1] * spec.dtype.itemsize)
     return plan_shards(
-        saved_order(view.specs(), config, reverted=hub is not None), max_shard_size=max_shard_size,
+        saved_order(view.specs(), facts, reverted=hub is not None), max_shard_size=max_shard_size,
         group=group, storage=storage,
-        total_parameters=total_parameters(view, config, hub=hub, quantized=quantized) if index_counts_parameters() else None,
+        total_parameters=total_parameters(view, facts, hub=hub, quantized=quantized) if counts else None,
     )
 
 
-def saved_order(specs: dict[str, TensorSpec], config: dict[str, Any], *, reverted: bool) -> list[TensorSpec]:
+def saved_order(specs: dict[str, TensorSpec], facts: "dict[str, Any] | None", *, reverted: bool) -> list[TensorSpec]:
     """``specs`` in the order ``save_pretrained`` gives the splitter (``reverted``: they come from
-    transformers' own ``revert_weight_conversion``, already in its order)."""
+    transformers' own ``revert_weight_conversion``, already in its order; ``facts``: the model's,
+    :func:`_model_facts`, None where transformers cannot build it)."""
     from ..transformers_compat import has_weight_conversions
 
     if reverted:
         return list(specs.values())
-    facts = _model_facts(config)
     keys = {k: i for i, k in enumerate(facts["keys"])} if facts is not None else {}
     if keys and set(specs) <= keys.keys():
         return sorted(specs.values(), key=lambda s: keys[s.name])
@@ -97,18 +100,18 @@ def natural_key(name: str) -> list[tuple]:
     return parts
 
 
-def total_parameters(view: Any, config: dict[str, Any], *, hub: Any = None, quantized: Any = None) -> int:
+def total_parameters(view: Any, facts: "dict[str, Any] | None", *, hub: Any = None, quantized: Any = None) -> int:
     """``model.num_parameters()`` of the model the output is, from specs alone.
 
     Every parameter once (a tied alias is not in the output), no buffers, and for a bitsandbytes
     4-bit weight twice the elements of its packed ``uint8`` storage, as transformers counts it.
     The output tensors that are persistent buffers (DeepSeek-V3's ``e_score_correction_bias``) are
     known from the model's meta skeleton; where transformers cannot build it (no known class), every
-    tensor counts.
+    tensor counts (``facts``: the model's, :func:`_model_facts`, or None).
     """
     specs = view.specs()
     count = sum(quantized.parameters(s) if quantized is not None else s.numel for s in specs.values())
-    buffers = _persistent_buffers(config)
+    buffers = set() if facts is None else set(facts["buffers"])
     inner = hub.base.specs() if hub is not None else specs  # the model's own names
     return count - sum(inner[b].numel for b in buffers if b in inner)
 
@@ -174,8 +177,3 @@ def _facts_valid(stored: Any) -> bool:
             and isinstance(stored["storages"], dict)
             and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int)
                     for v in stored["storages"].values()))
-
-
-def _persistent_buffers(config: dict[str, Any]) -> set[str]:
-    facts = _model_facts(config)
-    return set() if facts is None else set(facts["buffers"])
