@@ -69,7 +69,8 @@ def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None,
         base_model_name: ``base_model_name_or_path`` for adapter_config.json / the model card.
         verify: re-read the written model and compare it with the source, tensor by tensor, before
             the output is moved into place (a mismatch raises VerificationError; no target is left).
-        checksums: record each output file's sha256 in hf_merge.json (``hf-merge verify`` checks them).
+        checksums: record a checksum of each output file in hf_merge.json (``hf-merge verify`` checks
+            them): True (a CRC-32; a sha256 with ``push_to_hub``), ``"crc32"``, ``"sha256"`` or False.
         quantize: ``"nf4"``, ``"fp4"``, ``"int8"`` or a :class:`~hf_merge.transforms.quantize.QuantizeOptions`:
             bitsandbytes weights, as transformers saves them (needs ``pip install bitsandbytes``).
         push_to_hub / private: upload the finished folder to this Hub repo (see :func:`hf_merge.push`).
@@ -78,7 +79,7 @@ def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None,
         source_options: format-specific reader options, e.g. ``{"tag": "global_step100",
             "source_weights": "module"}`` for DeepSpeed (each format takes the ones it declares).
         gguf / gguf_pre_tokenizer: write one GGUF file (``"f32"``, ``"bf16"``, ``"q8_0"``, ...) for
-            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`); its sha256 is
+            llama.cpp instead of safetensors, LoRA fused (see :mod:`hf_merge.gguf`); its checksum is
             recorded like a safetensors file's. In a distributed job one writing rank writes it.
         distributed: this process is one rank of a merge shared by every rank of a torch.distributed
             job (see :mod:`hf_merge.write.distributed`). None: yes when launched by torchrun (``RANK``,
@@ -129,7 +130,7 @@ def run(source: "str | Path", target: "str | Path", options: MergeOptions, *, he
     return result(run_staged(prepare, target, options, overwrite=overwrite, head=head), True)
 
 
-def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) -> dict[str, str | None]:
+def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, checksum: str | None) -> dict[str, str | None]:
     """The model's weight files (and index) in ``tmp``; the first one from the CLI's head start
     when that child wrote exactly this file (:mod:`hf_merge.write.head_start`)."""
     plan, view = p.model_plan, p.views.model
@@ -161,7 +162,7 @@ def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) 
                     from .write.shards import default_workers
 
                     n = workers or max(1, default_workers(len(plan.files)) - 1)
-                    digests = write_shards(view, plan, tmp, workers=n, sha256=sha256, files=rest, progress=update,
+                    digests = write_shards(view, plan, tmp, workers=n, checksum=checksum, files=rest, progress=update,
                                            processes_here=2)  # the child writes too
                 taken, digest = head.finish()
                 if not taken:  # the child failed: its file is gone, written here instead
@@ -174,12 +175,12 @@ def _write_model(p: "HfFolder", tmp: Path, head: Any, *, workers, sha256: bool) 
                         if n > skip:
                             update(n - skip)
 
-                    digests.update(write_shards(view, plan, tmp, workers=1, sha256=sha256, files=[first], progress=catch_up))
+                    digests.update(write_shards(view, plan, tmp, workers=1, checksum=checksum, files=[first], progress=catch_up))
                 else:
                     digests[first.name] = digest
             write_index(plan, tmp)
             return {f.name: digests[f.name] for f in plan.files}
-    return write_shards(view, plan, tmp, workers=workers, desc="Merging", sha256=sha256)
+    return write_shards(view, plan, tmp, workers=workers, desc="Merging", checksum=checksum)
 
 
 class PeftAdapter:
@@ -198,7 +199,7 @@ class PeftAdapter:
         return self.file_plan.files
 
     def write(self, folder: Path, units: Sequence[Any], how: Writing) -> dict[str, str | None]:
-        return write_shards(self.view, self.file_plan, folder, workers=1, desc="Adapter", sha256=how.sha256,
+        return write_shards(self.view, self.file_plan, folder, workers=1, desc="Adapter", checksum=how.checksum,
                             files=list(units), progress=how.progress)
 
     def finish(self, folder: Path, digests: dict[str, str | None]) -> None:
@@ -252,8 +253,8 @@ class HfFolder:
         if self.model_plan is None:  # an adapter folder alone
             return self.adapter.write(folder, units, how)
         if how.progress is None and len(units) == len(self.model_plan.files):  # all of them, in this process
-            return _write_model(self, folder, how.head, workers=how.workers, sha256=how.sha256)
-        return write_shards(self.views.model, self.model_plan, folder, workers=how.workers, sha256=how.sha256,
+            return _write_model(self, folder, how.head, workers=how.workers, checksum=how.checksum)
+        return write_shards(self.views.model, self.model_plan, folder, workers=how.workers, checksum=how.checksum,
                             files=list(units), progress=how.progress, processes_here=how.processes_here)
 
     def finish(self, tmp: Path, digests: dict[str, str | None]) -> None:

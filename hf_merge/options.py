@@ -29,7 +29,7 @@ class MergeOptions:
     base_model: "str | Path | None" = None
     base_model_name: str | None = None
     verify: bool = False
-    checksums: bool = True
+    checksums: "bool | str" = True  # True: crc32, or sha256 with push_to_hub; False: none; or a kind
     quantize: Any = None  # "nf4" / "fp4" / "int8" / a QuantizeOptions (or its dict)
     push_to_hub: str | None = None
     private: bool | None = None
@@ -51,6 +51,20 @@ class MergeOptions:
             return parse_size(default_max_shard_size() if self.max_shard_size is None else self.max_shard_size)
         except ValueError as e:
             raise HfMergeError(f"--max-shard-size: {e}") from None
+
+    def checksum(self) -> str | None:
+        """The kind of digest recorded for each output file (:mod:`hf_merge.write.digest`), or None.
+        ``checksums=True`` is a CRC-32, or a sha256 when the folder goes to the Hub (whose upload
+        needs each file's sha256: the merge computes it while writing, ``push`` reuses it)."""
+        from .write.digest import KINDS
+
+        if self.checksums is True:
+            return "sha256" if self.push_to_hub else "crc32"
+        if self.checksums is False or self.checksums in (None, "none"):
+            return None
+        if self.checksums not in KINDS:
+            raise HfMergeError(f"--checksum: unknown kind {self.checksums!r} (choose from {', '.join(KINDS)}, none)")
+        return self.checksums
 
     def open_kwargs(self) -> dict[str, Any]:
         """What :func:`~hf_merge.checkpoint.open_checkpoint` takes from the options."""

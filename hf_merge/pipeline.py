@@ -10,7 +10,7 @@ An output is what a merge produces from the views of a source (:mod:`hf_merge.tr
 
 ``plan()`` lists the files the output writes (:class:`Unit`-like: ``name``, ``data_size``, ``header``),
 from specs alone, the same on every rank; ``write(folder, units, how)`` writes any share of them and
-returns ``{name: sha256 or None}``; ``finish(folder, digests)`` writes the rest (index, config,
+returns ``{name: digest or None}``; ``finish(folder, digests)`` writes the rest (index, config,
 provenance with the digests, card), once. Executors:
 
 - :func:`run_in_process`: plan, write every unit here, finish (the fill; the nested adapter);
@@ -46,7 +46,7 @@ class Writing:
     """How an executor asks an output to write its share."""
 
     workers: int | None = None  # writing processes (None: the output's default)
-    sha256: bool = False  # return each file's digest
+    checksum: str | None = None  # return each file's digest of this kind (hf_merge.write.digest)
     progress: ProgressFn | None = None  # bytes written, reported here (None: the output shows its own bar)
     processes_here: int = 1  # writing processes of this job on this machine (they share its CPUs)
     head: Any = None  # the CLI's head start (hf_merge.write.head_start), for the first safetensors file
@@ -90,7 +90,7 @@ def run_staged(prepare: Callable[[], Any], target: Path, options: MergeOptions, 
     from .write.atomic import atomic_folder
     from .publish.preload import preload
 
-    how = Writing(workers=options.workers, sha256=options.checksums, head=head)
+    how = Writing(workers=options.workers, checksum=options.checksum(), head=head)
 
     with atomic_folder(target, overwrite=overwrite) as tmp:
         output = prepare()

@@ -55,11 +55,12 @@ def check_merge(
         raise QuantizationError(f"--quantize needs bitsandbytes, which is not installed: {INSTALL_HINT}")
 
 
-def check_verify(target: "str | Path", against: "str | Path", *, config: "str | Path | None" = None,
+def check_verify(target: "str | Path", against: "str | Path | None", *, config: "str | Path | None" = None,
                  base_model: "str | Path | None" = None) -> None:
     """``hf-merge verify``: both folders exist (and the optional ones)."""
     check_folder(target, "TARGET", "pass the merged Hugging Face folder")
-    check_folder(against, "--against", "pass the source checkpoint or a reference Hugging Face folder")
+    if against is not None:
+        check_folder(against, "--against", "pass the source checkpoint or a reference Hugging Face folder")
     if config is not None:
         check_folder(config, "--config", "pass the folder holding config.json and the tokenizer")
     if base_model is not None:

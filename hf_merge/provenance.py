@@ -55,7 +55,7 @@ class Provenance:
     lora: dict[str, Any] | None = None
     quantization: dict[str, Any] | None = None
     verification: dict[str, Any] | None = None
-    files: dict[str, str] | None = None  # file name -> sha256, when checksums were recorded
+    files: dict[str, str] | None = None  # file name -> digest (hf_merge.write.digest), when recorded
     # keys other writers add (missing_files, distributed, gguf, ...): kept as they are
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -10,7 +10,6 @@ in float32 with ``atol``/``rtol`` and every difference is reported, not only the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -23,9 +22,9 @@ from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
 from .errors import HfMergeError, UnsupportedCheckpointError, VerificationError
 from .readers.formats import is_hf_folder
 from .transformers_compat import dtype_kwargs
+from .write import digest
 from .write.atomic import PROVENANCE_FILE
 
-CHUNK = 16 << 20
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -85,15 +84,9 @@ def _on_one_rank(sharer: Any, work: Callable[[], Any]) -> Any:
     return next(r for r in sharer.share([1], lambda mine: (work(),) if mine else None) if r is not None)[0]
 
 
-def file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
-    out = {}
-    for name in names:
-        h = hashlib.sha256()
-        with open(Path(folder) / name, "rb") as f:
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
-        out[name] = h.hexdigest()
-    return out
+def file_checksums(folder: Path, recorded: dict[str, str]) -> dict[str, str]:
+    """Each named file's digest, of the kind its recorded digest is (:mod:`hf_merge.write.digest`)."""
+    return {name: digest.of_file(Path(folder) / name, digest.kind_of(was)) for name, was in recorded.items()}
 
 
 def _compare_specs(report: VerifyReport, got: LazyCheckpoint, want: LazyCheckpoint, *, check_dtype: bool) -> list[str]:
@@ -174,7 +167,7 @@ def _value_stats(got, want, names, *, exact: bool, atol: float, rtol: float, cas
 
 def verify(
     target: "str | Path",
-    against: "str | Path",
+    against: "str | Path | None" = None,
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
@@ -194,6 +187,9 @@ def verify(
     folder with its adapter in ``lora_adapter/`` (``--lora both``: both are checked). Against an
     HSDP source, the replica groups that a merge does not read are compared with the one it does.
     Returns a report; does not raise on mismatches (see :func:`verify_or_raise`).
+
+    Without ``against``, only the checksums ``hf_merge.json`` recorded at merge time are checked (a
+    copied or downloaded folder, a GGUF output, with no source at hand).
 
     ``distributed``: as for :func:`hf_merge.merge` (None: yes under torchrun). Each rank then checks
     a share of the target's files, balanced by bytes (their tensors and checksums) and of the source
@@ -218,6 +214,8 @@ def verify(
 
 def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *, config, lora_alpha, use_rslora,
             base_model, source_options) -> VerifyReport:
+    if against is None:
+        return _verify_checksums(Path(target), sharer)
     target, against_path = Path(target), Path(against)
     _refuse_unmerged(target)
     report = VerifyReport(target, str(against))
@@ -239,6 +237,17 @@ def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *
     return report
 
 
+def _verify_checksums(target: Path, sharer: Any) -> VerifyReport:
+    """The checksums recorded at merge time, and nothing else."""
+    report = VerifyReport(target, f"the checksums in {PROVENANCE_FILE}")
+    provenance = _read_provenance(target)
+    if not provenance.get("files"):
+        raise HfMergeError(f"{target} has no checksums in {PROVENANCE_FILE} (merged with --checksum none, or not by "
+                           "hf-merge): pass --against SOURCE to compare its tensors with the source")
+    _check_checksums(report, target, provenance, sharer)
+    return report
+
+
 def _refuse_unmerged(target: Path) -> None:
     """A target without safetensors: a ``--gguf`` output, or the checkpoint given first; say so
     (and what to do) instead of "no *.safetensors"."""
@@ -248,7 +257,8 @@ def _refuse_unmerged(target: Path) -> None:
     if ggufs:
         raise UnsupportedCheckpointError(
             f"{target} holds a GGUF file ({ggufs[0]}), which verify does not compare (it reads safetensors folders): "
-            f"compare its sha256 (sha256sum) with the one in {PROVENANCE_FILE}, or merge without --gguf and verify that folder"
+            f"check the checksum {PROVENANCE_FILE} recorded with `hf-merge verify {target}` (no --against), or merge "
+            "without --gguf and verify that folder"
         )
     try:
         found = detect_backend(target)
@@ -470,10 +480,10 @@ def _check_checksums(report: VerifyReport, target: Path, provenance: dict[str, A
     missing = [n for n in recorded if not (target / n).is_file()]
     present = sorted(n for n in recorded if n not in missing)  # the order and sizes the values check shares
     parts = sharer.share([(target / n).stat().st_size for n in present],
-                         lambda mine: file_checksums(target, [present[i] for i in mine]))
+                         lambda mine: file_checksums(target, {present[i]: recorded[present[i]] for i in mine}))
     actual = {n: h for part in parts for n, h in part.items()}
     bad = [n for n, h in actual.items() if h != recorded[n]]
-    report.mismatches += [f"{n}: sha256 differs from the one recorded at merge time" for n in bad]
+    report.mismatches += [f"{n}: {digest.kind_of(recorded[n])} differs from the one recorded at merge time" for n in bad]
     report.mismatches += [f"{n}: recorded at merge time but missing" for n in missing]
     report.add("file checksums", not bad and not missing, f"{len(recorded)} files" if not bad else f"{len(bad)} changed")
 

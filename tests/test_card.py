@@ -67,7 +67,7 @@ def test_model_card_body_table_and_snippet():
     assert "| Source checkpoint | `global_step_100/actor` (step 100) |" in body
     assert "| World size / mesh | 8 / `ddp=2 × fsdp=4` |" in body
     assert "| Verification | passed: 290 tensors bit-exact \\| logits match |" in body  # pipe escaped
-    assert "| `model.safetensors` | `" + SHA + "` |" in body
+    assert "| `model.safetensors` | `sha256:" + SHA + "` |" in body  # a bare digest is a sha256, shown as one
     assert 'AutoModelForCausalLM.from_pretrained("me/qwen-grpo")' in body
     assert 'AutoTokenizer.from_pretrained("me/qwen-grpo")' in body  # tokenizer.json was written
     assert "alice" not in text and "secret-project" not in text  # only the last two path parts

@@ -387,7 +387,7 @@ def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, 
     assert not outcome[0, 1]["stdout"] and not outcome[0, 2]["stdout"]  # one report, from rank 0
     # the corrupted file is checked by rank 2 alone; every rank fails, rank 0 says which file
     assert [outcome[1, r]["code"] for r in range(3)] == [1, 1, 1], outcome
-    assert f"{corrupted}: sha256 differs" in outcome[1, 0]["stdout"] and "not bit-identical" in outcome[1, 0]["stdout"]
+    assert f"{corrupted}: crc32 differs" in outcome[1, 0]["stdout"] and "not bit-identical" in outcome[1, 0]["stdout"]
     assert "error: " in outcome[1, 0]["stderr"] and not outcome[1, 2]["stdout"]
     for r in range(3):
         lines = [ln for ln in outcome[2, r]["stderr"].splitlines() if ln.startswith("error: ")]
@@ -407,7 +407,7 @@ def test_torchrun_verify_cli_exits_non_zero_on_every_rank(qwen2_fp32_ws2, fsdp_s
     proc = _run(_torchrun("--nproc-per-node", "2", "-m", "hf_merge", "verify", str(bad), "--against",
                           str(qwen2_fp32_ws2.actor)), timeout=600)
     assert proc.returncode != 0, proc.output
-    assert proc.output.count("file checksums  FAIL") == 1 and f"{corrupted}: sha256 differs" in proc.output, proc.output
+    assert proc.output.count("file checksums  FAIL") == 1 and f"{corrupted}: crc32 differs" in proc.output, proc.output
 
 
 @pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
@@ -418,10 +418,10 @@ def test_gguf_under_torchrun_has_one_writer(qwen2_fp32_ws2, tmp_path):
     pytest.importorskip("gguf")
     src = str(qwen2_fp32_ws2.actor)
     single = tmp_path / "single"
-    merge(src, single, gguf="q8_0", gguf_pre_tokenizer="gpt-2")
+    merge(src, single, gguf="q8_0", gguf_pre_tokenizer="gpt-2", checksums="sha256")
     out = tmp_path / "dist"
     # every rank joins (--dist-writers rank), so the distributed executor itself hands the one file out
-    gguf_args = ["--gguf", "q8_0", "--gguf-pre-tokenizer", "gpt-2", "--dist-writers", "rank"]
+    gguf_args = ["--gguf", "q8_0", "--gguf-pre-tokenizer", "gpt-2", "--dist-writers", "rank", "--checksum", "sha256"]
     jobs = [{"argv": ["merge", src, str(out / "ok"), *gguf_args]},
             {"argv": ["merge", src, str(out / "blind"), *gguf_args], "missing_source_on_rank": 0}]
     outcome = _run_jobs(jobs, tmp_path, ranks=2)

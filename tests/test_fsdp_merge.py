@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 
 import pytest
 import torch
@@ -148,15 +149,15 @@ def test_many_files_with_index_load_in_transformers(qwen2_fp32_ws2, tmp_path):
 def test_parallel_workers_write_identical_files(qwen2_fp32_ws2, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     hf_merge.merge(qwen2_fp32_ws2.actor, one, max_shard_size=20_000, workers=1)
-    hf_merge.merge(qwen2_fp32_ws2.actor, two, max_shard_size=20_000, workers=3)
+    hf_merge.merge(qwen2_fp32_ws2.actor, two, max_shard_size=20_000, workers=3, checksums="sha256")
     files = sorted(p.name for p in one.glob("*.safetensors"))
     assert files == sorted(p.name for p in two.glob("*.safetensors"))
     for name in files:
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
-    # the sha256 computed while writing (one process, and forked writers) is the file's
-    for folder in (one, two):
-        recorded = json.loads((folder / "hf_merge.json").read_text())["files"]
-        assert recorded == {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in files}
+    # the checksum computed while writing (a CRC-32 in one process, a sha256 in forked writers) is the file's
+    recorded = {f.name: json.loads((f / "hf_merge.json").read_text())["files"] for f in (one, two)}
+    assert recorded["one"] == {n: f"crc32:{zlib.crc32((one / n).read_bytes()):08x}" for n in files}
+    assert recorded["two"] == {n: hashlib.sha256((two / n).read_bytes()).hexdigest() for n in files}
 
 
 def test_source_resolution_root_step_and_actor(qwen2_fp32_ws2, tmp_path):

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -203,10 +204,8 @@ def test_lora_fused_and_gguf_lora_file(lora_ckpt, gguf_dir):
     assert main(["-q", "merge", str(lora_ckpt.root), str(target), "--gguf", "f32", "--gguf-pre-tokenizer", "gpt-2"]) == 0
     fused, adapter = target / "qwen2-base-f32.gguf", target / "qwen2-base-lora-f32.gguf"
     assert sorted(p.name for p in target.glob("*.gguf")) == sorted([fused.name, adapter.name])
-    from hf_merge.verification import file_checksums
-
     recorded = json.loads((target / "hf_merge.json").read_text())["files"]  # hashed as each file was written
-    assert recorded == file_checksums(target, [fused.name, adapter.name])
+    assert recorded == {p.name: f"crc32:{zlib.crc32(p.read_bytes()):08x}" for p in (fused, adapter)}
     ids, _ = reference_logits(lora_ckpt)
     assert torch.equal(gguf_logits(fused, ids), model_logits(lora_ckpt.reference, ids, dtype=torch.float32))
 
@@ -499,7 +498,11 @@ def test_verify_of_a_gguf_folder_says_what_it_can_check(qwen2_fp32_ws2, qwen2_q8
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert f"holds a GGUF file ({qwen2_q8.name})" in lines[0] and "sha256" in lines[0] and "without --gguf" in lines[0]
+    assert f"holds a GGUF file ({qwen2_q8.name})" in lines[0] and "no --against" in lines[0] and "without --gguf" in lines[0]
+    # what that line suggests: the checksum recorded when the file was written, checked without a source
+    assert main(["verify", str(qwen2_q8.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "file checksums" in out and "1 files" in out, out
 
 
 # ------------------------------------------------------------------------------------------------

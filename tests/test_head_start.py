@@ -88,14 +88,18 @@ def test_the_childs_file_is_taken_and_the_folder_is_the_same(qwen2_fp32_ws2, tmp
         assert "model.safetensors.index.json" in got and sum(n.endswith(".safetensors") for n in got) >= 2
 
 
-def test_the_recorded_sha256_is_the_written_files(qwen2_fp32_ws2, tmp_path, adoptions):
+@pytest.mark.parametrize("kind", ["crc32", "sha256"])
+def test_the_recorded_checksum_is_the_written_files(kind, qwen2_fp32_ws2, tmp_path, adoptions):
     import hashlib
+    import zlib
 
     out = tmp_path / "out"
-    assert run_cli("merge", qwen2_fp32_ws2.actor, out, "--dtype", "auto").returncode == 0
+    assert run_cli("merge", qwen2_fp32_ws2.actor, out, "--dtype", "auto", "--checksum", kind).returncode == 0
     assert adoptions == [True]
     recorded = json.loads((out / "hf_merge.json").read_text())["files"]
-    assert recorded == {"model.safetensors": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()}
+    data = (out / "model.safetensors").read_bytes()
+    want = f"crc32:{zlib.crc32(data):08x}" if kind == "crc32" else hashlib.sha256(data).hexdigest()
+    assert recorded == {"model.safetensors": want}
 
 
 @pytest.mark.parametrize("case", ["cast", "tied", "lora", "switched off"])
@@ -163,7 +167,7 @@ def test_a_child_that_fails_after_its_file_was_taken_is_written_again(qwen2_fp32
             os.write(taken_w, b"t")
         return taken
 
-    def half_written_then_killed(planned, fd, sha256, progress):
+    def half_written_then_killed(planned, fd, checksum, progress):
         buffered = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)  # fd itself is O_DIRECT
         os.pwrite(buffered, b"\0" * 4096, 0)
         progress(4096)
@@ -215,7 +219,7 @@ from hf_merge.write import head_start as hs
 request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto"))
 planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
-digest = hs._write(planned, fd, True, lambda n: None)
+digest = hs._write(planned, fd, "sha256", lambda n: None)
 data = os.pread(fd, os.fstat(fd).st_size, 0)
 print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest, "data": hashlib.sha256(data).hexdigest()}}))
 """

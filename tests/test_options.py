@@ -25,3 +25,20 @@ def test_options_are_frozen_and_the_cli_builds_them_once():
                                       "--max-shard-size", "2GB", "--dist-writers", "rank"])
     got = merge_options(args)
     assert (got.gguf, got.lora, got.checksums, got.max_shard_size, got.dist_writers) == ("q8_0", "fuse", False, 2 * 10**9, "rank")
+
+
+def test_the_checksum_kind_follows_the_flags():
+    """A CRC-32 by default; a sha256 when the folder goes to the Hub (its upload needs one) or when
+    asked; none with --no-checksums / --checksum none; an unknown kind is one typed error."""
+    from hf_merge.errors import HfMergeError
+
+    def kind(*flags: str) -> str | None:
+        return merge_options(build_parser().parse_args(["merge", "src", "out", *flags])).checksum()
+
+    assert kind() == "crc32"
+    assert kind("--push-to-hub", "me/model") == "sha256"
+    assert kind("--checksum", "sha256") == "sha256"
+    assert kind("--checksum", "crc32", "--push-to-hub", "me/model") == "crc32"
+    assert kind("--checksum", "none") is None and kind("--no-checksums") is None
+    with pytest.raises(HfMergeError, match="md5"):
+        MergeOptions(checksums="md5").checksum()

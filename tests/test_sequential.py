@@ -2,8 +2,8 @@
 
 Whatever way the bytes reach the output file (``preadv`` from the rank files or copied from memory;
 ``O_DIRECT`` or the page cache; buffers or a mapped region for a large tensor without row runs;
-hashed on the filling thread or on a thread of its own) the file must be the same bytes, the
-recorded sha256 its digest; a full disk on a writer thread is one line and no target.
+a sha256 hashed on the filling thread or on a thread of its own, or a CRC-32) the file must be the
+same bytes, the recorded checksum its digest; a full disk on a writer thread is one line and no target.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import threading
+import zlib
 
 import pytest
 import torch
@@ -32,8 +33,15 @@ def _merge(source, target, **kw) -> tuple[dict[str, bytes], dict[str, str]]:
     return files, recorded
 
 
-def _digests(files: dict[str, bytes]) -> dict[str, str]:
+def _digests(files: dict[str, bytes], kind: str = "crc32") -> dict[str, str]:
+    """Each file's checksum as hf_merge.json records it, computed here by zlib / hashlib."""
+    if kind == "crc32":
+        return {n: f"crc32:{zlib.crc32(b):08x}" for n, b in files.items()}
     return {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+
+
+#: how the checksum is taken: (kind, on a thread of its own)
+HASHING = {"sha256-thread": ("sha256", True), "sha256-inline": ("sha256", False), "crc32": ("crc32", False)}
 
 
 @pytest.fixture
@@ -78,20 +86,21 @@ def _hash_on(monkeypatch, apart: bool) -> list[int]:
         ("uneven_ckpt", {}),  # uneven and empty rank pieces
     ],
 )
-@pytest.mark.parametrize("apart", [True, False], ids=["hash-thread", "hash-inline"])
-def test_bytes_from_the_files_and_from_memory_are_the_same_file(fixture, kw, apart, request, tmp_path, monkeypatch,
+@pytest.mark.parametrize("hashing", list(HASHING))
+def test_bytes_from_the_files_and_from_memory_are_the_same_file(fixture, kw, hashing, request, tmp_path, monkeypatch,
                                                                  small_buffers):
     ck = request.getfixturevalue(fixture)
+    kind, apart = HASHING[hashing]
     threads = _hash_on(monkeypatch, apart)
     preads = []
     real = engine.file_bytes
     monkeypatch.setattr(engine, "file_bytes", lambda t: preads.append(1) or real(t))
-    files, recorded = _merge(ck.actor, tmp_path / "files", max_shard_size="40KB", **kw)
-    assert files and recorded == _digests(files)
+    files, recorded = _merge(ck.actor, tmp_path / "files", max_shard_size="40KB", checksums=kind, **kw)
+    assert files and recorded == _digests(files, kind)
     assert len(threads) >= (len(files) if apart else 0) and (apart or not threads)
     assert preads
     monkeypatch.setattr(engine, "file_bytes", lambda t: None)  # every byte copied from memory
-    memory, recorded_memory = _merge(ck.actor, tmp_path / "memory", max_shard_size="40KB", **kw)
+    memory, recorded_memory = _merge(ck.actor, tmp_path / "memory", max_shard_size="40KB", checksums=kind, **kw)
     assert files == memory and recorded == recorded_memory
 
 
@@ -109,11 +118,11 @@ def _fails_after(monkeypatch, module, name: str, calls: int, error: OSError) -> 
     monkeypatch.setattr(module, name, failing)
 
 
-def _one_error_line_and_no_target(source, tmp_path, capsys) -> str:
+def _one_error_line_and_no_target(source, tmp_path, capsys, *flags: str) -> str:
     from hf_merge.cli.app import main as cli
 
     target = tmp_path / "out"
-    assert cli(["merge", str(source), str(target), "--workers", "1"]) != 0
+    assert cli(["merge", str(source), str(target), "--workers", "1", *flags]) != 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
     assert len(err) == 1, err
     assert not target.exists() and [p for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
@@ -142,7 +151,7 @@ def test_a_read_error_on_the_hashing_thread_is_one_line_and_no_target(llama_tied
         return real(*args)
 
     monkeypatch.setattr(file_runs, "pread_exact", failing_on_the_hasher)
-    line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys)
+    line = _one_error_line_and_no_target(llama_tied_bf16_ws4.actor, tmp_path, capsys, "--checksum", "sha256")
     assert "unexpected" not in line and "input/output error" in line.lower(), line
 
 
@@ -200,19 +209,20 @@ def test_full_buffers_are_written_with_o_direct(llama_tied_bf16_ws4, tmp_path, m
     assert len(direct) >= size // engine.CHUNK - len(files) and all(o % engine.BLOCK == 0 for o in direct)
 
 
-@pytest.mark.parametrize("apart", [True, False], ids=["hash-thread", "hash-inline"])
-def test_large_tensors_without_row_runs_are_read_into_the_mapped_output(shard1_dtensor_ckpt, apart, tmp_path, monkeypatch, small_buffers):
+@pytest.mark.parametrize("hashing", list(HASHING))
+def test_large_tensors_without_row_runs_are_read_into_the_mapped_output(shard1_dtensor_ckpt, hashing, tmp_path, monkeypatch, small_buffers):
     """``Shard(1)`` pieces are not runs of whole rows: with a small whole-read limit their tensors
     are read into mapped regions of the output file, between buffers written with O_DIRECT (which
     then resume at the block boundary below each region's end)."""
     reference, _ = _merge(shard1_dtensor_ckpt.actor, tmp_path / "default")
     assert small_buffers == []
+    kind, apart = HASHING[hashing]
     _hash_on(monkeypatch, apart)
     monkeypatch.setattr(shards, "WHOLE_TENSOR_LIMIT", 1024)
     direct = _direct_writes(monkeypatch)
-    files, recorded = _merge(shard1_dtensor_ckpt.actor, tmp_path / "out")
+    files, recorded = _merge(shard1_dtensor_ckpt.actor, tmp_path / "out", checksums=kind)
     assert len(small_buffers) > 1 and direct and all(o % engine.BLOCK == 0 for o in direct)
-    assert files == reference and recorded == _digests(files)
+    assert files == reference and recorded == _digests(files, kind)
 
 
 def test_colossalai_tp2_weights_go_through_mapped_regions(tmp_path, monkeypatch, small_buffers):

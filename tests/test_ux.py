@@ -7,6 +7,7 @@ CLI checks run in-process (``hf_merge.cli.app.main``): the process boundary is n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -430,6 +431,10 @@ def test_failed_push_says_the_folder_was_written_and_how_to_retry(inproc, qwen2_
     rc, _, err = cli(capsys, "merge", qwen2_fp32_ws2.actor, target, "--push-to-hub", "tester/tiny")
     assert rc == 2 and (target / "model.safetensors").is_file()
     assert f"the merged folder {target} was written; retry the upload with: hf-merge push {target} tester/tiny" in err
+    # a merge for the Hub records each file's sha256 (the upload's object id), which push hands to huggingface_hub
+    weights = (target / "model.safetensors").read_bytes()
+    recorded = json.loads((target / "hf_merge.json").read_text())["files"]
+    assert recorded["model.safetensors"] == hashlib.sha256(weights).hexdigest()
     rc, out, err = cli(capsys, "push", target, "tester/tiny")
     assert rc == 0, err
     assert inproc.repos["tester/tiny"].files["model.safetensors"] == (target / "model.safetensors").read_bytes()

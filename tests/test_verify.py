@@ -58,7 +58,28 @@ def test_flipped_byte_fails_naming_the_tensor(merged, qwen2_fp32_ws2, tmp_path):
     proc = run_cli("verify", bad, "--against", qwen2_fp32_ws2.actor)
     assert proc.returncode == 1
     assert name in proc.stdout and "not bit-identical" in proc.stdout
-    assert "sha256 differs" in proc.stdout
+    assert "crc32 differs" in proc.stdout
+
+
+def test_without_a_source_the_recorded_checksums_are_checked(merged, tmp_path):
+    """`hf-merge verify TARGET` (no --against): a copied folder passes; one changed byte anywhere in
+    a weight file fails naming the file; a folder with no recorded checksums is one error line."""
+    good = _copy(merged, tmp_path)
+    proc = run_cli("verify", good)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "file checksums" in proc.stdout and "crc32:" in (good / "hf_merge.json").read_text()
+    path = good / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one bit in the middle of the tensor data
+    path.write_bytes(bytes(data))
+    proc = run_cli("verify", good)
+    assert proc.returncode == 1 and "model.safetensors: crc32 differs" in proc.stdout, proc.stdout + proc.stderr
+    record = json.loads((good / "hf_merge.json").read_text())
+    del record["files"]
+    (good / "hf_merge.json").write_text(json.dumps(record))
+    proc = run_cli("verify", good)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 2 and len(lines) == 1 and "--against" in lines[0], proc.stderr
 
 
 def test_missing_tensor_and_wrong_dtype_fail(merged, qwen2_fp32_ws2, tmp_path):

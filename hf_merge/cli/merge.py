@@ -81,7 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="upload the finished folder to this model repo (token from HF_TOKEN or `hf auth login`)")
     hub.add_argument("--private", action=argparse.BooleanOptionalAction, default=None, help="create the repo private / public")
     p.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source before finishing")
-    p.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip recording sha256 of output files")
+    p.add_argument("--checksum", dest="checksums", choices=["crc32", "sha256", "none"], default=True,
+                   help="checksum of each output file recorded in hf_merge.json for `hf-merge verify` (default: crc32; "
+                        "sha256 with --push-to-hub, whose upload needs it)")
+    p.add_argument("--no-checksums", dest="checksums", action="store_const", const=False, help="the same as --checksum none")
     p.add_argument("--no-source-crc", dest="source_crc", action="store_false",
                    help="do not check the CRC-32 of the source's zip records as they are read (on by default; see docs/integrity.md)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")

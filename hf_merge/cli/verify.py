@@ -1,4 +1,4 @@
-"""``hf-merge verify TARGET --against SOURCE|HF_DIR``, and verl's ``test`` (``--test_hf_dir``)."""
+"""``hf-merge verify TARGET [--against SOURCE|HF_DIR]``, and verl's ``test`` (``--test_hf_dir``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ._formats import add_backend_argument
 VERIFY_EXAMPLES = """examples:
   hf-merge verify ./merged --against checkpoints/global_step_100/actor      # exact, against the source
   hf-merge verify ./merged --against ./reference-hf --rtol 0.004 --logits   # tolerances + a forward pass
+  hf-merge verify ./downloaded                                            # the checksums recorded at merge time
 """
 TEST_EXAMPLES = """examples:
   hf-merge test --backend fsdp --local_dir checkpoints/global_step_100/actor --test_hf_dir ./reference-hf
@@ -25,12 +26,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "verify",
         help="check a merged folder against its source checkpoint or a reference HF folder",
         description="Compare every tensor of TARGET with the source checkpoint (exact) or a reference HF folder "
-        "(--atol/--rtol). A LoRA adapter folder, and the lora_adapter/ of a --lora both merge, are checked too.",
+        "(--atol/--rtol). A LoRA adapter folder, and the lora_adapter/ of a --lora both merge, are checked too. "
+        "Without --against, check only the file checksums hf_merge.json recorded at merge time.",
         epilog=VERIFY_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", help="merged Hugging Face folder (or PEFT adapter folder)")
-    p.add_argument("--against", required=True, help="the sharded source checkpoint, or a reference HF folder")
+    p.add_argument("--against", help="the sharded source checkpoint, or a reference HF folder (default: only the "
+                   "checksums recorded at merge time)")
     _source_options(p)
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance against an HF folder (default 0)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance against an HF folder (default 0)")
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if report.rank != 0:  # a distributed verification: rank 0 prints the one report; every rank's exit code
         return 0 if report.ok else 1
-    return _print(report, f"{args.target} does not match {args.against}")
+    return _print(report, f"{args.target} does not match {report.against}")
 
 
 def run_test(args: argparse.Namespace) -> int:

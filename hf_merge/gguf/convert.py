@@ -3,7 +3,7 @@
 The same stack as the safetensors merge (open -> views -> an executor of :mod:`hf_merge.pipeline`):
 the model view keeps each tensor's stored dtype (the GGUF type decides what is written), the tied
 alias is dropped (no ``output.weight``), and the folder gets the ``.gguf`` (and the GGUF LoRA file),
-the model card and ``hf_merge.json`` with each file's sha256. Each GGUF file is one stream: one
+the model card and ``hf_merge.json`` with each file's checksum. Each GGUF file is one stream: one
 writer, on one rank of a torchrun job.
 """
 
@@ -149,24 +149,24 @@ class GgufFile:
         for unit in units:
             path = folder / unit.name
             if unit.name == self.model_file:
-                digests[unit.name] = self._write_model(path, how.sha256)
+                digests[unit.name] = self._write_model(path, how.checksum)
             else:
                 from .lora import write_lora_gguf
 
                 digests[unit.name] = write_lora_gguf(self.views.adapter, self.layout, self.settings, self.config, path,
-                                                     self.ftype, name=f"{self.name}-lora", sha256=how.sha256)
+                                                     self.ftype, name=f"{self.name}-lora", checksum=how.checksum)
             if how.progress is not None:
                 how.progress(unit.data_size)
         return digests
 
-    def _write_model(self, path: Path, sha256: bool) -> str | None:
+    def _write_model(self, path: Path, checksum: str | None) -> str | None:
         from .writer import write_gguf
 
         view, cfg, ftype = self.views.model, self.config, self.ftype
         if not ftype.k_quant:
-            return write_gguf(view, cfg, path, ftype, vocab=self.vocab, name=self.name, sha256=sha256)
+            return write_gguf(view, cfg, path, ftype, vocab=self.vocab, name=self.name, checksum=checksum)
         # k-quants: BF16 first, then llama.cpp's C quantizer (kquant.py) writes the file; hashed after
-        from ..verification import file_checksums
+        from ..write import digest
         from .kquant import quantize_file
         from .pipeline import interruptible
 
@@ -174,10 +174,10 @@ class GgufFile:
         write_gguf(view, cfg, bf16, ftype, vocab=self.vocab, name=self.name)
         interruptible(lambda: quantize_file(bf16, path, ftype.name))  # minutes of C
         bf16.unlink()
-        return file_checksums(path.parent, [path.name])[path.name] if sha256 else None
+        return digest.of_file(path, checksum) if checksum else None
 
     def finish(self, tmp: Path, digests: dict[str, str | None]) -> None:
-        """``hf_merge.json`` (the GGUF record, each file's sha256) and the model card."""
+        """``hf_merge.json`` (the GGUF record, each file's checksum) and the model card."""
         from ..publish.card import write_card
         from ..provenance import write_record
 

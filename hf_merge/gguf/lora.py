@@ -61,7 +61,7 @@ def plan_lora(adapter: LazyCheckpoint, layout: LoraLayout, config: dict[str, Any
 
 def write_lora_gguf(
     adapter: LazyCheckpoint, layout: LoraLayout, settings: LoraSettings, config: dict[str, Any], path: Path,
-    ftype: quant.FileType, *, name: str, sha256: bool = False,
+    ftype: quant.FileType, *, name: str, checksum: str | None = None,
 ) -> str | None:
     """Write the PEFT adapter view ``adapter`` (``base_model.model.<m>.lora_{A,B}.weight``) to ``path``."""
     import gguf
@@ -76,4 +76,4 @@ def write_lora_gguf(
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
 
-    return write_file(adapter, path, arch.name, planned, add_keys, sha256=sha256)
+    return write_file(adapter, path, arch.name, planned, add_keys, checksum=checksum)

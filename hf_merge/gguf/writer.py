@@ -10,7 +10,6 @@ chunk. Memory in use is one row chunk (at most 16 MB as float32) plus its encode
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from ..checkpoint import LazyCheckpoint
 from ..readers.file_runs import values
 from ..errors import MappingError
+from ..write import digest as digests
 from . import quant
 from .pipeline import prefetched
 from .arch import GgufArch, Piece, arch_for, map_names
@@ -163,8 +163,8 @@ class _HashingFile:
     """The output file as ``GGUFWriter`` uses it (``write``, ``tell``, ``flush``, ``close``), hashing
     every byte on its way (the file is written front to back, so the digest is the file's)."""
 
-    def __init__(self, raw):
-        self._raw, self._hash, self._at = raw, hashlib.sha256(), 0
+    def __init__(self, raw, checksum: str):
+        self._raw, self._hash, self._at = raw, digests.new(checksum), 0
 
     def write(self, data) -> int:
         self._hash.update(data)  # releases the GIL: the next chunk is encoded meanwhile
@@ -193,11 +193,12 @@ def write_file(
     add_keys: Callable[[Any], None],
     computed: dict[str, np.ndarray] | None = None,
     *,
-    sha256: bool = False,
+    checksum: str | None = None,
 ) -> str | None:
     """Write a GGUF file: ``add_keys(writer)`` adds the metadata, then every planned tensor's info,
-    then each tensor's data in order (``computed`` holds the few tensors with no pieces); its sha256
-    (hashed as it is written) with ``sha256``. The folder's commit fsyncs it (:mod:`hf_merge.write.durable`)."""
+    then each tensor's data in order (``computed`` holds the few tensors with no pieces); its digest of
+    kind ``checksum`` (:mod:`~hf_merge.write.digest`, hashed as it is written), if asked. The
+    folder's commit fsyncs it (:mod:`hf_merge.write.durable`)."""
     import gguf
 
     from .kv import writer_class
@@ -210,9 +211,9 @@ def write_file(
             writer.add_tensor_info(
                 t.gguf_name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=gguf.GGMLQuantizationType[t.type_name]
             )
-        if sha256:  # opened here (after the tensor infos, before the header) to hash what is written
+        if checksum:  # opened here (after the tensor infos, before the header) to hash what is written
             writer.open_output_file()
-            writer.fout = [hashing := _HashingFile(f) for f in writer.fout]
+            writer.fout = [hashing := _HashingFile(f, checksum) for f in writer.fout]
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -232,9 +233,10 @@ def write_file(
 
 def write_gguf(
     view: LazyCheckpoint, config: dict[str, Any], path: Path, ftype: quant.FileType, *, vocab: Vocab, name: str,
-    sha256: bool = False,
+    checksum: str | None = None,
 ) -> str | None:
-    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; its sha256 with ``sha256``."""
+    """Write ``view`` (HF names, LoRA already fused) as the GGUF model file ``path``; its digest of kind
+    ``checksum``, if asked."""
     arch = arch_for(config)
     planned = plan_tensors(view, config, arch, ftype)
     freqs = rope_freqs(config)
@@ -246,7 +248,7 @@ def write_gguf(
         add_to_writer(writer, vocab)
 
     computed = {"rope_freqs.weight": freqs} if freqs is not None else None
-    return write_file(view, path, arch.name, planned, add_keys, computed, sha256=sha256)
+    return write_file(view, path, arch.name, planned, add_keys, computed, checksum=checksum)
 
 
 def total_bytes(planned: list[PlannedTensor]) -> int:

@@ -39,7 +39,7 @@ Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys m
       "quantization": null | {"method": "bitsandbytes", "mode": "nf4" | "fp4" | "int8"},
       "verification": null | {"passed": true, "summary": "..."},
       "missing_files": ["tokenizer", "generation_config.json"],   # optional: side files not found
-      "files": {"model.safetensors": "<sha256 hex>", ...}   # optional: every file written
+      "files": {"model.safetensors": "crc32:<hex>" or "<sha256 hex>", ...}   # optional: every file written
     }
 
 Rendering is lenient: a missing key is shown as unknown (or left out), never an error.
@@ -122,9 +122,9 @@ _SECTION_TEMPLATE = """\
 
 {% if files %}
 <details>
-<summary>Files written by the merge (sha256)</summary>
+<summary>Files written by the merge (checksums)</summary>
 
-| file | sha256 |
+| file | checksum |
 |---|---|
 {% for name, digest in files %}
 | `{{ name }}` | `{{ digest }}` |
@@ -547,10 +547,15 @@ def _summary(info: dict[str, Any], adapter: bool) -> str:
     return f"{what} merged from {origin_text} into {into} by hf-merge."
 
 
+def _shown(recorded: str) -> str:
+    """A recorded digest as the card shows it: with its kind (a bare one is a sha256)."""
+    return recorded if ":" in recorded else f"sha256:{recorded}"
+
+
 def _section(info: dict[str, Any], repo_id: str | None, folder_files: set[str], adapter: bool) -> str:
     import jinja2
 
-    files = sorted((str(k), str(v)) for k, v in (info.get("files") or {}).items())
+    files = sorted((str(k), _shown(str(v))) for k, v in (info.get("files") or {}).items())
     env = jinja2.Environment(keep_trailing_newline=True, autoescape=False, trim_blocks=True, lstrip_blocks=True)
     template = env.from_string(_SECTION_TEMPLATE)
     return template.render(

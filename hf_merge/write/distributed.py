@@ -18,7 +18,7 @@ target (on a file system all ranks see). A gloo process group (CPU only; timeout
 
 1. after planning: every rank's outcome (an error line or the plan's fingerprint) and rank 0's
    temporary folder;
-2. after writing: every rank's outcome and its files' sha256;
+2. after writing: every rank's outcome and its files' digests;
 3. after rank 0 has written index, config, side files, provenance and card and moved the folder
    into place: its outcome.
 
@@ -445,7 +445,7 @@ class Job:
             with self._progress(sum(f.data_size for f in files), str(tmp)) as progress:
                 try:
                     if share:
-                        how = Writing(workers=options.workers, sha256=options.checksums, progress=progress.update,
+                        how = Writing(workers=options.workers, checksum=options.checksum(), progress=progress.update,
                                       processes_here=here)
                         digests = output.write(tmp, share, how)
                     progress.flush()

@@ -10,8 +10,8 @@
 - A tensor too large to read into memory that comes without row runs (:meth:`Sink.add_region`) is
   read into a mapping of its place in the output file, through the page cache; the buffers then
   go on from the block boundary below its end.
-- The sha256 (:class:`_Sha256`) is computed in file order, never by reading the output back
-  except for such a mapped region.
+- The checksum (:class:`_Checksum`, :mod:`~hf_merge.write.digest`) is computed in file order,
+  never by reading the output back except for such a mapped region.
 
 Memory: ``BUFFERS`` x ``CHUNK`` (48 MB) plus one converted run, plus at most :data:`HASH_BACKLOG`
 of computed bytes waiting for the hashing thread. Measurements: docs/write-path.md. This module
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 import queue
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 from ..readers import file_runs
 from .plan import FilePlan
 from ..readers import record_crc
+from . import digest as digests
 
 if TYPE_CHECKING:
     from ..checkpoint import LazyCheckpoint
@@ -92,7 +92,7 @@ def open_output(path: Path) -> int:
     return os.open(path, flags, 0o644)
 
 
-def _hash_file(digest: "hashlib._Hash", fd: int, offset: int, n: int, view: memoryview) -> None:
+def _hash_file(digest, fd: int, offset: int, n: int, view: memoryview) -> None:
     """Hash ``n`` bytes of ``fd`` from ``offset``, read into ``view`` a piece at a time."""
     while n:
         k = min(n, len(view))
@@ -102,15 +102,17 @@ def _hash_file(digest: "hashlib._Hash", fd: int, offset: int, n: int, view: memo
         n -= k
 
 
-class _Sha256:
-    """A file's sha256, fed in file order: on the filling thread, each piece as it lands in the
-    buffer (still in that core's cache), or, ``apart``, on a thread of its own that reads the
-    rank-file bytes again into its own small buffer and hashes computed bytes from a copy.
-    Hashing the filled buffers on another core (+0.9 s CPU per 3.1 GB) or the files' mapped pages
-    (1.4 GB/s) was slower than either (docs/write-path.md)."""
+class _Checksum:
+    """A file's checksum of ``kind``, fed in file order: on the filling thread, each piece as it lands
+    in the buffer (still in that core's cache), or, ``apart``, on a thread of its own that reads the
+    rank-file bytes again into its own small buffer and hashes computed bytes from a copy (worth it
+    for a sha256 only: a CRC-32 costs less than that second read). Hashing the filled buffers on
+    another core (+0.9 s CPU per 3.1 GB) or the files' mapped pages (1.4 GB/s) was slower than
+    either (docs/write-path.md)."""
 
-    def __init__(self, apart: bool):
-        self.digest = hashlib.sha256()
+    def __init__(self, kind: str, apart: bool):
+        self.digest = digests.new(kind)
+        apart = apart and kind == "sha256"
         self._piece = memoryview(bytearray(PIECE))
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._copies: queue.SimpleQueue = queue.SimpleQueue()  # buffers for computed bytes, hashed and free again
@@ -118,7 +120,7 @@ class _Sha256:
         self._copies_left = max(1, HASH_BACKLOG // self._copy_size)  # buffers not made yet
         self._error: BaseException | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="sha256", daemon=True) if apart else None
+        self._thread = threading.Thread(target=self._loop, name=kind, daemon=True) if apart else None
         if self._thread is not None:
             self._thread.start()
 
@@ -204,9 +206,10 @@ class _Sha256:
 class Sink:
     """Bytes appended in file order; full buffers written by the writer threads. ``fd``: the file
     as :func:`open_output` opened it (``O_DIRECT`` or not); ``path`` opens it again for the page
-    cache. ``unreported``: leading bytes not counted as progress (the header)."""
+    cache. ``checksum``: the digest's kind (:mod:`~hf_merge.write.digest`), or None for none.
+    ``unreported``: leading bytes not counted as progress (the header)."""
 
-    def __init__(self, fd: int, path: Path, sha256: bool, progress: ProgressFn | None, unreported: int = 0,
+    def __init__(self, fd: int, path: Path, checksum: str | None, progress: ProgressFn | None, unreported: int = 0,
                  hash_thread: bool = False):
         self._fd = fd
         self._path = path
@@ -233,7 +236,7 @@ class Sink:
                          for i in range(WRITERS)]
         for t in self._threads:
             t.start()
-        self._hash = _Sha256(hash_thread) if sha256 else None  # last: its thread once nothing here can fail
+        self._hash = _Checksum(checksum, hash_thread) if checksum else None  # last: its thread once nothing here can fail
 
     # -- filling -----------------------------------------------------------------------------
     def add_file(self, fd: int, offset: int, n: int) -> None:

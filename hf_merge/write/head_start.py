@@ -174,7 +174,7 @@ class HeadStart:
                 self._pending = 0
 
     def finish(self) -> "tuple[bool, str | None]":
-        """Wait for the adopted file: ``(True, sha256 or None)`` once the child wrote all of it,
+        """Wait for the adopted file: ``(True, digest or None)`` once the child wrote all of it,
         ``(False, None)`` when the child failed (its file is removed; the caller writes it)."""
         with self._cond:
             self._cond.wait_for(lambda: self._eof or self._outcome is not None)
@@ -240,7 +240,7 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
         with record_crc.skipping(not request.options.source_crc):
             plan = _plan(request)
             send({"plan": {"name": plan.file.name, "header": hashlib.sha256(plan.file.header).hexdigest(), "ranges": plan.ranges}})
-            send({"done": _write(plan, fd, request.options.checksums, lambda n: send({"bytes": n}))})
+            send({"done": _write(plan, fd, request.options.checksum(), lambda n: send({"bytes": n}))})
     except _Skip as e:
         with contextlib.suppress(BaseException):
             send({"skip": str(e)})
@@ -310,13 +310,14 @@ def _plan(request: Request) -> _Planned:
     return _Planned(plan.files[0], ranges, index, usable_cpus() // default_workers(len(plan.files)))
 
 
-def _write(planned: _Planned, fd: int, sha256: bool, progress: Callable[[int], None]) -> str | None:
+def _write(planned: _Planned, fd: int, checksum: str | None, progress: Callable[[int], None]) -> str | None:
     from . import engine
     from ..readers import record_crc
     from .shards import fill_file
 
-    apart = sha256 and engine.hash_apart(planned.cores)  # the sha256 thread must not wait: it, and torch's import, go first
-    digest = fill_file(planned.index, planned.file, fd, Path(f"/proc/self/fd/{fd}"), progress, sha256=sha256,
+    # a sha256 thread must not wait: it, and torch's import, go first
+    apart = checksum == "sha256" and engine.hash_apart(planned.cores)
+    digest = fill_file(planned.index, planned.file, fd, Path(f"/proc/self/fd/{fd}"), progress, checksum=checksum,
                        cores=planned.cores, nice=engine.HASHING_NICE if apart else 0)
     # records the sink did not see whole; a mismatch fails this child, and the merge then writes the file itself
     by_id = {(st.st_dev, st.st_ino): f for f in planned.index.fds.values() for st in [os.fstat(f)]}

@@ -46,22 +46,23 @@ WHOLE_TENSOR_LIMIT = 256 << 20
 
 
 def write_file(
-    ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: ProgressFn | None = None, *, sha256: bool = False,
+    ckpt: LazyCheckpoint, plan: FilePlan, folder: Path, progress: ProgressFn | None = None, *, checksum: str | None = None,
     cores: int = 1, crc: "record_crc.Placed | None" = None,
 ) -> str | None:
-    """Write one planned safetensors file into ``folder``; return its sha256 when asked. ``cores``:
-    the CPUs this writer may use (a second one hashes: :func:`hf_merge.write.engine.hash_apart`).
+    """Write one planned safetensors file into ``folder``; return its digest of kind ``checksum``
+    (:mod:`~hf_merge.write.digest`) when asked. ``cores``: the CPUs this writer may use (a second
+    one hashes a sha256: :func:`hf_merge.write.engine.hash_apart`).
     ``crc``: the merge's account of source records (see :func:`fill_file`)."""
     path = Path(folder) / plan.name
     fd = engine.open_output(path)
     try:
-        return fill_file(ckpt, plan, fd, path, progress, sha256=sha256, cores=cores, crc=crc)
+        return fill_file(ckpt, plan, fd, path, progress, checksum=checksum, cores=cores, crc=crc)
     finally:
         os.close(fd)  # after the writer threads stopped (finish or cancel)
 
 
 def fill_file(ckpt: "LazyCheckpoint", plan: FilePlan, fd: int, path: Path, progress: ProgressFn | None = None, *,
-              sha256: bool = False, cores: int = 1, nice: int = 0,
+              checksum: str | None = None, cores: int = 1, nice: int = 0,
               crc: "record_crc.Placed | None" = None) -> str | None:
     """Write ``plan``'s file into the open descriptor ``fd`` (of ``path``), front to back; the
     filling thread ``nice`` levels below the sink's threads (which inherit the level they start at).
@@ -70,7 +71,7 @@ def fill_file(ckpt: "LazyCheckpoint", plan: FilePlan, fd: int, path: Path, progr
     the file's bytes are all appended, or, with ``crc`` (the merge's :class:`record_crc.Placed`),
     when the caller finishes it after its last file: a ZeRO partition cut into several files is
     then combined from the pieces of all of them, not read again for each."""
-    sink = engine.Sink(fd, path, sha256, progress, unreported=plan.data_start, hash_thread=engine.hash_apart(cores))
+    sink = engine.Sink(fd, path, checksum, progress, unreported=plan.data_start, hash_thread=engine.hash_apart(cores))
 
     def fill() -> None:
         if nice:
@@ -124,16 +125,16 @@ def _add_tensor(sink: engine.Sink, piece: "file_runs.Piece") -> int:
 
 
 def _write_files(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, progress: ProgressFn | None, sha256: bool, cores: int,
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, progress: ProgressFn | None, checksum: str | None, cores: int,
     crc: "record_crc.Placed",
 ) -> Iterator[tuple[str, str | None]]:
-    """Write ``files`` one after the other; yield ``(name, sha256)`` as each is done. The source
+    """Write ``files`` one after the other; yield ``(name, checksum)`` as each is done. The source
     records not checked as they streamed are left in ``crc`` for the caller to finish."""
     for plan in files:
-        yield plan.name, write_file(ckpt, plan, folder, progress=progress, sha256=sha256, cores=cores, crc=crc)
+        yield plan.name, write_file(ckpt, plan, folder, progress=progress, checksum=checksum, cores=cores, crc=crc)
 
 
-def _worker(files: list[FilePlan], conn, ckpt: LazyCheckpoint, folder: Path, sha256: bool, cores: int) -> None:
+def _worker(files: list[FilePlan], conn, ckpt: LazyCheckpoint, folder: Path, checksum: str | None, cores: int) -> None:
     """In a forked writer (:class:`~hf_merge.forks.Forked`): write ``files``, sending progress,
     digests, the records other writers hold pieces of, and any error, on ``conn``."""
     try:
@@ -142,8 +143,8 @@ def _worker(files: list[FilePlan], conn, ckpt: LazyCheckpoint, folder: Path, sha
         torch.set_num_threads(1)  # forked children: no OpenMP pool, one core each
         inherited = _open_descriptors()  # the parent's too: it keeps its readers open until the merge ends
         crc = record_crc.Placed()
-        for name, digest in _write_files(ckpt, files, folder, lambda n: conn.send(("bytes", n)), sha256, cores, crc):
-            conn.send(("sha256", (name, digest)))
+        for name, digest in _write_files(ckpt, files, folder, lambda n: conn.send(("bytes", n)), checksum, cores, crc):
+            conn.send(("digest", (name, digest)))
         conn.send(("crc", crc.hand_over(inherited)))  # records other writers hold pieces of: the parent combines
         crc.finish()  # the rest: read here, in parallel with the other writers
     except BaseException as e:  # hand the typed error to the parent, which re-raises it
@@ -177,7 +178,7 @@ def write_shards(
     *,
     workers: int | None = None,
     desc: str = "Writing",
-    sha256: bool = False,
+    checksum: str | None = None,
     files: list[FilePlan] | None = None,
     progress: ProgressFn | None = None,
     processes_here: int = 1,
@@ -187,7 +188,7 @@ def write_shards(
     ``files`` (a distributed rank's share) writes only those files and no index; ``progress``
     receives the bytes written instead of a progress bar being shown. ``processes_here``: the
     writing processes on this machine, which share its CPUs with the ``workers``. Returns
-    ``{file name: sha256 hex digest}`` for the files written (``None`` values unless ``sha256``)."""
+    ``{file name: digest}`` for the files written (``None`` values without ``checksum``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     share = plan.files if files is None else files
@@ -204,9 +205,9 @@ def write_shards(
                 progress = bar.update
             crc = record_crc.Placed()  # the records whose pieces the files' writers copied: one account
             if n == 1:
-                digests.update(_write_files(ckpt, share, folder, progress, sha256, cores, crc))
+                digests.update(_write_files(ckpt, share, folder, progress, checksum, cores, crc))
             else:
-                digests.update(_write_parallel(ckpt, share, folder, n, progress, sha256, cores, crc))
+                digests.update(_write_parallel(ckpt, share, folder, n, progress, checksum, cores, crc))
             crc.finish()  # before the caller fsyncs and renames; only what no file's piece covered is read
     if files is None:
         write_index(plan, folder)
@@ -221,14 +222,14 @@ def write_index(plan: ShardPlan, folder: Path) -> None:
 
 
 def _write_parallel(
-    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, sha256: bool, cores: int,
+    ckpt: LazyCheckpoint, files: list[FilePlan], folder: Path, n: int, update: ProgressFn, checksum: str | None, cores: int,
     crc: "record_crc.Placed",
 ) -> dict[str, str | None]:
     # Largest files first, round robin: shares of similar size.
     order = sorted(files, key=lambda f: -f.file_size)
     shares = [order[i::n] for i in range(n)]
     digests: dict[str, str | None] = {}
-    with contextlib.closing(forks.Forked(_worker, shares, ckpt, folder, sha256, cores)) as writers:
+    with contextlib.closing(forks.Forked(_worker, shares, ckpt, folder, checksum, cores)) as writers:
         running = {conn: i for i, conn in enumerate(writers.conns)}
         while running:
             for conn in mp_connection.wait(list(running)):
@@ -240,14 +241,14 @@ def _write_parallel(
                     raise value
                 if kind == "bytes":
                     update(value)
-                elif kind == "sha256":
+                elif kind == "digest":
                     digests[value[0]] = value[1]
                 elif kind == "crc":
                     crc.take(value)
                 else:
                     del running[conn]
     for share in shares[len(writers.procs):]:  # no fork for these (ENOMEM, EAGAIN): written here
-        digests.update(_write_files(ckpt, share, folder, update, sha256, cores, crc))
+        digests.update(_write_files(ckpt, share, folder, update, checksum, cores, crc))
     return digests
 
 
