@@ -368,7 +368,8 @@ def _corrupt_file_of_rank(folder: Path, rank: int, ranks: int) -> str:
 @pytest.mark.compat  # torchrun and gloo of each tested torch (on torch 2.6 a rank hung here: see the test above)
 def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, tmp_path):
     """`hf-merge verify` on 3 ranks: a sound folder passes, a byte flipped in a file that rank 2 checks
-    fails every rank with rank 0's one report, and a rank that cannot see the target fails every rank."""
+    fails every rank with rank 0's one report, and a rank that cannot see the target fails every rank.
+    Without --against (the recorded checksums only) the flipped byte fails every rank too."""
     import shutil
 
     good, bad = tmp_path / "good", tmp_path / "bad"
@@ -377,7 +378,8 @@ def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, 
     corrupted = _corrupt_file_of_rank(bad, 2, 3)
     src = str(qwen2_fp32_ws2.actor)
     jobs = [{"argv": ["verify", str(good), "--against", src]}, {"argv": ["verify", str(bad), "--against", src]},
-            {"argv": ["verify", str(good), "--against", src], "missing_source_on_rank": 1}]
+            {"argv": ["verify", str(good), "--against", src], "missing_source_on_rank": 1},
+            {"argv": ["verify", str(bad)]}]  # no source: the recorded checksums, shared out the same way
     outcome = _run_jobs(jobs, tmp_path, ranks=3)
     n_files = len(list(good.glob("*.safetensors")))
     assert n_files >= 3
@@ -394,6 +396,8 @@ def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, 
         assert outcome[2, r]["code"] == 2 and len(lines) == 1 and "not-mounted-here" in lines[0], outcome[2, r]
         if r != 1:
             assert lines[0].startswith("error: rank 1 of 3 ") and "the verification did not finish" in lines[0], lines
+    assert [outcome[3, r]["code"] for r in range(3)] == [1, 1, 1], outcome
+    assert f"{corrupted}: crc32 differs" in outcome[3, 0]["stdout"] and not outcome[3, 1]["stdout"], outcome[3, 0]
 
 
 @pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
