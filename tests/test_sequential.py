@@ -63,7 +63,7 @@ def small_buffers(monkeypatch):
 
 def _hash_on(monkeypatch, apart: bool) -> list[int]:
     """Hash apart (or inline) whatever the CPUs; returns a list that grows with each sha256 thread."""
-    monkeypatch.setattr(engine, "hash_apart", lambda cores: apart)
+    monkeypatch.setattr(engine, "hash_apart", lambda cores, checksum: apart)
     monkeypatch.setattr(engine, "HASH_BACKLOG", 16 << 10)  # computed bytes wait for the hasher
     threads: list[int] = []
     real = threading.Thread.start
@@ -249,7 +249,8 @@ def test_a_region_on_a_file_system_without_o_direct(shard1_dtensor_ckpt, tmp_pat
 
 
 def test_hash_apart_where_the_writer_has_a_second_core():
-    assert not engine.hash_apart(1) and engine.hash_apart(2) and engine.hash_apart(8)
+    assert not engine.hash_apart(1, "sha256") and engine.hash_apart(2, "sha256") and engine.hash_apart(8, "sha256")
+    assert not engine.hash_apart(8, "crc32") and not engine.hash_apart(8, None)  # a CRC-32 stays on the filling thread
 
 
 def test_buffers_are_page_aligned_and_chunks_block_aligned():

@@ -549,7 +549,9 @@ def _summary(info: dict[str, Any], adapter: bool) -> str:
 
 def _shown(recorded: str) -> str:
     """A recorded digest as the card shows it: with its kind (a bare one is a sha256)."""
-    return recorded if ":" in recorded else f"sha256:{recorded}"
+    from ..write.digest import kind_of
+
+    return f"sha256:{recorded}" if kind_of(recorded) == "sha256" else recorded
 
 
 def _section(info: dict[str, Any], repo_id: str | None, folder_files: set[str], adapter: bool) -> str:

@@ -72,11 +72,12 @@ def lower_this_thread(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
 
 
-def hash_apart(cores: int) -> bool:
-    """Whether a writer that may use ``cores`` CPUs hashes on a thread of its own: where it has a
-    second core (one writer on 2 cores: 3.27 vs 3.73 s for 3.1 GB); not where every core already
-    has a writer (two on 2 cores: as fast, +1.1 s of CPU for the second read)."""
-    return cores >= 2
+def hash_apart(cores: int, checksum: str | None) -> bool:
+    """Whether a writer that may use ``cores`` CPUs takes the file's ``checksum`` on a thread of its
+    own: a sha256 where it has a second core (one writer on 2 cores: 3.27 vs 3.73 s for 3.1 GB);
+    not where every core already has a writer (two on 2 cores: as fast, +1.1 s of CPU for the
+    second read); a CRC-32 never (it costs less than that second read)."""
+    return checksum == "sha256" and cores >= 2
 
 
 def open_output(path: Path) -> int:
@@ -104,15 +105,14 @@ def _hash_file(digest, fd: int, offset: int, n: int, view: memoryview) -> None:
 
 class _Checksum:
     """A file's checksum of ``kind``, fed in file order: on the filling thread, each piece as it lands
-    in the buffer (still in that core's cache), or, ``apart``, on a thread of its own that reads the
-    rank-file bytes again into its own small buffer and hashes computed bytes from a copy (worth it
-    for a sha256 only: a CRC-32 costs less than that second read). Hashing the filled buffers on
+    in the buffer (still in that core's cache), or, ``apart`` (:func:`hash_apart`), on a thread of its
+    own that reads the rank-file bytes again into its own small buffer and hashes computed bytes from
+    a copy. Hashing the filled buffers on
     another core (+0.9 s CPU per 3.1 GB) or the files' mapped pages (1.4 GB/s) was slower than
     either (docs/write-path.md)."""
 
     def __init__(self, kind: str, apart: bool):
         self.digest = digests.new(kind)
-        apart = apart and kind == "sha256"
         self._piece = memoryview(bytearray(PIECE))
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._copies: queue.SimpleQueue = queue.SimpleQueue()  # buffers for computed bytes, hashed and free again

@@ -316,7 +316,7 @@ def _write(planned: _Planned, fd: int, checksum: str | None, progress: Callable[
     from .shards import fill_file
 
     # a sha256 thread must not wait: it, and torch's import, go first
-    apart = checksum == "sha256" and engine.hash_apart(planned.cores)
+    apart = engine.hash_apart(planned.cores, checksum)
     digest = fill_file(planned.index, planned.file, fd, Path(f"/proc/self/fd/{fd}"), progress, checksum=checksum,
                        cores=planned.cores, nice=engine.HASHING_NICE if apart else 0)
     # records the sink did not see whole; a mismatch fails this child, and the merge then writes the file itself

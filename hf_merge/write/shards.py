@@ -71,7 +71,7 @@ def fill_file(ckpt: "LazyCheckpoint", plan: FilePlan, fd: int, path: Path, progr
     the file's bytes are all appended, or, with ``crc`` (the merge's :class:`record_crc.Placed`),
     when the caller finishes it after its last file: a ZeRO partition cut into several files is
     then combined from the pieces of all of them, not read again for each."""
-    sink = engine.Sink(fd, path, checksum, progress, unreported=plan.data_start, hash_thread=engine.hash_apart(cores))
+    sink = engine.Sink(fd, path, checksum, progress, unreported=plan.data_start, hash_thread=engine.hash_apart(cores, checksum))
 
     def fill() -> None:
         if nice:
