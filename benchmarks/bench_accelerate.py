@@ -79,7 +79,7 @@ def _worker(rank: int, out: str, port: int, layers: int, model_only: bool = Fals
 
 
 def make(out: Path, layers: int, model_only: bool) -> None:
-    if (out / "config" / "config.json").is_file():
+    if (out / "config" / "config.json").is_file() and (out / "ckpt").is_dir():  # bench_formats --make deletes ckpt/ alone
         return
     shutil.rmtree(out, ignore_errors=True)
     code = (f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r}); import bench_accelerate as b; "

@@ -10,7 +10,7 @@ left here is what a user sets for every run, or what a program that launches the
 - ``HF_MERGE_DISTRIBUTED``: ``1`` / ``0`` stand for ``distributed=True`` / ``False`` when the
   option is not given (for the CLI run inside a program that already runs torch.distributed).
 - ``HF_MERGE_HEAD_START``: ``0`` (or ``off``, ``false``, ``no``): the CLI forks no head start for a
-  plain FSDP merge (:mod:`hf_merge.write.head_start`).
+  plain FSDP, DCP or accelerate merge (:mod:`hf_merge.write.head_start`).
 
 Each is read when asked for (not at import), so a test or a program may set it at any time.
 """

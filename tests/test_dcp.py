@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError
-from hf_merge.readers import dcp as dcp_mod
+from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError, UnsupportedCheckpointError
+from hf_merge.readers import dcp_index
 from hf_merge.readers.dcp import DcpCheckpoint, is_dcp_dir
 from helpers import dcp_no_dist
 
@@ -263,7 +263,7 @@ def test_a_flipped_byte_in_a_chunks_pickle_is_called_damaged(tmp_path):
     raw = distcp.read_bytes()
     at = raw.index(b"_rebuild_tensor_v2") + 3
     distcp.write_bytes(raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:])
-    dcp_mod._CHUNK_PICKLES.clear()
+    dcp_index._CHUNK_PICKLES.clear()
     with DcpCheckpoint(path) as ck, pytest.raises(CorruptCheckpointError, match=r"data\.pkl.*fails its CRC-32.*re-copy") as info:
         ck.read("a.weight")
     assert "weights_only" not in str(info.value) and "\n" not in str(info.value)
@@ -291,7 +291,7 @@ def test_corrupt_chunk_bytes_are_reported(tmp_path):
     raw[:4] = b"XXXX"  # break the embedded archive's first local header
     data.write_bytes(bytes(raw))
     ck = DcpCheckpoint(path)
-    with pytest.raises((CorruptCheckpointError, dcp_mod.UnsupportedCheckpointError)):
+    with pytest.raises((CorruptCheckpointError, UnsupportedCheckpointError)):
         ck.read("w")
 
 
@@ -360,7 +360,7 @@ def test_prefetched_chunk_archive_decides_as_small_reads(damage, tmp_path):
         data.write_bytes(bytes(raw))
     for chunk in chunks:
         with open(path / chunk.file, "rb") as f:
-            results = [_records_or_error(f.fileno(), chunk, ends) for ends in (0, 1, 200, dcp_mod._ARCHIVE_ENDS, chunk.length, 3 * chunk.length)]
+            results = [_records_or_error(f.fileno(), chunk, ends) for ends in (0, 1, 200, dcp_index._ARCHIVE_ENDS, chunk.length, 3 * chunk.length)]
         assert all(r == results[0] for r in results), results
         if damage is not None and chunk is chunks[0]:
             assert isinstance(results[0], str), results[0]
@@ -374,7 +374,7 @@ def test_chunk_overlap_check_agrees_with_pairwise_comparison():
     import itertools
     import random
 
-    from hf_merge.readers.dcp import _Chunk, _first_overlap
+    from hf_merge.readers.dcp_index import Chunk as _Chunk, first_overlap as _first_overlap
 
     def chunk(off, size):
         return _Chunk(tuple(off), tuple(size), "f", 0, 0)

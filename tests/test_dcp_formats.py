@@ -307,12 +307,12 @@ def test_dcp_merge_does_not_import_torch_distributed_checkpoint(dcp_root, tmp_pa
 def test_generic_dcp_metadata_is_read_once_per_open(dcp_root, monkeypatch):
     """Opening a plain DCP folder parses its ``.metadata`` once (it was twice: a probe for the
     ``model.`` wrapper, then the reader), and the reader it keeps reads the same tensors."""
-    from hf_merge.readers import dcp as dcp_reader
+    from hf_merge.readers import dcp_index
 
     src = dcp_root / "dcp_plain" / "ckpt"
     calls = []
-    real = dcp_reader.load_dcp_metadata
-    monkeypatch.setattr(dcp_reader, "load_dcp_metadata", lambda path: calls.append(path) or real(path))
+    real = dcp_index.load_dcp_metadata
+    monkeypatch.setattr(dcp_index, "load_dcp_metadata", lambda path, **kw: calls.append(path) or real(path, **kw))
     want = folder_tensors(dcp_root / "dcp_plain" / "reference")  # tied: the reader also names lm_head
     with hf_merge.open_checkpoint(src) as ckpt:
         assert calls == [src] and ckpt.info.reader == "dcp"

@@ -405,3 +405,60 @@ def test_a_rank_file_that_asks_for_code_is_one_line_and_nothing_runs(qwen2_fp32_
     assert adoptions == []  # refused while the merge opened the source, before any weight was planned
     assert not marker.exists() and not (tmp_path / "out").exists()
     assert set(_children()) <= before
+
+
+# ---- DCP folders (generic DCP, accelerate): the same child, their torch-free index ---------------
+
+
+def _dcp_case(dcp_root: Path, case: str) -> tuple[Path, tuple]:
+    return dcp_root / case / "ckpt", ("--config", dcp_root / case / "config", "--dtype", "auto")
+
+
+@pytest.mark.parametrize("case", ["accelerate", "dcp_nested"])
+def test_a_dcp_folders_first_file_is_the_childs_and_the_folder_is_the_same(case, dcp_root, tmp_path, adoptions):
+    source, flags = _dcp_case(dcp_root, case)
+    got, expected = _merge_both_ways(source, tmp_path, *flags)
+    assert adoptions == [True]
+    assert got == expected
+
+
+@pytest.mark.parametrize("case", ["dcp_plain", "torchtitan"])
+def test_dcp_folders_that_are_not_a_plain_copy_are_written_by_the_merge(case, dcp_root, tmp_path, adoptions, monkeypatch):
+    """A tied model (dcp_plain) is declined by the child; a torchtitan folder (renamed, q/k permuted)
+    forks no child at all, although its ``.metadata`` is also a generic DCP folder's mark."""
+    forks: list[object] = []
+    real = head_start.begin
+    monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request.format) or real(request))
+    source = dcp_root / "dcp_plain" / "ckpt" if case == "dcp_plain" else dcp_root / "torchtitan" / "dump" / "checkpoint" / "step-1"
+    flags = () if case == "dcp_plain" else ("--config", dcp_root / "torchtitan" / "config")
+    proc = run_cli("merge", source, tmp_path / "out", *flags)
+    assert proc.returncode == 0, proc.stderr
+    assert (forks, adoptions) == ((["dcp"], [False]) if case == "dcp_plain" else ([], []))
+
+
+def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(dcp_root, tmp_path):
+    """The CLI's choice of a head start and the child's plan and file, in a fresh interpreter:
+    no torch; the file is byte for byte the merge's own."""
+    source, flags = _dcp_case(dcp_root, "accelerate")
+    code = f"""
+import hashlib, json, os, sys
+from hf_merge.options import MergeOptions
+from hf_merge.write import head_start as hs
+from hf_merge.cli.merge import _head_start_format
+assert _head_start_format({str(source)!r}, "auto") == "accelerate"  # the CLI's choice, made without torch too
+request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={str(flags[1])!r}), "accelerate")
+planned = hs._plan(request)
+fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
+digest = hs._write(planned, fd, "sha256", lambda n: None)
+print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest}}))
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["torch"] is False
+    out = tmp_path / "merged"
+    assert run_cli("merge", source, out, *flags, env={head_start.ENV: "0"}, in_process=True).returncode == 0
+    import hashlib
+
+    assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == result["digest"]

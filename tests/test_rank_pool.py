@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import hf_merge
 from hf_merge.errors import CorruptCheckpointError
-from hf_merge.readers import dcp, fsdp, rank_pool, rank_records, record_crc
+from hf_merge.readers import dcp, dcp_index, fsdp, rank_pool, rank_records, record_crc
 
 
 def _weights(folder: Path) -> dict[str, str]:
@@ -192,7 +192,7 @@ def test_a_damaged_chunk_read_by_another_process_gets_the_readers_own_error(chun
     raw = files[-1].read_bytes()
     at = raw.index(b"_rebuild_tensor_v2") + 3
     files[-1].write_bytes(raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:])
-    dcp._CHUNK_PICKLES.clear()
+    dcp_index._CHUNK_PICKLES.clear()
     with dcp.DcpCheckpoint(path) as ck, pytest.raises(CorruptCheckpointError, match=r"data\.pkl.*fails its CRC-32.*re-copy"):
         for name in sorted(state):
             assert torch.equal(ck.read(name), state[name])

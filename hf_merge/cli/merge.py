@@ -235,19 +235,30 @@ def merge_options(args: argparse.Namespace):
     )
 
 
-def _reads_as_fsdp(source: str, backend: str) -> bool:
-    """Whether the merge will read ``source`` with the verl FSDP reader, decided as the registry
-    decides it and without importing a reader: ``--backend`` names it, or (``auto``) its probe
-    matches and no format ranks above it."""
-    from ..readers.formats import canonical, declared
-    from ..readers.fsdp_files import probe
+def _head_start_format(source: str, backend: str) -> str | None:
+    """The format the merge will read ``source`` as, when a head start serves it
+    (:data:`~hf_merge.write.head_start.FORMATS`), decided as the registry decides it and without
+    importing torch: ``--backend`` names it, or (``auto``) it is the first format whose marks are
+    there and whose probe matches. None otherwise, and when a format ranked above it could not
+    be probed without torch."""
+    import importlib
 
-    if (canonical(backend) if backend != "auto" else declared()[0].name) != "fsdp":
-        return False
-    try:
-        return probe(Path(source))
-    except (OSError, ValueError):  # as the registry's probing takes it: not this format
-        return False
+    from ..readers.formats import canonical, candidates
+    from ..write.head_start import FORMATS
+
+    # the modules whose probes import no torch: the served formats' and torchtitan's (its step
+    # folders are DCP folders too); each is imported only when its format is a candidate
+    probes = {**FORMATS, "torchtitan": "torchtitan"}
+    path = Path(source)
+    for name in [canonical(backend)] if backend != "auto" else [d.name for d in candidates(path)]:
+        if name not in probes:
+            return None
+        try:
+            if importlib.import_module(f"hf_merge.readers.{probes[name]}").probe(path):
+                return name if name in FORMATS else None
+        except (OSError, ValueError):  # as the registry's probing takes it: not this format
+            continue
+    return None
 
 
 def _head_start(args: argparse.Namespace, source: str, target: str, options):
@@ -258,12 +269,13 @@ def _head_start(args: argparse.Namespace, source: str, target: str, options):
 
     plain = (
         args.gguf is None and args.quantize is None and args.base_model is None
-        and not any(source_options(args).values()) and not launched_by_torchrun() and _reads_as_fsdp(source, args.backend)
+        and not any(source_options(args).values()) and not launched_by_torchrun()
     )
-    if plain:
+    form = _head_start_format(source, args.backend) if plain else None
+    if form is not None:
         from ..write.head_start import Request, begin
 
-        head = begin(Request(source, target, options))
+        head = begin(Request(source, target, options, form))
         if head is not None:
             return head
     return contextlib.nullcontext()

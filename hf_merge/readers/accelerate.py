@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from .formats import SourceFormat
-from .dcp import is_dcp_dir
-from .dcp_sources import config_beside, newest_step, open_dcp_model
+from .dcp_index import is_dcp_dir
+from .dcp_sources import config_beside, newest_step, open_dcp_model, open_index as open_dcp_index
+
+if TYPE_CHECKING:  # probing imports this module; torch is imported only to open a checkpoint
+    from ..checkpoint import LazyCheckpoint
 
 _MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
@@ -58,6 +61,7 @@ def resolve(path: Path) -> tuple[Path, list[str], int | None]:
 
 
 def open_accelerate(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
+    from ..checkpoint import CheckpointInfo
     model_dir, notes, index = resolve(Path(path))
     if not is_dcp_dir(model_dir):
         from ..errors import SourceNotFoundError
@@ -69,6 +73,11 @@ def open_accelerate(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
     hf_dir = config_beside(model_dir, config_dir)
     info = CheckpointInfo(format="accelerate", path=model_dir, hf_dir=hf_dir, step=index, notes=notes)
     return open_dcp_model(model_dir, info, strip=WRAPPER)
+
+
+def open_index(path: Path, config: Path | None):
+    """The model's tensors read without torch, for the CLI's head start (:func:`~hf_merge.readers.dcp_sources.open_index`)."""
+    return open_dcp_index(resolve(Path(path))[0], config, lambda names: WRAPPER)
 
 
 def probe(path: Path) -> bool:

@@ -15,7 +15,8 @@ and Megatron-Core 0.16 saves):
   chunk is a complete ``torch.save`` zip archive embedded at ``offset`` (records stored, never
   compressed). The archive's start in the file is *not* aligned.
 
-How it is read here, without a process group and without ``torch.load`` of whole chunks:
+How it is read here, without a process group and without ``torch.load`` of whole chunks (what
+needs no tensor, the metadata and each chunk's archive, is :mod:`~hf_merge.readers.dcp_index`):
 
 - ``.metadata`` is unpickled with an allowlist (the DCP dataclasses, ``torch.Size``, dtypes);
   anything else raises :class:`~hf_merge.errors.UnsafeCheckpointError`.
@@ -34,7 +35,6 @@ a fused tensor, without reading the rest.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import mmap
@@ -44,88 +44,22 @@ import threading
 from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from .file_runs import FileRun, MappedFile
-from . import contained, rank_pool, record_crc
+from . import rank_pool, record_crc
 from ..forks import helper_cpus
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
-from ..errors import (
-    CorruptCheckpointError,
-    PickleRefusedError,
-    SourceNotFoundError,
-    UnsafeCheckpointError,
-    UnsupportedCheckpointError,
-)
+from ..errors import CorruptCheckpointError
 from ..spec import TensorSpec, c_contiguous
-from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, torch_names
-from .dcp_metadata import check_tensor_properties, metadata_substitutes
-from .torch_zip import Record, Window, checked_pickle, read_records
+from .dcp_index import METADATA_FILE, PARALLEL_CHUNKS, Chunk as _Chunk, ChunkLayout as _Layout, DcpFolder, is_dcp_dir, load_dcp_metadata, note_records, read_chunk
+from .torch_zip import Record
 
-METADATA_FILE = ".metadata"
-#: what to do about a .metadata that holds what torch.distributed.checkpoint never writes
-NOT_DCP = "the file is damaged (re-copy it from the training run) or was not written by torch.distributed.checkpoint"
 DEFAULT_MAX_READ_BYTES = 64 << 20
 
-__all__ = ["DcpCheckpoint", "is_dcp_dir", "load_dcp_metadata", "DEFAULT_MAX_READ_BYTES"]
-
-
-def is_dcp_dir(path: Path) -> bool:
-    """True if ``path`` is a folder with a DCP ``.metadata`` file."""
-    return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
-
-
-# --------------------------------------------------------------------------------------------
-# .metadata: allowlisted unpickling
-# --------------------------------------------------------------------------------------------
-
-def load_dcp_metadata(path: Path) -> Any:
-    """Unpickle ``<path>/.metadata`` under :data:`~hf_merge.readers.safe_pickle.DCP_METADATA`, its
-    classes as inert stand-ins (:mod:`~hf_merge.readers.dcp_metadata`; no torch.distributed import)."""
-    meta_path = Path(path) / METADATA_FILE
-    if not meta_path.is_file():
-        raise SourceNotFoundError(f"{path}: no {METADATA_FILE} file; not a torch.distributed.checkpoint folder")
-    with open(contained.check(meta_path), "rb") as f:
-        try:
-            md = load_pickle(f, DCP_METADATA, str(meta_path), substitutes=metadata_substitutes())
-        except PickleRefusedError as e:  # the same refusal; DCP writes nothing outside the allowlist
-            raise PickleRefusedError(e.where, e.what, advice=NOT_DCP.capitalize()) from None
-    if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
-        raise CorruptCheckpointError(f"{meta_path}: unpickled object is not DCP Metadata ({type(md).__name__}); {NOT_DCP}")
-    check_tensor_properties(md, str(meta_path))
-    return md
-
-
-# --------------------------------------------------------------------------------------------
-# Chunks: where one piece of a tensor lives in a .distcp file
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a chunk's elements are, in the data file: ``data_start`` is the byte of element 0 of
-    the storage; the chunk is ``as_strided(size, stride, storage_offset)`` of that storage."""
-
-    data_start: int
-    storage_nbytes: int
-    dtype: torch.dtype
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    crc: int = 0  # the storage record's CRC-32, from the archive's zip directory
-
-
-@dataclass
-class _Chunk:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str
-    start: int  # byte offset of the embedded torch.save archive
-    length: int
-    layout: _Layout | None = None
-    view: torch.Tensor | None = None  # the chunk as a view of its mapped file (read_rows), once made
+__all__ = ["DcpCheckpoint", "is_dcp_dir", "load_dcp_metadata", "DEFAULT_MAX_READ_BYTES", "METADATA_FILE"]
 
 
 @dataclass(frozen=True)
@@ -136,140 +70,6 @@ class _Mapped:
     buffer: mmap.mmap
     whole: torch.Tensor
     source: MappedFile
-
-
-class _RebuildRecord:
-    """What ``torch._utils._rebuild_tensor_v2`` would have built, without building it."""
-
-    def __init__(self, storage: tuple, storage_offset: int, size: Sequence[int], stride: Sequence[int], *rest: Any):
-        self.storage = storage
-        self.storage_offset = int(storage_offset)
-        self.size = tuple(int(s) for s in size)
-        self.stride = tuple(int(s) for s in stride)
-
-
-def _storage_dtype(name: str) -> torch.dtype | None:
-    """``"FloatStorage"`` -> ``torch.float32`` (the legacy storage class names torch.save pickles)."""
-    if not name.endswith("Storage"):
-        return None
-    try:
-        from torch.storage import _get_dtype_from_pickle_storage_type
-
-        return _get_dtype_from_pickle_storage_type(name)
-    except Exception:
-        return None
-
-
-#: A chunk's ``data.pkl`` is read under this allowlist, with the rebuild function replaced by a
-#: recorder (no tensor is built) and storage classes by their dtype.
-_CHUNK_PICKLE = Allowlist.of(calls=[("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")])
-
-
-@functools.cache
-def _chunk_substitutes() -> dict[tuple[str, str], Any]:
-    """The chunk pickles' stand-ins (the same for every chunk: made once; the unpickler copies them)."""
-    subs: dict[tuple[str, str], Any] = {("torch._utils", "_rebuild_tensor_v2"): _RebuildRecord}
-    for module, name in torch_names().names:
-        if _storage_dtype(name) is not None:
-            subs[(module, name)] = ("storage_type", _storage_dtype(name))
-    return subs
-
-
-def _chunk_persistent_load(pid: Any) -> Any:
-    # ('storage', storage_type, key, location, numel)
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-        raise UnsupportedCheckpointError(f"DCP chunk pickle has an unexpected persistent id {str(pid)[:60]}")
-    _, stype, key, _location, numel = pid
-    dtype = stype[1] if isinstance(stype, tuple) else stype
-    if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
-        raise UnsupportedCheckpointError(f"DCP chunk storage type {str(stype)[:60]} is not understood")
-    return (str(key), dtype, int(numel))
-
-
-#: chunk pickles already read, by their bytes: the chunks of same-shaped tensors (every layer's)
-#: pickle the same bytes, so a 64-layer model's 1,542 chunks hold a few dozen distinct pickles
-_CHUNK_PICKLES: dict[bytes, Any] = {}
-_CHUNK_PICKLES_MAX = 1 << 16
-
-
-def _chunk_pickle(data: bytes, where: str) -> Any:
-    """A chunk's ``data.pkl`` read under :data:`_CHUNK_PICKLE` (the policy's walk and refusals as
-    always), once per distinct pickle: the same bytes give the same recorder, which is only read."""
-    known = _CHUNK_PICKLES.get(data)
-    if known is None:
-        known = load_pickle(data, _CHUNK_PICKLE, where, substitutes=_chunk_substitutes(), persistent_load=_chunk_persistent_load)
-        if len(_CHUNK_PICKLES) < _CHUNK_PICKLES_MAX:
-            _CHUNK_PICKLES[data] = known
-    return known
-
-
-#: chunk archives in all from which the first tensor read has them read by a forked process per CPU
-#: (~0.15 ms of checks each: 4,096 is ~0.6 s on one core)
-PARALLEL_CHUNKS = 4096
-
-#: bytes read up front at each end of a chunk's archive: its small records before the tensor's data
-#: (~1 KB: data.pkl, byteorder, ...) and its central directory after it (~1 KB), in one read each
-_ARCHIVE_ENDS = 4096
-
-
-def _parse_chunk(fd: int, chunk: _Chunk, where: str, tensor: str = "") -> _Layout:
-    """Parse the embedded torch.save archive of ``chunk``: find its storage record and layout; its
-    records' CRC-32 are noted for the writer's checks (:func:`_read_chunk`)."""
-    records, layout = _read_chunk(fd, chunk, where)
-    _note_records(fd, chunk, records, tensor)
-    return layout
-
-
-def _note_records(fd: int, chunk: _Chunk, records: Iterable[Record], tensor: str) -> None:
-    """``records`` of ``chunk``'s archive, for the writer's CRC checks; every chunk archive has an
-    "archive/data/0": their names say whose it is."""
-    whose = f" of {tensor[:80]} (archive at byte {chunk.start})"
-    record_crc.add_archive(fd, {r.name: Record(r.name + whose, r.data_start, r.size, r.crc) for r in records}, chunk.file)
-
-
-def _read_chunk(fd: int, chunk: _Chunk, where: str) -> tuple[list[Record], _Layout]:
-    """The embedded torch.save archive of ``chunk``, checked: ``(its records, the tensor's
-    layout)``. The archive's records are checked first
-    (:func:`~hf_merge.readers.torch_zip.read_records`: stored, local headers agree with the central
-    directory, records tile the archive)."""
-    window = Window(fd, chunk.start, chunk.length, ends=_ARCHIVE_ENDS)
-    records = read_records(window, f"{where}, chunk at byte {chunk.start}", base=chunk.start)
-    pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
-    if len(pkl) != 1:
-        raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} has no single data.pkl record")
-    prefix = pkl[0][: -len("data.pkl")]
-    order = records.get(prefix + "byteorder")
-    if order is not None and window.pread(min(order.size, 16), order.data_start - chunk.start).strip() not in (b"little", b""):
-        raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
-    rec_info = records[pkl[0]]
-    data = checked_pickle(window.pread(rec_info.size, rec_info.data_start - chunk.start), rec_info, f"{where}, chunk at byte {chunk.start}")
-    rec = _chunk_pickle(data, f"{where}, chunk at byte {chunk.start}")
-    if not isinstance(rec, _RebuildRecord) or not isinstance(rec.storage, tuple):
-        raise UnsupportedCheckpointError(f"{where}: chunk at byte {chunk.start} does not hold a single tensor")
-    key, dtype, numel = rec.storage
-    info = records.get(f"{prefix}data/{key}")
-    if info is None:
-        raise CorruptCheckpointError(f"{where}: chunk at byte {chunk.start} lacks storage record data/{key[:40]}")
-    data_start = info.data_start
-    nbytes = numel * dtype.itemsize
-    if info.size != nbytes:
-        raise CorruptCheckpointError(
-            f"{where}: storage record of chunk at byte {chunk.start} has {info.size} bytes, expected {nbytes}"
-        )
-    layout = _Layout(data_start, nbytes, dtype, rec.storage_offset, rec.size, rec.stride, info.crc)
-    if layout.size != chunk.sizes:
-        raise CorruptCheckpointError(
-            f"{where}: chunk at byte {chunk.start} holds shape {layout.size}, metadata says {chunk.sizes}"
-        )
-    # DCP saves each chunk as a tensor owning exactly its storage (torch clones views first), so
-    # the tensor is dense over the whole storage from offset 0; anything else is a damaged pickle.
-    if layout.storage_offset != 0 or math.prod(layout.size) != numel or not _dense(layout.size, layout.stride):
-        raise CorruptCheckpointError(
-            f"{where}: chunk at byte {chunk.start} has storage offset {layout.storage_offset}, strides "
-            f"{list(layout.stride)[:8]} for shape {list(layout.size)[:8]} over {numel} elements; not a dense DCP chunk, "
-            "the file is damaged"
-        )
-    return list(records.values()), layout
 
 
 def _read_file_chunks(job: tuple[str, list[tuple[str, _Chunk]]]) -> "tuple[tuple[int, ...], dict[int, tuple]] | None":
@@ -284,7 +84,7 @@ def _read_file_chunks(job: tuple[str, list[tuple[str, _Chunk]]]) -> "tuple[tuple
         out = {}
         for name, chunk in chunks:
             try:
-                records, lay = _read_chunk(fd, chunk, f"{path} ({name})")
+                records, lay = read_chunk(fd, chunk, f"{path} ({name})")
             except Exception:  # noqa: BLE001 - read again by the reader, which raises its own error
                 continue
             out[chunk.start] = (
@@ -340,34 +140,14 @@ class DcpCheckpoint(LazyCheckpoint):
     def __init__(self, path: Path, *, max_read_bytes: int = DEFAULT_MAX_READ_BYTES, info: CheckpointInfo | None = None):
         self.path = Path(path)
         self.max_read_bytes = max(int(max_read_bytes), 1)
-        md = load_dcp_metadata(self.path)
-        self._specs: dict[str, TensorSpec] = {}
-        self._byte_keys: list[str] = []
-        self._chunks: dict[str, list[_Chunk]] = {}
+        folder = DcpFolder(self.path)
+        self._specs: dict[str, TensorSpec] = folder.tensors
+        self._byte_keys: list[str] = folder.byte_keys
+        self._chunks: dict[str, list[_Chunk]] = folder.chunks
         self._chunk_index: dict[str, tuple[list[tuple[int, ...]], list[_Chunk], tuple[int, ...]]] = {}
-        try:
-            files = self._read_metadata(md)
-        except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as e:  # fields of the wrong kind
-            raise CorruptCheckpointError(
-                f"{self.path / METADATA_FILE}: malformed DCP metadata ({type(e).__name__}: {str(e)[:100]}); "
-                f"{NOT_DCP}"
-            ) from None
-        self._file_sizes = {}
-        for rel in sorted(files):
-            p = contained.check(self.path / rel)
-            if not p.is_file():
-                raise CorruptCheckpointError(
-                    f"{self.path}: data file {rel} listed in {METADATA_FILE} is missing; copy it from the training run "
-                    f"(if it was never written there, {METADATA_FILE} is damaged or not of this folder)"
-                )
-            self._file_sizes[rel] = p.stat().st_size
-        for key, chunks in self._chunks.items():
-            for c in chunks:
-                if c.start + c.length > self._file_sizes[c.file]:
-                    raise CorruptCheckpointError(
-                        f"{self.path / c.file}: truncated (ends at byte {self._file_sizes[c.file]}, "
-                        f"{key} needs bytes up to {c.start + c.length}); re-copy it from the training run"
-                    )
+        self._file_sizes = folder.file_sizes
+        self._folder = folder
+        files = list(folder.file_sizes)
         self._fds: dict[str, int] = {}
         self._maps: dict[str, _Mapped | None] = {}
         self._lock = threading.Lock()
@@ -383,81 +163,6 @@ class DcpCheckpoint(LazyCheckpoint):
         )
 
     # ---- metadata ---------------------------------------------------------------------------
-
-    def _read_metadata(self, md: Any) -> set[str]:
-        """Specs and chunks from the unpickled ``Metadata``; returns the data files it names."""
-        storage: dict[tuple[str, tuple[int, ...]], Any] = {}
-        for idx, sinfo in md.storage_data.items():
-            off = tuple(idx.offset) if idx.offset is not None else None
-            storage[(idx.fqn, off)] = sinfo
-        files: set[str] = set()
-        for key, entry in md.state_dict_metadata.items():
-            if not hasattr(entry, "chunks"):
-                self._byte_keys.append(key)
-                continue
-            dtype = entry.properties.dtype
-            if not isinstance(key, str) or not isinstance(dtype, torch.dtype):
-                raise TypeError(f"entry {str(key)[:60]} has dtype {str(dtype)[:40]}")
-            shape = tuple(int(s) for s in entry.size)
-            self._specs[key] = TensorSpec(key, shape, dtype)
-            chunks = []
-            for c in entry.chunks:
-                offsets, sizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
-                sinfo = storage.get((key, offsets))
-                if sinfo is None:
-                    raise CorruptCheckpointError(
-                        f"{self.path / METADATA_FILE}: {key} chunk at {list(offsets)} has no storage entry; {NOT_DCP}"
-                    )
-                if getattr(sinfo, "transform_descriptors", None):
-                    raise UnsupportedCheckpointError(
-                        f"{self.path}: {key} is stored with transforms {list(sinfo.transform_descriptors)} "
-                        "(e.g. compression); hf_merge reads untransformed DCP chunks only"
-                    )
-                rel = sinfo.relative_path
-                if not isinstance(rel, str):
-                    raise CorruptCheckpointError(
-                        f"{self.path}: {key} chunk at {list(offsets)} has a relative_path that is a "
-                        f"{type(rel).__name__}, not a file name, in {METADATA_FILE}; re-copy the checkpoint"
-                    )
-                if os.path.isabs(rel) or ".." in Path(rel).parts:
-                    raise UnsafeCheckpointError(f"{self.path}: storage path {rel!r} escapes the checkpoint folder")
-                files.add(rel)
-                if int(sinfo.offset) < 0 or int(sinfo.length) < 0:
-                    raise ValueError(f"{key} chunk has a negative byte range")
-                chunks.append(_Chunk(offsets, sizes, rel, int(sinfo.offset), int(sinfo.length)))
-            self._check_cover(key, shape, chunks)
-            self._chunks[key] = chunks
-        return files
-
-
-    def _check_cover(self, key: str, shape: tuple[int, ...], chunks: list[_Chunk]) -> None:
-        """The chunks must tile the tensor exactly (inside it, no overlap, no hole), from the
-        metadata alone: overlapping chunks whose sizes still add up would leave a hole unread."""
-        total = 0
-        for c in chunks:
-            if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)
-            ):
-                raise CorruptCheckpointError(
-                    f"{self.path / METADATA_FILE}: {key} chunk {list(c.offsets)[:8]}+{list(c.sizes)[:8]} lies outside "
-                    f"shape {list(shape)}; {NOT_DCP}"
-                )
-            total += math.prod(c.sizes)
-        numel = math.prod(shape)
-        if total == numel:
-            clash = _first_overlap(chunks)
-            if clash is None:
-                return
-            a, b = clash
-            raise CorruptCheckpointError(
-                f"{self.path}: chunks {list(a.offsets)[:8]} and {list(b.offsets)[:8]} of {key} overlap (their sizes add "
-                f"up, so part of the tensor would be left unread); the {METADATA_FILE} is damaged"
-            )
-        raise CorruptCheckpointError(
-            f"{self.path}: chunks of {key} cover {total} of {numel} elements; the checkpoint is incomplete"
-            if total < numel
-            else f"{self.path}: chunks of {key} overlap ({total} elements for {numel}); the {METADATA_FILE} is damaged"
-        )
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
@@ -488,15 +193,11 @@ class DcpCheckpoint(LazyCheckpoint):
         if chunk.layout is None:
             read = self._prefetch().pop((chunk.file, chunk.start), None)
             if read is not None:
-                records, chunk.layout = _from_tuples(read)
-                _note_records(self._fd(chunk.file), chunk, records, name)
+                records, layout = _from_tuples(read)
+                note_records(self._fd(chunk.file), chunk, records, name)
+                chunk.layout = self._folder.check_dtype(name, chunk, layout)
             else:
-                chunk.layout = _parse_chunk(self._fd(chunk.file), chunk, f"{self.path / chunk.file} ({name})", name)
-            if chunk.layout.dtype != self._specs[name].dtype:
-                raise CorruptCheckpointError(
-                    f"{self.path / chunk.file}: {name} chunk has dtype {chunk.layout.dtype}, "
-                    f"metadata says {self._specs[name].dtype}"
-                )
+                chunk.layout = self._folder.parse_chunk(self._fd(chunk.file), name, chunk)
         return chunk.layout
 
     def _prefetch(self) -> dict[tuple[str, int], tuple]:
@@ -781,61 +482,6 @@ class DcpCheckpoint(LazyCheckpoint):
             self.close()
         except Exception:
             pass
-
-
-def _dense(size: Sequence[int], stride: Sequence[int]) -> bool:
-    """True if ``size``/``stride`` covers a storage of ``prod(size)`` elements exactly once (C
-    order or any permutation of the dimensions)."""
-    if len(size) != len(stride) or any(s < 0 for s in stride):
-        return False
-    expect = 1
-    for n, st in sorted(((n, st) for n, st in zip(size, stride) if n != 1), key=lambda x: x[1]):
-        if st != expect:
-            return False
-        expect *= n
-    return True
-
-
-def _first_overlap(chunks: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
-    """Two non-empty chunks whose boxes intersect, or None.
-
-    Splits into slabs one dimension at a time while the chunks' intervals along it are disjoint
-    or equal (a MoE weight ``[L, E, 2F, H]`` chunked per layer and expert: per layer, then per
-    expert), so that only chunks in the same slab are compared; a dimension where intervals
-    cross is swept pairwise (:func:`_swept_overlap`)."""
-    return _overlap_from(sorted((c for c in chunks if all(s > 0 for s in c.sizes)), key=lambda c: c.offsets), 0)
-
-
-def _overlap_from(boxes: list[_Chunk], dim: int) -> tuple[_Chunk, _Chunk] | None:
-    """:func:`_first_overlap` of ``boxes`` (sorted by offsets), which agree on dimensions < ``dim``."""
-    if len(boxes) < 2:
-        return None
-    if dim == len(boxes[0].offsets):  # the same box twice
-        return boxes[0], boxes[1]
-    slabs: dict[tuple[int, int], list[_Chunk]] = {}
-    for c in boxes:
-        slabs.setdefault((c.offsets[dim], c.sizes[dim]), []).append(c)
-    spans = sorted(slabs)
-    if any(o + s > next_o for (o, s), (next_o, _) in zip(spans, spans[1:])):
-        return _swept_overlap(boxes)
-    for span in spans:
-        clash = _overlap_from(slabs[span], dim + 1)
-        if clash is not None:
-            return clash
-    return None
-
-
-def _swept_overlap(boxes: list[_Chunk]) -> tuple[_Chunk, _Chunk] | None:
-    """Two intersecting boxes of ``boxes`` (sorted by offsets), or None: sweep along dim 0."""
-    active: list[_Chunk] = []
-    for c in boxes:
-        lo = c.offsets[0] if c.offsets else 0
-        active = [a for a in active if not a.offsets or a.offsets[0] + a.sizes[0] > lo]
-        for a in active:
-            if all(ao < co + cs and co < ao + as_ for ao, as_, co, cs in zip(a.offsets, a.sizes, c.offsets, c.sizes)):
-                return a, c
-        active.append(c)
-    return None
 
 
 def _row_bytes(t: torch.Tensor) -> list[memoryview] | None:

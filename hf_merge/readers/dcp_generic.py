@@ -9,11 +9,14 @@ scheduler, dataloader and train-state entries are skipped; byte entries are neve
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from .formats import SourceFormat
-from .dcp import is_dcp_dir
-from .dcp_sources import config_beside, is_training_state, open_dcp_model
+from .dcp_index import is_dcp_dir
+from .dcp_sources import config_beside, is_training_state, open_dcp_model, open_index as open_dcp_index
+
+if TYPE_CHECKING:  # probing imports this module; torch is imported only to open a checkpoint
+    from ..checkpoint import LazyCheckpoint
 
 WRAPPER = "model."
 
@@ -30,6 +33,7 @@ def wrapped_in_model_key(names: list[str]) -> bool:
 
 
 def open_dcp(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
+    from ..checkpoint import CheckpointInfo
     from .dcp import DcpCheckpoint
 
     path = Path(path)
@@ -44,6 +48,11 @@ def open_dcp(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
         dcp.close()
         raise
     return open_dcp_model(path, info, strip=strip, opened=dcp)
+
+
+def open_index(path: Path, config: Path | None):
+    """The model's tensors read without torch, for the CLI's head start (:func:`~hf_merge.readers.dcp_sources.open_index`)."""
+    return open_dcp_index(Path(path), config, lambda names: WRAPPER if wrapped_in_model_key(names) else None)
 
 
 def probe(path: Path) -> bool:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from ..errors import MissingConfigError, SourceNotFoundError
-from ..transforms.rename import Renamed
-from .dcp import METADATA_FILE, DcpCheckpoint, is_dcp_dir
+from .dcp_index import METADATA_FILE, is_dcp_dir
+
+if TYPE_CHECKING:  # the probes of the DCP formats import this module; it imports torch only to open one
+    from ..checkpoint import CheckpointInfo, LazyCheckpoint
+    from .dcp import DcpCheckpoint
+    from .dcp_index import DcpIndex
 
 # Top-level keys of training state that are not model weights (accelerate, torchtitan, and what
 # people pass to dcp.save next to the model).
@@ -63,17 +66,25 @@ def newest_step(folder: Path, pattern: re.Pattern[str], holds: Callable[[Path], 
     return steps[step], step
 
 
-def model_entries(dcp: DcpCheckpoint, *, strip: str | None, skip: Iterable[str] = NOT_MODEL_PREFIXES) -> LazyCheckpoint:
-    """The model's tensors of a DCP folder: training state dropped, ``strip`` removed from the
-    front of every name that has it (others are not the model's). Row and box reads survive."""
+def model_table(names: Iterable[str], *, strip: str | None, skip: Iterable[str] = NOT_MODEL_PREFIXES) -> dict[str, str]:
+    """The model's tensors among a DCP folder's keys, as ``{model name: key}``: training state
+    dropped, ``strip`` removed from the front of every name that has it (others are not the model's)."""
     table: dict[str, str] = {}
     skip = tuple(skip)
-    for name in dcp.specs():
+    for name in names:
         if strip is not None:
             if name.startswith(strip):
                 table[name[len(strip):]] = name
         elif not is_training_state(name, skip):
             table[name] = name
+    return table
+
+
+def model_entries(dcp: DcpCheckpoint, *, strip: str | None, skip: Iterable[str] = NOT_MODEL_PREFIXES) -> LazyCheckpoint:
+    """The model's tensors of a DCP folder (:func:`model_table`). Row and box reads survive."""
+    from ..transforms.rename import Renamed
+
+    table = model_table(dcp.specs(), strip=strip, skip=skip)
     if not table:
         raise SourceNotFoundError(
             f"{dcp.path}/{METADATA_FILE} lists no model tensors"
@@ -83,12 +94,30 @@ def model_entries(dcp: DcpCheckpoint, *, strip: str | None, skip: Iterable[str] 
     return Renamed(dcp, table)
 
 
+def open_index(folder: Path, config: Path | None, strip: Callable[[list[str]], str | None]) -> "tuple[DcpIndex, Path] | None":
+    """The model's tensors of the DCP folder ``folder``, read without torch: a
+    :class:`~hf_merge.readers.dcp_index.DcpIndex` under the names :func:`model_table` gives with the
+    prefix ``strip(keys)`` removes, and the folder of their config.json. None where the reader would
+    parse the chunk archives with a process per CPU (:data:`~hf_merge.readers.dcp_index.PARALLEL_CHUNKS`)."""
+    from .dcp_index import PARALLEL_CHUNKS, DcpIndex
+
+    config_dir = config_beside(folder, config)
+    index = DcpIndex(folder)
+    if sum(map(len, index.chunks.values())) >= PARALLEL_CHUNKS:
+        index.close()
+        return None
+    index.select(model_table(index.tensors, strip=strip(list(index.tensors))))
+    return index, config_dir
+
+
 def open_dcp_model(
     path: Path, info: CheckpointInfo, *, strip: str | None, skip: Iterable[str] = NOT_MODEL_PREFIXES,
     opened: DcpCheckpoint | None = None,
 ) -> LazyCheckpoint:
     """Open the DCP folder ``path`` (``opened``: the caller's open reader of it, taken over) and
     return its model entries under ``info``."""
+    from .dcp import DcpCheckpoint
+
     dcp = opened if opened is not None else DcpCheckpoint(path)
     if info.world_size is None:
         info.world_size = dcp.info.world_size
@@ -103,6 +132,6 @@ def open_dcp_model(
 
 
 __all__ = [
-    "NOT_MODEL_PREFIXES", "config_beside", "is_dcp_dir", "is_training_state", "model_entries", "newest_step",
+    "NOT_MODEL_PREFIXES", "config_beside", "is_dcp_dir", "is_training_state", "model_entries", "model_table", "newest_step", "open_index",
     "open_dcp_model",
 ]

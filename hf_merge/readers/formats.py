@@ -250,14 +250,19 @@ def detect(path: "str | Path") -> Detection:
     return _detect(Path(path), hint=True)
 
 
+def candidates(path: Path) -> list[Declared]:
+    """The formats whose marks are at ``path``, in priority order: those :func:`detect` probes
+    (imports no reader)."""
+    listings = _Listings()
+    return [d for d in declared() if listings.marked(path, d.marks)]
+
+
 def _detect(path: Path, *, hint: bool) -> Detection:
     from ..errors import SourceNotFoundError, UnsupportedCheckpointError
 
     if not path.exists():
         raise SourceNotFoundError(f"{path} does not exist; pass the checkpoint folder")
-    listings = _Listings()
-    candidates = [d for d in declared() if listings.marked(path, d.marks)]
-    matched = [fmt for fmt in map(load, candidates) if _probe(fmt, path)]
+    matched = [fmt for fmt in map(load, candidates(path)) if _probe(fmt, path)]
     if matched:
         return Detection(chosen=matched[0], matched=tuple(f.name for f in matched))
     empty = path.is_dir() and not any(path.iterdir())

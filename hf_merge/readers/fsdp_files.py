@@ -347,3 +347,17 @@ class RankIndex:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
+
+
+def open_index(source: Path, config: Path | None) -> "tuple[RankIndex, Path] | None":  # the head start's
+    """The rank files of ``source`` as the FSDP reader lays them out, read without torch, and the
+    folder of their config.json (``config``, else ``huggingface/``); None where the reader would
+    read the pickles with a process per CPU (large pickles), which one process without it would slow."""
+    from . import rank_pool
+
+    folder, _step, _notes = resolve_fsdp_dir(Path(source))
+    world, _ = detect_world_size(folder)
+    check_rank_files_present(folder, world)
+    if rank_pool.worth([folder / rank_file_name(world, r) for r in range(world)]):
+        return None
+    return RankIndex(folder, world), config or folder / "huggingface"

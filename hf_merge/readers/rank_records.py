@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .file_runs import MappedFile
 from ..spec import DTypeName, c_contiguous
-from .safe_pickle import DTENSOR_FILE, Allowlist, Pair, StandIn, load_pickle, stand_in, storage_reference, torch_names
+from .safe_pickle import (
+    DTENSOR_FILE, NAMED_DTYPES, Allowlist, Pair, StandIn, load_pickle, named_torch, stand_in, storage_reference, torch_names,
+)
 from . import contained, record_crc
 from .torch_zip import Record, read_data_pickle
 
@@ -530,16 +532,6 @@ def load_mapped_rank_records(path: Path) -> tuple[dict[str, "torch.Tensor | Loca
 # The same pickle read without torch: what each tensor is and where its bytes are
 # --------------------------------------------------------------------------------------------
 
-#: dtypes and legacy storage types a rank file names, by torch's names (a subset of TORCH_NAMES;
-#: a test checks it against the installed torch)
-_NAMED_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
-_NAMED_STORAGES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
-    "ByteStorage": "uint8", "BoolStorage": "bool",
-}
-
-
 @dataclass(frozen=True)
 class IndexedTensor:
     """One tensor of a rank file as its pickle says, read without torch: ``dtype``, global
@@ -559,26 +551,14 @@ class IndexedTensor:
 def _named_policy() -> tuple[Allowlist, Allowlist, dict[Pair, Any]]:
     """``(allow, names, substitutes)`` that read a rank file with no torch module looked up: every
     pair of :data:`DTENSOR_FILE` kept here is substituted or from the standard library."""
-    subs = _recorders(_rebuild_wrapper_named)
-    subs.update({
-        ("torch", "Size"): tuple,
-        ("torch", "device"): lambda *args: ":".join(str(a) for a in args),
-        ("torch", "strided"): "strided",
-        ("torch.serialization", "_get_layout"): str,  # "torch.strided", kept as its name
-    })
-    names = [("torch", "strided")]
-    for name in _NAMED_DTYPES:
-        subs[("torch", name)] = DTypeName(name)
-        names.append(("torch", name))
-    for name, dtype in _NAMED_STORAGES.items():
-        subs[("torch", name)] = _StorageType(DTypeName(dtype))
-        names.append(("torch", name))
+    names, subs = named_torch(_StorageType)
+    subs.update(_recorders(_rebuild_wrapper_named))
 
     def kept(pairs: frozenset) -> list:
         return [p for p in pairs if p in subs or p[0] in ("builtins", "collections")]
 
     allow = Allowlist.of(calls=kept(DTENSOR_FILE.calls), classes=kept(DTENSOR_FILE.classes))
-    return allow, Allowlist.of(names=names), subs
+    return allow, names, subs
 
 
 _INT_CODES = {"int64": "q", "int32": "i"}  # init_device_mesh: int32 ranks; DeviceMesh(torch.arange(n)): int64
@@ -735,7 +715,7 @@ def load_local_records(path: Path, read: RankRead) -> "tuple[LazyLocals, MappedF
     mapped = _Mapped(path, read.records, read.prefix, where)
     out: dict[Any, _TensorRecord] = {}
     for key, storage_key, dtype_name, numel, offset, size, stride in read.entries:
-        dtype = getattr(torch, dtype_name) if dtype_name in _NAMED_DTYPES else None
+        dtype = getattr(torch, dtype_name) if dtype_name in NAMED_DTYPES else None
         rec = read.records.get(f"{read.prefix}data/{storage_key}")
         if dtype is None or rec is None or rec.size != numel * dtype.itemsize:
             return None  # not what a read of this file gives

@@ -192,6 +192,38 @@ def _global(module: str, name: str) -> Any:
     return vars(importlib.import_module(_SAME_AS.get(module, module)))[name]
 
 
+#: dtypes and legacy storage types a reader that must not import torch knows, by torch's names (a
+#: subset of TORCH_NAMES; a test checks them against the installed torch)
+NAMED_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+NAMED_STORAGES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool",
+}
+
+
+def named_torch(storage: Callable[[Any], Any]) -> tuple[Allowlist, dict[Pair, Any]]:
+    """``(names, substitutes)`` for :func:`load_pickle` of a ``torch.save`` pickle without torch: each
+    of :data:`NAMED_DTYPES` is its :class:`~hf_merge.spec.DTypeName`, each of :data:`NAMED_STORAGES`
+    ``storage(DTypeName)``, ``torch.strided`` its name; ``torch.Size`` builds a tuple, ``torch.device``
+    and ``_get_layout`` a string. A pickle naming any other torch dtype is refused: the caller, which
+    serves only a fast path, then leaves the file to the torch reader."""
+    from ..spec import DTypeName
+
+    subs: dict[Pair, Any] = {
+        ("torch", "Size"): tuple,
+        ("torch", "device"): lambda *args: ":".join(str(a) for a in args),
+        ("torch", "strided"): "strided",
+        ("torch.serialization", "_get_layout"): str,  # "torch.strided", kept as its name
+    }
+    for name in NAMED_DTYPES:
+        subs[("torch", name)] = DTypeName(name)
+    for name, dtype in NAMED_STORAGES.items():
+        subs[("torch", name)] = storage(DTypeName(dtype))
+    names = [("torch", "strided"), *((("torch", n)) for n in NAMED_DTYPES), *(("torch", n) for n in NAMED_STORAGES)]
+    return Allowlist.of(names=names), subs
+
+
 def torch_names() -> Allowlist:
     """:data:`TORCH_NAMES`: the names-only pairs of torch's dtypes, layouts, memory formats, storages."""
     return _names()

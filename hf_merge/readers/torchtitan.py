@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..checkpoint import CheckpointInfo, LazyCheckpoint
 from .formats import SourceFormat
-from ..hf_files import load_config
-from ..transforms.name_table import find_table
-from ..transforms.name_table_view import NameTableView
-from .dcp import is_dcp_dir
+from .dcp_index import is_dcp_dir
 from .dcp_sources import config_beside, newest_step, open_dcp_model
+
+if TYPE_CHECKING:  # probing imports this module; torch is imported only to open a checkpoint
+    from ..checkpoint import LazyCheckpoint
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -40,6 +40,11 @@ def resolve(path: Path) -> tuple[Path, int | None, list[str]]:
 
 
 def open_torchtitan(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
+    from ..checkpoint import CheckpointInfo
+    from ..hf_files import load_config
+    from ..transforms.name_table import find_table
+    from ..transforms.name_table_view import NameTableView
+
     folder, step, notes = resolve(Path(path))
     hf_dir = config_beside(folder, config_dir)
     config = load_config(hf_dir)

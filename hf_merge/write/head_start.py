@@ -1,11 +1,13 @@
-"""A head start for the CLI's plain FSDP merge: the first output file is written while torch loads.
+"""A head start for the CLI's plain merge: the first output file is written while torch loads.
 
-Importing torch takes ~0.8 s of a 3 s merge of a 3 GB checkpoint; copying rank-file bytes into a
-safetensors file needs none. So once the CLI knows the source is verl FSDP rank files and the
-merge a plain copy, it forks (before torch is imported) a child that runs the merge's own parts
-without torch: the FSDP reader's layout and rank checks
-(:class:`~hf_merge.readers.fsdp_files.RankIndex`, from the pickles read under a subset of the one
-policy), the planner (:func:`~hf_merge.write.plan.plan_shards`), the byte recipe
+Importing torch takes ~1 s of a 3 s merge of a 3 GB checkpoint; copying source-file bytes into a
+safetensors file needs none. So once the CLI knows the source is verl FSDP rank files, a generic
+DCP folder or an accelerate ``save_state`` folder (:data:`FORMATS`) and the merge a plain copy,
+it forks (before torch is imported) a child that runs the merge's own parts without torch: the
+reader's layout (:class:`~hf_merge.readers.fsdp_files.RankIndex`, the FSDP reader's layout and
+rank checks; :class:`~hf_merge.readers.dcp_index.DcpIndex`, the DCP reader's metadata and chunk
+parsing; pickles read under a subset of the one policy), the planner
+(:func:`~hf_merge.write.plan.plan_shards`), the byte recipe
 (:func:`~hf_merge.write.engine.byte_recipe`) and the file writer
 (:func:`~hf_merge.write.shards.fill_file`) into an anonymous ``O_TMPFILE`` beside the target. It
 sends the parent the first file's name, header digest and recipe first, then its progress.
@@ -15,7 +17,7 @@ The merge (torch, every check of the full reader and transforms) takes the child
 otherwise it kills the child and writes the file as always. A child that fails after its file was
 taken is not trusted: the merge writes the file again. The child changes how fast a merge is,
 never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast,
-a tie, LoRA, a model ``save_pretrained`` renames (the Hub layout), bytes that are not rank-file
+a tie, LoRA, a model ``save_pretrained`` renames (the Hub layout), bytes that are not source-file
 runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
 A sharded plan is in the order transformers 5 saves in (:func:`~hf_merge.write.save_order.natural_key`).
 """
@@ -43,13 +45,21 @@ ENV = settings.HEAD_START_VAR
 PLAN_WAIT_S = 120.0
 
 
+#: the formats whose first file a child can write, and the reader module of each whose ``probe``
+#: and ``open_index(source, config)`` (the source as the reader lays it out, and its config folder)
+#: import no torch
+FORMATS = {"fsdp": "fsdp_files", "dcp": "dcp_generic", "accelerate": "accelerate"}
+
+
 @dataclass(frozen=True)
 class Request:
-    """The merge the CLI was asked for: ``source``, ``target`` and its ``MergeOptions``."""
+    """The merge the CLI was asked for: ``source``, ``target``, its ``MergeOptions`` and the
+    ``format`` the merge will read the source as (one of :data:`FORMATS`)."""
 
     source: str
     target: str
     options: Any
+    format: str = "fsdp"
 
 
 class _Skip(Exception):
@@ -65,7 +75,10 @@ def begin(request: Request) -> "HeadStart | None":
     from ..transforms import conversion_keys  # noqa: F401 - imported before the fork: the child imports nothing
     from . import atomic, shards  # noqa: F401
     from .. import forks  # noqa: F401
-    from ..readers import fsdp_files, rank_pool, rank_records  # noqa: F401
+    if request.format == "fsdp":
+        from ..readers import fsdp_files, rank_pool, rank_records  # noqa: F401
+    else:
+        from ..readers import accelerate, dcp_generic, dcp_index, dcp_sources  # noqa: F401
 
     folder = Path(request.target).absolute().parent
     try:
@@ -260,11 +273,21 @@ class _Planned:
     cores: int  # this child's share of the CPUs: it is one of the merge's writers
 
 
+def _open(request: Request) -> tuple[Any, Path]:
+    """The source laid out as the merge's reader lays it out, read without torch, and the folder
+    of its config.json: the format's ``open_index`` (:data:`FORMATS`)."""
+    import importlib
+
+    config = Path(request.options.config) if request.options.config else None
+    opened = importlib.import_module(f"hf_merge.readers.{FORMATS[request.format]}").open_index(Path(request.source), config)
+    if opened is None:
+        raise _Skip("the merge reads this source's pickles with a process per CPU, which this child would slow")
+    return opened
+
+
 def _plan(request: Request) -> _Planned:
-    """The merge's first file as a plain copy would write it: the FSDP reader's layout
-    (:class:`~hf_merge.readers.fsdp_files.RankIndex`), the merge's planner and byte recipe."""
-    from ..readers import rank_pool
-    from ..readers.fsdp_files import RankIndex, check_rank_files_present, detect_world_size, rank_file_name, resolve_fsdp_dir
+    """The merge's first file as a plain copy would write it: the reader's layout (:func:`_open`),
+    the merge's planner and byte recipe."""
     from ..spec import output_dtype_name
     from ..transforms.conversion_keys import may_convert
     from ..side_files import side_files_bytes
@@ -276,13 +299,8 @@ def _plan(request: Request) -> _Planned:
     from ..transformers_compat import has_weight_conversions
     from .shards import default_workers
 
-    folder, _step, _notes = resolve_fsdp_dir(Path(request.source))
-    world, _ = detect_world_size(folder)
-    check_rank_files_present(folder, world)
-    if rank_pool.worth([folder / rank_file_name(world, r) for r in range(world)]):
-        raise _Skip("large rank pickles: the merge reads them with a process per CPU, which this child would slow")
+    index, config_dir = _open(request)
     options = request.options
-    config_dir = Path(options.config) if options.config else folder / "huggingface"
     config = json.loads((config_dir / "config.json").read_bytes())
     if not isinstance(config, dict):
         raise _Skip("config.json is not an object")
@@ -292,8 +310,9 @@ def _plan(request: Request) -> _Planned:
     if architectures and may_convert(config, architectures[0], ask_transformers=False) is not False:
         raise _Skip("save_pretrained may rename or split this model's tensors (the Hub layout)")
     out_dtype = output_dtype_name(options.dtype, config)
-    index = RankIndex(folder, world)
     specs = index.specs()
+    if not specs:
+        raise _Skip("no model tensors")
     if any("lora_" in name for name in specs):
         raise _Skip("LoRA")
     if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
@@ -306,7 +325,7 @@ def _plan(request: Request) -> _Planned:
     check_free_space(Path(request.target), sum(f.file_size for f in plan.files), side)  # the merge says so first
     ranges = byte_recipe(index, plan.files[0])
     if ranges is None:
-        raise _Skip("some bytes of the first file are not one run of a rank file (a placement other than Shard(0))")
+        raise _Skip("some bytes of the first file are not one run of a source file (a placement other than Shard(0))")
     return _Planned(plan.files[0], ranges, index, usable_cpus() // default_workers(len(plan.files)))
 
 
