@@ -245,6 +245,19 @@ def test_the_childs_pickle_policy_is_a_subset_of_the_one_policy():
         assert pair in subs or pair[0] in ("builtins", "collections"), pair
 
 
+def test_the_dcp_childs_pickle_policies_are_the_readers_with_no_torch_module_looked_up():
+    """The DCP child reads ``.metadata`` and the chunk pickles under the reader's own allowlists, with
+    a subset of torch's names, every torch pair bound to a stand-in (nothing imports torch)."""
+    from hf_merge.readers import dcp_index
+    from hf_merge.readers.safe_pickle import DCP_METADATA
+
+    for allow, (names, subs) in [(DCP_METADATA, dcp_index._named_metadata_policy()),
+                                 (dcp_index._CHUNK_PICKLE, dcp_index._chunk_policy(True))]:
+        assert names.names <= torch_names().names
+        for pair in allow.pairs() | names.pairs():
+            assert pair in subs or not pair[0].startswith("torch"), pair
+
+
 @pytest.mark.parametrize("name", ["qwen2_fp32_ws2", "hsdp_fsdp2_ckpt", "uneven_fsdp2_ckpt", "mixed_buffers_ckpt"])
 def test_the_torch_free_index_agrees_with_the_torch_reader(name, checkpoint):
     import torch
@@ -462,3 +475,37 @@ print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest}}))
     import hashlib
 
     assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == result["digest"]
+
+
+@pytest.mark.parametrize("case", ["dcp_plain/ckpt", "dcp_nested/ckpt", "accelerate/ckpt/pytorch_model_fsdp_0",
+                                  "torchtitan/dump/checkpoint/step-1"])
+def test_the_torch_free_dcp_index_agrees_with_the_torch_reader(case, dcp_root):
+    """Every tensor of every DCP fixture: the same shape and dtype, and the same file bytes, row
+    band by row band, as the DCP reader hands the writer (``byte_recipe``'s question)."""
+    from hf_merge.readers.dcp import DcpCheckpoint
+    from hf_merge.readers.dcp_index import DcpIndex
+    from hf_merge.write.engine import file_bytes, join_range
+
+    def recipe(ckpt, name, dtype) -> list | None:
+        rows = ckpt.read_rows(name, dtype)
+        ranges: list = []
+        for _first, run in rows if rows is not None else ():
+            located = file_bytes(run)
+            if located is None:
+                return None
+            st = os.fstat(located.fd)
+            join_range(ranges, (st.st_dev, st.st_ino), located.offset, located.nbytes)
+        return ranges
+
+    index = DcpIndex(dcp_root / case)
+    served = 0
+    with DcpCheckpoint(dcp_root / case) as reader:
+        specs = reader.specs()
+        assert {n: (s.shape, str(s.dtype)) for n, s in index.specs().items()} == {n: (s.shape, str(s.dtype)) for n, s in specs.items()}
+        for name, spec in specs.items():
+            mine = recipe(index, name, index.specs()[name].dtype) if spec.shape and spec.shape[0] else None
+            if mine is not None:
+                served += 1
+                assert mine == recipe(reader, name, spec.dtype), name
+    index.close()
+    assert served >= len(specs) // 2
