@@ -143,17 +143,21 @@ def test_the_fork_follows_the_reader_backend_names(qwen2_fp32_ws2, tmp_path, mon
     assert len(forks) == 1
 
 
-def test_a_child_that_plans_other_bytes_is_not_used(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
-    real = head_start._plan
+def test_a_child_that_copied_other_bytes_is_not_kept(qwen2_fp32_ws2, tmp_path, adoptions, monkeypatch):
+    """The child's name and header match, so its file is linked; its recipe, told once it has
+    written, is not the merge's: the merge drops the file and writes it itself."""
+    real, finished = head_start._write, []
 
-    def swapped(request):  # the child says it copies two tensors' ranges in the other order
-        planned = real(request)
-        planned.ranges[0], planned.ranges[1] = planned.ranges[1], planned.ranges[0]
-        return planned
+    def swapped(*args, **kwargs):  # the child says it copied two tensors' ranges in the other order
+        digest, ranges = real(*args, **kwargs)
+        ranges[0], ranges[1] = ranges[1], ranges[0]
+        return digest, ranges
 
-    monkeypatch.setattr(head_start, "_plan", swapped)
+    monkeypatch.setattr(head_start, "_write", swapped)
+    finish = head_start.HeadStart.finish
+    monkeypatch.setattr(head_start.HeadStart, "finish", lambda self: finished.append(finish(self)) or finished[-1])
     got, expected = _merge_both_ways(qwen2_fp32_ws2.actor, tmp_path, "--dtype", "auto")
-    assert adoptions == [False]
+    assert adoptions == [True] and finished == [(False, None)]
     assert got == expected
 
 
@@ -219,7 +223,7 @@ from hf_merge.write import head_start as hs
 request = hs.Request({str(qwen2_fp32_ws2.actor)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto"))
 planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
-digest = hs._write(planned, fd, "sha256", lambda n: None)
+digest, _ranges = hs._write(planned, fd, "sha256", lambda n: None)
 data = os.pread(fd, os.fstat(fd).st_size, 0)
 print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest, "data": hashlib.sha256(data).hexdigest()}}))
 """
@@ -312,7 +316,7 @@ def test_the_child_declines_what_is_not_a_plain_copy(change, qwen2_fp32_ws2, tmp
         del config["text_config"]
         config_path.write_text(json.dumps(config))
         planned = head_start._plan(request)  # the same folder as a dense model: planned
-        assert planned.file.name == "model.safetensors" and planned.ranges
+        assert planned.file.name == "model.safetensors"
 
 
 FSDP_CELLS = sorted(d for d in (ROOT / "tests" / "data" / "torch_versions").glob("torch-*/*") if d.name != "dcp" and d.is_dir())
@@ -347,7 +351,10 @@ def test_the_child_lays_out_every_tensor_as_the_reader_does(cell, tmp_path):
         planned = head_start._plan(head_start.Request(str(cell), str(tmp_path / "out"), MergeOptions(dtype="auto")))
     except head_start._Skip:  # also for its config (a tie, the Hub layout)
         planned = None
-    assert planned is None if ours is None else planned is None or planned.ranges == ours
+    if ours is None:  # declined from the layout alone, before anything is written
+        assert planned is None
+    else:
+        assert planned is None or byte_recipe(planned.index, planned.file) == ours
 
 
 @pytest.fixture
@@ -462,7 +469,7 @@ assert _head_start_format({str(source)!r}, "auto") == "accelerate"  # the CLI's 
 request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={str(flags[1])!r}), "accelerate")
 planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
-digest = hs._write(planned, fd, "sha256", lambda n: None)
+digest, _ranges = hs._write(planned, fd, "sha256", lambda n: None)
 print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest}}))
 """
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -399,7 +399,11 @@ class DcpIndex(DcpFolder):
     def specs(self) -> dict[str, TensorSpec]:
         return {name: TensorSpec(name, self.tensors[key].shape, self.tensors[key].dtype) for name, key in self.table.items()}
 
-    def read_rows(self, name: str, dtype: Any) -> Iterator[tuple[int, FileRun]] | None:
+    def read_rows(self, name: str, dtype: Any, max_bytes: int | None = None) -> Iterator[tuple[int, FileRun]] | None:
+        """The row bands of ``name`` as file runs, each chunk's archive parsed when its run is
+        reached (a write copies the first tensors meanwhile); None, from the metadata alone, when
+        the chunks are not bands of whole rows or ``dtype`` is another. A chunk stored in another
+        order than C raises (DCP saves contiguous chunks; the merge then writes the file itself)."""
         key = self.table[name]
         spec = self.tensors[key]
         if dtype != spec.dtype or not spec.shape or not spec.shape[0]:
@@ -407,15 +411,17 @@ class DcpIndex(DcpFolder):
         bands = sorted((c for c in self.chunks[key] if math.prod(c.sizes)), key=lambda c: c.offsets)
         if any(c.offsets[1:] != (0,) * (len(spec.shape) - 1) or c.sizes[1:] != spec.shape[1:] for c in bands):
             return None
-        runs = []
-        for chunk in bands:
-            if chunk.layout is None:
-                chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
-            lay = chunk.layout
-            if not c_contiguous(lay.size, lay.stride):
-                return None
-            runs.append((chunk.offsets[0], FileRun(self.fds[chunk.file], lay.data_start, lay.storage_nbytes, None)))
-        return iter(runs)
+
+        def runs() -> Iterator[tuple[int, FileRun]]:
+            for chunk in bands:
+                if chunk.layout is None:
+                    chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
+                lay = chunk.layout
+                if not c_contiguous(lay.size, lay.stride):
+                    raise UnsupportedCheckpointError(f"{self.path / chunk.file}: a chunk of {key} is not stored in C order")
+                yield chunk.offsets[0], FileRun(self.fds[chunk.file], lay.data_start, lay.storage_nbytes, None)
+
+        return runs()
 
     def close(self) -> None:
         for fd in self.fds.values():

@@ -10,12 +10,13 @@ parsing; pickles read under a subset of the one policy), the planner
 (:func:`~hf_merge.write.plan.plan_shards`), the byte recipe
 (:func:`~hf_merge.write.engine.byte_recipe`) and the file writer
 (:func:`~hf_merge.write.shards.fill_file`) into an anonymous ``O_TMPFILE`` beside the target. It
-sends the parent the first file's name, header digest and recipe first, then its progress.
+sends the parent the first file's name and header digest first, then its progress, then the
+file's recipe and checksum (a DCP index parses each chunk's archive as the write reaches it).
 
-The merge (torch, every check of the full reader and transforms) takes the child's file
-(``linkat``) only when its own name, header digest and recipe for that file are identical;
-otherwise it kills the child and writes the file as always. A child that fails after its file was
-taken is not trusted: the merge writes the file again. The child changes how fast a merge is,
+The merge (torch, every check of the full reader and transforms) links the child's file
+(``linkat``) when its own name and header digest for that file are identical, otherwise it kills
+the child and writes the file as always; it keeps the file only when the child's recipe is its
+own too. A child that fails, or that copied other bytes, is not trusted: the merge writes the file again. The child changes how fast a merge is,
 never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast,
 a tie, LoRA, a model ``save_pretrained`` renames (the Hub layout), bytes that are not source-file
 runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
@@ -108,12 +109,13 @@ class HeadStart:
         self._pid, self._fd = pid, fd
         self._cond = threading.Condition()
         self._plan: dict[str, Any] | None = None
-        self._outcome: dict[str, Any] | None = None  # {"done": digest}, {"skip": why}, {"error": what}
+        self._outcome: dict[str, Any] | None = None  # {"done": digest, "ranges": recipe}, {"skip": why}, {"error": what}
         self._eof = False
         self._pending = 0  # bytes reported before a progress function was given
         self.reported = 0  # bytes of its file the child reported written
         self._progress: Callable[[int], None] | None = None
         self._adopted: Path | None = None
+        self._recipe: list[list[int]] | None = None  # the merge's recipe of the linked file
         self._exit: int | None = None
         self._reader = threading.Thread(target=self._read, args=(read_end,), name="head start", daemon=True)
         self._reader.start()
@@ -148,17 +150,13 @@ class HeadStart:
 
     # -- the merge's side ---------------------------------------------------------------------
     def adopt(self, name: str, header: bytes, recipe: "Callable[[], list[list[int]] | None]", folder: Path) -> bool:
-        """Link the child's file into ``folder`` as ``name`` when the child plans exactly this
-        file: the same ``name``, header bytes and rank-file ranges (``recipe()``, asked only once
-        the child has a plan: :func:`~hf_merge.write.engine.byte_recipe`). Else stop the child; the
-        caller writes it."""
+        """Link the child's file into ``folder`` as ``name`` when the child plans this file: the
+        same ``name`` and header bytes (:meth:`finish` keeps it only if the child also copied the
+        source ranges ``recipe()`` gives: :func:`~hf_merge.write.engine.byte_recipe`). Else stop
+        the child; the caller writes it."""
         if self._wait(lambda: self._plan is not None, PLAN_WAIT_S):
             plan = self._plan
-            same = (
-                plan["name"] == name and plan["header"] == hashlib.sha256(header).hexdigest()
-                and plan["ranges"] == recipe()
-            )
-            if same:
+            if plan["name"] == name and plan["header"] == hashlib.sha256(header).hexdigest():
                 try:
                     root = os.open("/", os.O_RDONLY)
                     try:  # linkat(AT_SYMLINK_FOLLOW) of the anonymous file: it gets its name
@@ -168,7 +166,8 @@ class HeadStart:
                 except OSError as e:
                     logger.debug("head start: the child's file could not be linked (%s)", e)
                 else:
-                    self._adopted = Path(folder) / name
+                    # the merge's own recipe, made while the child writes; compared when it is done
+                    self._adopted, self._recipe = Path(folder) / name, recipe()
                     logger.debug("head start: %s taken from the child", name)
                     return True
             else:
@@ -187,16 +186,20 @@ class HeadStart:
                 self._pending = 0
 
     def finish(self) -> "tuple[bool, str | None]":
-        """Wait for the adopted file: ``(True, digest or None)`` once the child wrote all of it,
-        ``(False, None)`` when the child failed (its file is removed; the caller writes it)."""
+        """Wait for the adopted file: ``(True, digest or None)`` once the child wrote all of it from
+        the merge's own source ranges, ``(False, None)`` when the child failed or copied other
+        bytes (its file is removed; the caller writes it)."""
         with self._cond:
             self._cond.wait_for(lambda: self._eof or self._outcome is not None)
             outcome = self._outcome or {"error": "no answer"}
         self._reap()
         if "done" in outcome and self._exit == 0:
-            self._close()
-            return True, outcome["done"]
-        logger.warning("the head-start writer failed (%s); writing %s again", outcome.get("error", outcome), self._adopted.name)
+            if outcome.get("ranges") == self._recipe:
+                self._close()
+                return True, outcome["done"]
+            logger.debug("head start: the child copied other bytes into %s; writing it here", self._adopted.name)
+        else:
+            logger.warning("the head-start writer failed (%s); writing %s again", outcome.get("error", outcome), self._adopted.name)
         with contextlib.suppress(FileNotFoundError):
             self._adopted.unlink()
         self._close()
@@ -252,8 +255,9 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
 
         with record_crc.skipping(not request.options.source_crc):
             plan = _plan(request)
-            send({"plan": {"name": plan.file.name, "header": hashlib.sha256(plan.file.header).hexdigest(), "ranges": plan.ranges}})
-            send({"done": _write(plan, fd, request.options.checksum(), lambda n: send({"bytes": n}))})
+            send({"plan": {"name": plan.file.name, "header": hashlib.sha256(plan.file.header).hexdigest()}})
+            digest, ranges = _write(plan, fd, request.options.checksum(), lambda n: send({"bytes": n}))
+            send({"done": digest, "ranges": ranges})
     except _Skip as e:
         with contextlib.suppress(BaseException):
             send({"skip": str(e)})
@@ -268,7 +272,6 @@ def _child(request: Request, fd: int, write_end: int, parent: int) -> None:
 @dataclass
 class _Planned:
     file: Any  # the FilePlan of the first file
-    ranges: list[list[int]]  # its bytes: engine.byte_recipe, as the merge computes it
     index: Any  # the RankIndex the bytes are read from
     cores: int  # this child's share of the CPUs: it is one of the merge's writers
 
@@ -292,7 +295,6 @@ def _plan(request: Request) -> _Planned:
     from ..transforms.conversion_keys import may_convert
     from ..side_files import side_files_bytes
     from .atomic import check_free_space
-    from .engine import byte_recipe
     from ..forks import usable_cpus
     from .plan import plan_shards
     from .save_order import natural_key
@@ -323,13 +325,15 @@ def _plan(request: Request) -> _Planned:
                            max_shard_size=options.shard_bytes())
     side = side_files_bytes([config_dir], plan.index["weight_map"] if plan.index else None)
     check_free_space(Path(request.target), sum(f.file_size for f in plan.files), side)  # the merge says so first
-    ranges = byte_recipe(index, plan.files[0])
-    if ranges is None:
+    # every tensor must be runs of source files (the runs themselves, parsed as the write reaches
+    # them, make the recipe the merge compares: engine.byte_recipe after the write)
+    if any(s.nbytes and (not s.shape or index.read_rows(s.name, s.dtype) is None) for s, _ in plan.files[0].placed()):
         raise _Skip("some bytes of the first file are not one run of a source file (a placement other than Shard(0))")
-    return _Planned(plan.files[0], ranges, index, usable_cpus() // default_workers(len(plan.files)))
+    return _Planned(plan.files[0], index, usable_cpus() // default_workers(len(plan.files)))
 
 
-def _write(planned: _Planned, fd: int, checksum: str | None, progress: Callable[[int], None]) -> str | None:
+def _write(planned: _Planned, fd: int, checksum: str | None, progress: Callable[[int], None]) -> "tuple[str | None, list[list[int]]]":
+    """Write the first file; ``(its checksum, the source ranges copied: engine.byte_recipe)``."""
     from . import engine
     from ..readers import record_crc
     from .shards import fill_file
@@ -339,6 +343,7 @@ def _write(planned: _Planned, fd: int, checksum: str | None, progress: Callable[
     digest = fill_file(planned.index, planned.file, fd, Path(f"/proc/self/fd/{fd}"), progress, checksum=checksum,
                        cores=planned.cores, nice=engine.HASHING_NICE if apart else 0)
     # records the sink did not see whole; a mismatch fails this child, and the merge then writes the file itself
+    ranges = engine.byte_recipe(planned.index, planned.file)
     by_id = {(st.st_dev, st.st_ino): f for f in planned.index.fds.values() for st in [os.fstat(f)]}
-    record_crc.check_ranges([(by_id[(dev, ino)], offset, n) for dev, ino, offset, n in planned.ranges])
-    return digest
+    record_crc.check_ranges([(by_id[(dev, ino)], offset, n) for dev, ino, offset, n in ranges])
+    return digest, ranges
