@@ -116,3 +116,31 @@ def test_an_error_while_importing_the_model_class_leaves_no_prefetch_thread(requ
     maps = Path("/proc/self/maps").read_text()
     rank_files = [str(f.resolve()) for f in Path(source).glob("*.pt")]
     assert rank_files and not any(f in maps for f in rank_files), "a rank file is still mapped after the failed load"
+
+
+def test_a_tensor_whose_build_has_not_started_is_left_to_the_fill(request, seen):
+    """Once the import is done the fill asks for each tensor: one the prefetch's thread has not
+    started is not waited for (the fill's threads build it, both cores then copy); one it has
+    started is waited for and taken."""
+    source, _ = SOURCES["fsdp"](_Fixtures(request))
+    release, holding = threading.Event(), threading.Event()
+
+    class Held(prefetch_mod.Prefetch):
+        def _build(self, shape, runs):
+            holding.set()
+            assert release.wait(60), "never released"  # an event, not a sleep
+            return super()._build(shape, runs)
+
+    with hf_merge.open_checkpoint(source) as ckpt:
+        specs = ckpt.specs()
+        prefetch = Held(ckpt, torch.float32, threads=1)
+        try:
+            names = list(prefetch._futures)  # largest first: the first is built, the others wait
+            assert len(names) >= 2 and holding.wait(60)
+            assert prefetch.take(names[-1], tuple(specs[names[-1]].shape), torch.float32) is None
+            release.set()
+            built = prefetch.take(names[0], tuple(specs[names[0]].shape), torch.float32)
+            assert built is not None and torch.equal(built, ckpt.read(names[0], dtype=torch.float32))
+        finally:
+            release.set()
+            prefetch.close()

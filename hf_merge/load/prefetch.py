@@ -106,9 +106,10 @@ class Prefetch:
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The tensor built for checkpoint tensor ``name`` when it has ``shape`` and ``dtype``
-        (waits for it to be built); None when there is none (then the caller builds it)."""
+        (waits for it to be built); None when there is none or its build has not started (then the
+        caller builds it: once the import is done, the fill's threads share what is left)."""
         future = self._futures.pop(name, None)
-        if future is None or dtype != self.dtype:
+        if future is None or dtype != self.dtype or future.cancel():  # not started: the fill's threads build it
             return None
         try:
             tensor = future.result()
