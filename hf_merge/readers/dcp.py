@@ -274,7 +274,7 @@ class DcpCheckpoint(LazyCheckpoint):
         instead of reading them into a buffer and writing it out. Other layouts (a chunk cut along
         another dimension, a file that cannot be mapped) are read box by box (the default)."""
         spec = self._spec(name)
-        views = self._row_views(name, spec) if spec.shape and spec.shape[0] else None
+        views = self._row_views(name) if spec.shape and spec.shape[0] else None
         if views is None:
             return super().read_rows(name, dtype, max_bytes)
 
@@ -315,12 +315,11 @@ class DcpCheckpoint(LazyCheckpoint):
         runs.sort(key=lambda r: r[0])
         return runs if sum(len(r.tensor) for _, r in runs) == rows else None
 
-    def _row_views(self, name: str, spec: TensorSpec) -> list[tuple[int, torch.Tensor, _Chunk]] | None:
+    def _row_views(self, name: str) -> list[tuple[int, torch.Tensor, _Chunk]] | None:
         """``(first row, chunk view, chunk)`` of every non-empty chunk in row order, when the chunks are
         bands of whole rows stored in C order and their files map; else None."""
-        rest = (0,) * (len(spec.shape) - 1)
-        bands = sorted((c for c in self._chunks[name] if math.prod(c.sizes)), key=lambda c: c.offsets)
-        if any(c.offsets[1:] != rest or c.sizes[1:] != spec.shape[1:] for c in bands):
+        bands = self._folder.row_bands(name)
+        if bands is None:
             return None
         views = []
         for chunk in bands:

@@ -32,6 +32,11 @@ def wrapped_in_model_key(names: list[str]) -> bool:
     return any(n.startswith(("model.", "lm_head.")) for n in inner)
 
 
+def model_prefix(names: list[str]) -> str | None:
+    """The prefix the model's names carry in a folder with these keys: :data:`WRAPPER` or none."""
+    return WRAPPER if wrapped_in_model_key(names) else None
+
+
 def open_dcp(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
     from ..checkpoint import CheckpointInfo
     from .dcp import DcpCheckpoint
@@ -40,7 +45,7 @@ def open_dcp(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
     hf_dir = config_beside(path, config_dir)
     dcp = DcpCheckpoint(path)  # read once: its .metadata is most of opening a 30,000-tensor folder
     try:
-        strip = WRAPPER if wrapped_in_model_key(list(dcp.specs())) else None
+        strip = model_prefix(list(dcp.specs()))
         info = CheckpointInfo(format="dcp", path=path, hf_dir=hf_dir)
         if strip:
             info.notes.append(f"model weights read from the {strip.rstrip('.')!r} entry of the checkpoint")
@@ -52,7 +57,7 @@ def open_dcp(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
 
 def open_index(path: Path, config: Path | None):
     """The model's tensors read without torch, for the CLI's head start (:func:`~hf_merge.readers.dcp_sources.open_index`)."""
-    return open_dcp_index(Path(path), config, lambda names: WRAPPER if wrapped_in_model_key(names) else None)
+    return open_dcp_index(Path(path), config, model_prefix)
 
 
 def probe(path: Path) -> bool:

@@ -373,6 +373,15 @@ class DcpFolder:
         note_records(fd, chunk, records, name)
         return self.check_dtype(name, chunk, layout)
 
+    def row_bands(self, key: str) -> list[Chunk] | None:
+        """The non-empty chunks of ``key`` in row order when they are bands of whole rows (cut along
+        dim 0 only); None when a chunk cuts another dimension."""
+        shape = self.tensors[key].shape
+        bands = sorted((c for c in self.chunks[key] if math.prod(c.sizes)), key=lambda c: c.offsets)
+        if any(c.offsets[1:] != (0,) * (len(shape) - 1) or c.sizes[1:] != shape[1:] for c in bands):
+            return None
+        return bands
+
     def check_dtype(self, name: str, chunk: Chunk, layout: ChunkLayout) -> ChunkLayout:
         if layout.dtype != self.tensors[name].dtype:
             raise CorruptCheckpointError(
@@ -399,17 +408,15 @@ class DcpIndex(DcpFolder):
     def specs(self) -> dict[str, TensorSpec]:
         return {name: TensorSpec(name, self.tensors[key].shape, self.tensors[key].dtype) for name, key in self.table.items()}
 
-    def read_rows(self, name: str, dtype: Any, max_bytes: int | None = None) -> Iterator[tuple[int, FileRun]] | None:
+    def read_rows(self, name: str, dtype: Any) -> Iterator[tuple[int, FileRun]] | None:
         """The row bands of ``name`` as file runs, each chunk's archive parsed when its run is
         reached (a write copies the first tensors meanwhile); None, from the metadata alone, when
         the chunks are not bands of whole rows or ``dtype`` is another. A chunk stored in another
         order than C raises (DCP saves contiguous chunks; the merge then writes the file itself)."""
         key = self.table[name]
         spec = self.tensors[key]
-        if dtype != spec.dtype or not spec.shape or not spec.shape[0]:
-            return None
-        bands = sorted((c for c in self.chunks[key] if math.prod(c.sizes)), key=lambda c: c.offsets)
-        if any(c.offsets[1:] != (0,) * (len(spec.shape) - 1) or c.sizes[1:] != spec.shape[1:] for c in bands):
+        bands = self.row_bands(key) if dtype == spec.dtype and spec.shape and spec.shape[0] else None
+        if bands is None:
             return None
 
         def runs() -> Iterator[tuple[int, FileRun]]:

@@ -220,7 +220,7 @@ def named_torch(storage: Callable[[Any], Any]) -> tuple[Allowlist, dict[Pair, An
         subs[("torch", name)] = DTypeName(name)
     for name, dtype in NAMED_STORAGES.items():
         subs[("torch", name)] = storage(DTypeName(dtype))
-    names = [("torch", "strided"), *((("torch", n)) for n in NAMED_DTYPES), *(("torch", n) for n in NAMED_STORAGES)]
+    names = [("torch", "strided"), *(("torch", n) for n in NAMED_DTYPES), *(("torch", n) for n in NAMED_STORAGES)]
     return Allowlist.of(names=names), subs
 
 
