@@ -522,3 +522,36 @@ def test_the_torch_free_dcp_index_agrees_with_the_torch_reader(case, dcp_root):
                 served += mine is not None
     index.close()
     assert served >= len(specs) // 2
+
+
+@pytest.mark.parametrize("damage", ["truncated chunk file", "metadata that asks for code"])
+def test_a_damaged_dcp_folder_is_one_line_with_the_child_running(damage, dcp_root, tmp_path, adoptions, monkeypatch):
+    """The accelerate fixture, damaged, merged with the head start on: the one reader's error line,
+    no target, no child left behind, and nothing from the pickle ran."""
+    import pickle
+    import shutil
+
+    forks: list[str] = []
+    real = head_start.begin
+    monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request.format) or real(request))
+
+    source = tmp_path / "ckpt"
+    shutil.copytree(dcp_root / "accelerate" / "ckpt", source)
+    model = source / "pytorch_model_fsdp_0"
+    marker = tmp_path / "ran"
+    if damage == "truncated chunk file":
+        data = sorted(model.glob("*.distcp"))[-1]
+        data.write_bytes(data.read_bytes()[:-4096])
+    else:
+        class Boom:
+            def __reduce__(self):
+                return (os.system, (f"touch {marker}",))
+
+        (model / ".metadata").write_bytes(pickle.dumps(Boom()))
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", "--config", dcp_root / "accelerate" / "config", "--dtype", "auto")
+    line = error_line(proc)
+    assert proc.returncode != 0
+    assert ("truncated" in line) if damage == "truncated chunk file" else ("system" in line and "allowlist" in line), line
+    assert forks == ["accelerate"] and adoptions == [] and not marker.exists() and not (tmp_path / "out").exists()
+    assert set(_children()) <= before
