@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .readers.config_overrides import ConfigOverrides
 from .readers.file_runs import FileRun, MappedFile, Piece, read_into, values
 from .spec import TensorSpec
+
+if TYPE_CHECKING:  # the head start plans through name tables without torch; tensors import it
+    import torch
 
 ROW_CHUNK_BYTES = 32 << 20  # converted / computed runs of rows are at most about this big
 
@@ -71,6 +72,8 @@ class LazyCheckpoint:
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Return the full tensor ``name`` (in ``dtype``, default the spec's) as a new tensor."""
+        import torch
+
         spec = self.specs()[name]
         out = torch.empty(spec.shape, dtype=dtype or spec.dtype)
         self.read_into(name, out)
@@ -119,6 +122,8 @@ class LazyCheckpoint:
 def _rows_by_region(
     region, name: str, shape: tuple[int, ...], dtype: torch.dtype, max_bytes: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
+    import torch
+
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     step = max(1, max_bytes // max(1, row_bytes))
     # One buffer for every run (a fresh ~32 MB allocation per run costs the kernel a page fault and
@@ -180,6 +185,8 @@ def row_runs(
     if tensor.dtype == dtype and tensor.is_contiguous():
         yield first_row, source.piece(tensor) if source is not None else tensor
         return
+    import torch
+
     row_bytes = max(1, (tensor[0].numel() if tensor.dim() and len(tensor) else 1) * dtype.itemsize)
     step = max(1, max_bytes // row_bytes)
     buf = torch.empty((min(step, tensor.shape[0]),) + tuple(tensor.shape[1:]), dtype=dtype)

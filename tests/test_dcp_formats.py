@@ -135,6 +135,46 @@ def test_torchtitan_row_path_equals_full_reads(dcp_root):
         assert runs > 2 and torch.equal(got, full.double())
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["heads whole", "a chunk boundary inside heads"])
+def test_torchtitan_qk_rows_are_file_bytes_in_head_order(dcp_root, monkeypatch, cut):
+    """A q/k projection's un-permuted rows come as the source files' bytes: a head whose rows one
+    run holds is one RowGather (read once, rows copied in order), a head a chunk boundary cuts is a
+    run per row; either way the tensor equals the region-read un-permutation."""
+    from hf_merge.readers.dcp import DcpCheckpoint
+    from hf_merge.readers.file_runs import FileRun, RowGather
+
+    if cut:  # every run split after its third row: a boundary inside the first head of each band
+        real = DcpCheckpoint.file_rows
+
+        def cut_rows(self, name, index, first, rows):
+            runs = real(self, name, index, first, rows)
+            out = []
+            for row, run in runs or ():
+                row_bytes = run.nbytes // len(run.tensor)
+                out += [(row, run.rows(0, 3, row_bytes)), (row + 3, run.rows(3, len(run.tensor) - 3, row_bytes))]
+            return out if runs is not None else None
+
+        monkeypatch.setattr(DcpCheckpoint, "file_rows", cut_rows)
+    tt = dcp_root / "torchtitan"
+    with hf_merge.open_checkpoint(tt / "dump", config=tt / "config") as ckpt:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+            spec = ckpt.specs()[name]
+            got = torch.empty(spec.shape, dtype=spec.dtype)
+            kinds = set()
+            for first, piece in ckpt.read_rows(name, spec.dtype):
+                assert isinstance(piece, (FileRun, RowGather))
+                kinds.add(type(piece).__name__)
+                got[first : first + len(values(piece))] = values(piece)
+            assert kinds == ({"RowGather", "FileRun"} if cut else {"RowGather"})
+            view = ckpt
+            while not hasattr(view, "_rope_rows"):
+                view = view.base
+            want = torch.empty_like(got)
+            for first, rows in view._rope_rows(view._targets[name], spec.dtype, 1 << 20):
+                want[first : first + len(rows)] = rows
+            assert torch.equal(got, want)
+
+
 def test_rope_permutation_is_torchtitans():
     pytest.importorskip("torchtitan")
     import make_dcp_checkpoints as mk

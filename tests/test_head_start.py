@@ -431,42 +431,68 @@ def test_a_rank_file_that_asks_for_code_is_one_line_and_nothing_runs(qwen2_fp32_
 
 
 def _dcp_case(dcp_root: Path, case: str) -> tuple[Path, tuple]:
-    return dcp_root / case / "ckpt", ("--config", dcp_root / case / "config", "--dtype", "auto")
+    source = dcp_root / case / ("dump" if case == "torchtitan" else "ckpt")
+    return source, ("--config", dcp_root / case / "config", "--dtype", "auto")
 
 
-@pytest.mark.parametrize("case", ["accelerate", "dcp_nested"])
-def test_a_dcp_folders_first_file_is_the_childs_and_the_folder_is_the_same(case, dcp_root, tmp_path, adoptions):
+@pytest.fixture
+def finishes(monkeypatch):
+    """What ``HeadStart.finish`` answered (kept the child's file or not), per call, in this process."""
+    answers: list[bool] = []
+    real = head_start.HeadStart.finish
+
+    def recording(self):
+        kept = real(self)
+        answers.append(kept[0])
+        return kept
+
+    monkeypatch.setattr(head_start.HeadStart, "finish", recording)
+    return answers
+
+
+@pytest.mark.parametrize("case", ["accelerate", "dcp_nested", "torchtitan"])
+def test_a_dcp_folders_first_file_is_the_childs_and_the_folder_is_the_same(case, dcp_root, tmp_path, adoptions, finishes, monkeypatch):
+    """The child's file is linked and kept (its byte recipe is the merge's: for torchtitan's q/k,
+    each head's source rows and their un-permuted order), and the folder is the merge's own."""
+    forks: list[str] = []
+    real = head_start.begin
+
+    def begin(request):
+        started = real(request)
+        if started is not None:
+            forks.append(request.format)
+        return started
+
+    monkeypatch.setattr(head_start, "begin", begin)
     source, flags = _dcp_case(dcp_root, case)
     got, expected = _merge_both_ways(source, tmp_path, *flags)
-    assert adoptions == [True]
+    assert (forks, adoptions, finishes) == ([{"dcp_nested": "dcp"}.get(case, case)], [True], [True])
     assert got == expected
 
 
-@pytest.mark.parametrize("case", ["dcp_plain", "torchtitan"])
-def test_dcp_folders_that_are_not_a_plain_copy_are_written_by_the_merge(case, dcp_root, tmp_path, adoptions, monkeypatch):
-    """A tied model (dcp_plain) is declined by the child; a torchtitan folder (renamed, q/k permuted)
-    forks no child at all, although its ``.metadata`` is also a generic DCP folder's mark."""
+def test_a_tied_dcp_folder_is_written_by_the_merge(dcp_root, tmp_path, adoptions, monkeypatch):
+    """A tied model (dcp_plain) is declined by the child."""
     forks: list[object] = []
     real = head_start.begin
     monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request.format) or real(request))
-    source = dcp_root / "dcp_plain" / "ckpt" if case == "dcp_plain" else dcp_root / "torchtitan" / "dump" / "checkpoint" / "step-1"
-    flags = () if case == "dcp_plain" else ("--config", dcp_root / "torchtitan" / "config")
-    proc = run_cli("merge", source, tmp_path / "out", *flags)
+    proc = run_cli("merge", dcp_root / "dcp_plain" / "ckpt", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
-    assert (forks, adoptions) == ((["dcp"], [False]) if case == "dcp_plain" else ([], []))
+    assert (forks, adoptions) == (["dcp"], [False])
 
 
-def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(dcp_root, tmp_path):
+@pytest.mark.parametrize("case", ["accelerate", "torchtitan"])
+def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, dcp_root, tmp_path):
     """The CLI's choice of a head start and the child's plan and file, in a fresh interpreter:
-    no torch; the file is byte for byte the merge's own."""
-    source, flags = _dcp_case(dcp_root, "accelerate")
+    no torch (torchtitan's name table and q/k un-permutation included); the file is byte for byte
+    the merge's own."""
+    source, flags = _dcp_case(dcp_root, case)
     code = f"""
 import hashlib, json, os, sys
 from hf_merge.options import MergeOptions
 from hf_merge.write import head_start as hs
 from hf_merge.cli.merge import _head_start_format
-assert _head_start_format({str(source)!r}, "auto") == "accelerate"  # the CLI's choice, made without torch too
-request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={str(flags[1])!r}), "accelerate")
+assert _head_start_format({str(source)!r}, "auto") == {case!r}  # the CLI's choice, made without torch too
+request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={str(flags[1])!r}), {case!r})
 planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
 digest, _ranges = hs._write(planned, fd, "sha256", lambda n: None)
@@ -520,6 +546,14 @@ def test_the_torch_free_dcp_index_agrees_with_the_torch_reader(case, dcp_root):
                 mine = recipe(index, name, index.specs()[name].dtype)
                 assert mine == recipe(reader, name, spec.dtype), name
                 served += mine is not None
+                # rows of it (a layer's slice, a permuted head's rows): the same file bytes too
+                index_of = (0,) * (len(spec.shape) - 2) if len(spec.shape) > 2 else ()
+                rows = spec.shape[len(index_of)]
+                for first, n in ((0, rows), (rows // 3, max(1, rows // 2))):
+                    a, b = index.file_rows(name, index_of, first, n), reader.file_rows(name, index_of, first, n)
+                    assert (a is None) == (b is None), name
+                    assert [(r, os.fstat(x.fd).st_ino, x.offset, x.nbytes) for r, x in a or ()] == \
+                        [(r, os.fstat(x.fd).st_ino, x.offset, x.nbytes) for r, x in b or ()], name
     index.close()
     assert served >= len(specs) // 2
 

@@ -246,16 +246,14 @@ def _head_start_format(source: str, backend: str) -> str | None:
     from ..readers.formats import canonical, candidates
     from ..write.head_start import FORMATS
 
-    # the modules whose probes import no torch: the served formats' and torchtitan's (its step
-    # folders are DCP folders too); each is imported only when its format is a candidate
-    probes = {**FORMATS, "torchtitan": "torchtitan"}
+    # the served formats' probes import no torch; each module is imported only when its format is a candidate
     path = Path(source)
     for name in [canonical(backend)] if backend != "auto" else [d.name for d in candidates(path)]:
-        if name not in probes:
+        if name not in FORMATS:
             return None
         try:
-            if importlib.import_module(f"hf_merge.readers.{probes[name]}").probe(path):
-                return name if name in FORMATS else None
+            if importlib.import_module(f"hf_merge.readers.{FORMATS[name]}").probe(path):
+                return name
         except (OSError, ValueError):  # as the registry's probing takes it: not this format
             continue
     return None

@@ -408,11 +408,12 @@ class DcpIndex(DcpFolder):
     def specs(self) -> dict[str, TensorSpec]:
         return {name: TensorSpec(name, self.tensors[key].shape, self.tensors[key].dtype) for name, key in self.table.items()}
 
-    def read_rows(self, name: str, dtype: Any) -> Iterator[tuple[int, FileRun]] | None:
+    def read_rows(self, name: str, dtype: Any, max_bytes: int = 0) -> Iterator[tuple[int, FileRun]] | None:
         """The row bands of ``name`` as file runs, each chunk's archive parsed when its run is
         reached (a write copies the first tensors meanwhile); None, from the metadata alone, when
         the chunks are not bands of whole rows or ``dtype`` is another. A chunk stored in another
-        order than C raises (DCP saves contiguous chunks; the merge then writes the file itself)."""
+        order than C raises (DCP saves contiguous chunks; the merge then writes the file itself).
+        ``max_bytes`` (the read_rows contract's bound on converted runs) does not apply: runs are file bytes."""
         key = self.table[name]
         spec = self.tensors[key]
         bands = self.row_bands(key) if dtype == spec.dtype and spec.shape and spec.shape[0] else None
@@ -429,6 +430,32 @@ class DcpIndex(DcpFolder):
                 yield chunk.offsets[0], FileRun(self.fds[chunk.file], lay.data_start, lay.storage_nbytes, None)
 
         return runs()
+
+    def file_rows(self, name: str, index: tuple[int, ...], first: int, rows: int) -> list[tuple[int, FileRun]] | None:
+        """Rows ``first .. first + rows`` of ``name[index]`` as file runs, as the DCP reader's
+        ``file_rows`` gives them (``(row counted from first, run)`` in row order); the chunks they
+        lie in are parsed now. None when a chunk cuts a trailing dimension."""
+        key = self.table[name]
+        spec, k = self.tensors[key], len(index)
+        if k >= len(spec.shape) or first < 0 or first + rows > spec.shape[k]:
+            raise ValueError(f"{name}: rows {first}+{rows} of {list(index)} are outside shape {list(spec.shape)}")
+        runs: list[tuple[int, FileRun]] = []
+        for chunk in self.chunks[key]:
+            lo, hi = max(first, chunk.offsets[k]), min(first + rows, chunk.offsets[k] + chunk.sizes[k])
+            if lo >= hi or any(not o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
+                continue
+            if any(o or n != d for o, n, d in zip(chunk.offsets[k + 1:], chunk.sizes[k + 1:], spec.shape[k + 1:])):
+                return None
+            if chunk.layout is None:
+                chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
+            if not c_contiguous(chunk.layout.size, chunk.layout.stride):
+                return None
+            stride = [math.prod(chunk.sizes[d + 1:]) for d in range(k + 1)]  # C order (size-1 dims' strides are free)
+            at = sum((i - o) * st for i, o, st in zip(index, chunk.offsets, stride)) + (lo - chunk.offsets[k]) * stride[k]
+            size = spec.dtype.itemsize
+            runs.append((lo - first, FileRun(self.fds[chunk.file], chunk.layout.data_start + at * size, (hi - lo) * stride[k] * size, None)))
+        runs.sort(key=lambda r: r[0])
+        return runs if runs and sum(r.nbytes for _, r in runs) == rows * math.prod(spec.shape[k + 1:]) * spec.dtype.itemsize else None
 
     def close(self) -> None:
         for fd in self.fds.values():

@@ -94,10 +94,12 @@ def model_entries(dcp: DcpCheckpoint, *, strip: str | None, skip: Iterable[str] 
     return Renamed(dcp, table)
 
 
-def open_index(folder: Path, config: Path | None, strip: Callable[[list[str]], str | None]) -> "tuple[DcpIndex, Path] | None":
+def open_index(
+    folder: Path, config: Path | None, strip: Callable[[list[str]], str | None], skip: Iterable[str] = NOT_MODEL_PREFIXES,
+) -> "tuple[DcpIndex, Path] | None":
     """The model's tensors of the DCP folder ``folder``, read without torch: a
     :class:`~hf_merge.readers.dcp_index.DcpIndex` under the names :func:`model_table` gives with the
-    prefix ``strip(keys)`` removes, and the folder of their config.json. None where the reader would
+    prefix ``strip(keys)`` removes (``skip``: as :func:`model_table`), and the folder of their config.json. None where the reader would
     parse the chunk archives with a process per CPU (:data:`~hf_merge.readers.dcp_index.PARALLEL_CHUNKS`)."""
     from .dcp_index import PARALLEL_CHUNKS, DcpIndex
 
@@ -106,7 +108,7 @@ def open_index(folder: Path, config: Path | None, strip: Callable[[list[str]], s
     if sum(map(len, index.chunks.values())) >= PARALLEL_CHUNKS:
         index.close()
         return None
-    index.select(model_table(index.tensors, strip=strip(list(index.tensors))))
+    index.select(model_table(index.tensors, strip=strip(list(index.tensors)), skip=skip))
     return index, config_dir
 
 

@@ -39,6 +39,13 @@ class FileRun:
     nbytes: int
     tensor: "torch.Tensor"
 
+    def rows(self, first: int, n: int, row_bytes: int) -> "FileRun":
+        """Rows ``first .. first + n`` of this run (rows of ``row_bytes`` bytes)."""
+        if first < 0 or n < 0 or (first + n) * row_bytes > self.nbytes:
+            raise ValueError(f"rows {first}+{n} of {row_bytes} bytes are outside a run of {self.nbytes} bytes")
+        tensor = self.tensor[first : first + n] if self.tensor is not None else None
+        return FileRun(self.fd, self.offset + first * row_bytes, n * row_bytes, tensor)
+
     def piece(self, tensor: "torch.Tensor") -> "Piece":
         """``tensor`` (a view of this run's tensor: rows or bytes of it) as a run of the same file
         when it is contiguous and inside the run, else itself."""
@@ -49,8 +56,25 @@ class FileRun:
         return FileRun(self.fd, self.offset + at, n, tensor)
 
 
-#: what ``read_rows`` yields after the first row: file bytes with their provenance, or values
-Piece = Union[FileRun, "torch.Tensor"]
+@dataclass(frozen=True, eq=False)
+class RowGather:
+    """The rows of the file run ``run`` in another order: row ``i`` of this piece is row
+    ``order[i]`` of ``run`` (a q/k projection's rotary rows un-permuted, one head per piece). A
+    writer reads ``run`` once and copies its rows in order; ``tensor`` is the rows gathered."""
+
+    run: FileRun
+    order: tuple[int, ...]
+
+    @property
+    def tensor(self) -> "torch.Tensor":
+        import torch
+
+        return self.run.tensor[torch.tensor(self.order)]
+
+
+#: what ``read_rows`` yields after the first row: file bytes with their provenance (a run, or a
+#: run's rows in another order), or values
+Piece = Union[FileRun, RowGather, "torch.Tensor"]
 
 #: what receives a file run's bytes where a loader placed them: (descriptor, file offset, bytes)
 #: (:meth:`hf_merge.readers.record_crc.Placed.place`)
@@ -59,7 +83,7 @@ OnPlaced = Callable[[int, int, memoryview], None]
 
 def values(piece: Piece) -> "torch.Tensor":
     """The tensor of ``piece``."""
-    return piece.tensor if isinstance(piece, FileRun) else piece
+    return piece.tensor if isinstance(piece, (FileRun, RowGather)) else piece
 
 
 def run_of(piece: Piece) -> FileRun | None:

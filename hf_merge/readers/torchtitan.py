@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from .formats import SourceFormat
 from .dcp_index import is_dcp_dir
-from .dcp_sources import config_beside, newest_step, open_dcp_model
+from .dcp_sources import config_beside, newest_step, open_dcp_model, open_index as open_dcp_index
 
 if TYPE_CHECKING:  # probing imports this module; torch is imported only to open a checkpoint
     from ..checkpoint import LazyCheckpoint
@@ -56,6 +56,28 @@ def open_torchtitan(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
     if view.dropped:
         info.details["skipped_entries"] = len(view.dropped)
     return view
+
+
+def open_index(path: Path, config: Path | None):
+    """The model's tensors under Hugging Face names, read without torch, for the CLI's head start:
+    the name table :func:`open_torchtitan` applies, over a :class:`~hf_merge.readers.dcp_index.DcpIndex`
+    (q/k rows un-permuted as one file run per row), and the folder of config.json."""
+    import json
+
+    from ..transforms.name_table import find_table
+    from ..transforms.name_table_view import NameTableView
+
+    folder, _, _ = resolve(Path(path))
+    opened = open_dcp_index(folder, config, lambda names: None, skip=())
+    if opened is None:
+        return None
+    index, hf_dir = opened
+    try:
+        hf_config = json.loads((hf_dir / "config.json").read_bytes())
+        return NameTableView(index, find_table("torchtitan", hf_config), hf_config), hf_dir
+    except BaseException:
+        index.close()
+        raise
 
 
 def probe(path: Path) -> bool:

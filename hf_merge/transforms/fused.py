@@ -24,12 +24,13 @@ tensor is never held whole (when the base supports region reads; see :func:`read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..checkpoint import LazyCheckpoint
 from ..errors import MappingError
+
+if TYPE_CHECKING:  # the row arithmetic needs no torch (the head start plans with it)
+    import torch
 
 __all__ = [
     "RowRange",
@@ -142,6 +143,8 @@ def merge_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`split_gate_up`."""
     if gate.shape != up.shape:
         raise MappingError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    import torch
+
     return torch.cat([gate, up], dim=0)
 
 

@@ -14,17 +14,18 @@ import functools
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from .. import config_fields
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
-from ..readers.file_runs import Piece
+from ..readers.file_runs import FileRun, Piece, RowGather
 from ..errors import MappingError, MissingConfigError
 from ..spec import TensorSpec
 from .fused import FusedSplit, RowRange, read_region_into
 from .name_table import NameRule, NameTable, Split, pattern_key, placeholders
+
+if TYPE_CHECKING:  # planning and file runs need no torch (the head start plans with a view over a DcpIndex)
+    import torch
 
 _MAX_NAMED = 12
 
@@ -55,7 +56,7 @@ def attention_heads(config: Mapping[str, Any], where: str = "config.json") -> tu
     return nq, nkv, hd
 
 
-def rope_source_rows(rows: int, n_heads: int) -> torch.Tensor:
+def rope_source_rows(rows: int, n_heads: int) -> list[int]:
     """For each HF row of a q/k projection, the source row it comes from.
 
     Meta / torchtitan order the rows of each head as interleaved pairs; HF (after
@@ -66,7 +67,8 @@ def rope_source_rows(rows: int, n_heads: int) -> torch.Tensor:
     """
     if rows % n_heads or (rows // n_heads) % 2:
         raise MappingError(f"cannot undo the rotary permutation: {rows} rows are not {n_heads} heads of an even size")
-    return torch.arange(rows).view(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(rows)
+    head, half = rows // n_heads, rows // n_heads // 2
+    return [h * head + a * 2 + b for h in range(n_heads) for b in (0, 1) for a in range(half)]
 
 
 def _rope_heads(config: Mapping[str, Any], op: str) -> int:
@@ -127,7 +129,9 @@ class NameTableView(LazyCheckpoint):
 
     def __init__(self, base: LazyCheckpoint, table: NameTable, config: Mapping[str, Any], *, where: str | None = None):
         self.base, self.table = base, table
-        self.info = base.info
+        self.info = getattr(base, "info", None)
+        if hasattr(base, "fds"):  # a DcpIndex's descriptors: the head start checks its records' CRCs by them
+            self.fds = base.fds
         self._where = f"{where}: " if where else ""
         self.skipped: list[str] = []
         self.ignored: list[str] = []
@@ -349,6 +353,9 @@ class NameTableView(LazyCheckpoint):
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         t = self._targets[name]
         if t.heads is not None:
+            runs = self._rope_file_rows(t, name, dtype)
+            if runs is not None:
+                return iter(runs)
             return self._rope_rows(t, dtype, max_bytes) if hasattr(self.base, "read_region_into") else None
         if not t.index and t.ranges is None:
             return self.base.read_rows(t.source, dtype, max_bytes)
@@ -372,6 +379,36 @@ class NameTableView(LazyCheckpoint):
                 return None
             runs.extend((dst + row, run) for row, run in found)
         return runs
+
+    def _rope_file_rows(self, t: _Target, name: str, dtype: torch.dtype) -> list[tuple[int, Piece]] | None:
+        """A q/k projection un-permuted as file bytes: each head a
+        :class:`~hf_merge.readers.file_runs.RowGather` of its source rows (a run per row where a
+        chunk boundary cuts the head), so a writer copies it from the files and the head start's
+        recipe names every byte. None when the base has no file runs for the tensor."""
+        file_rows = getattr(self.base, "file_rows", None)
+        spec = self._specs[name]
+        if file_rows is None or dtype != spec.dtype or not spec.shape or not spec.shape[0]:
+            return None
+        rows = spec.shape[0]
+        found = file_rows(t.source, t.index, 0, rows)
+        if found is None:
+            return None
+        row_bytes, head = spec.nbytes // rows, rows // t.heads
+        run_of_row: list[tuple[FileRun, int]] = []
+        for first, run in found:
+            run_of_row.extend((run, i) for i in range(run.nbytes // row_bytes))
+        if len(run_of_row) != rows:
+            return None
+        perm = rope_source_rows(rows, t.heads)
+        order = tuple(perm[:head])  # the same permutation inside every head
+        out: list[tuple[int, Piece]] = []
+        for first in range(0, rows, head):
+            (run, i), (last, _) = run_of_row[first], run_of_row[first + head - 1]
+            if last is run:  # the head's rows are one run: read once, rows copied in order
+                out.append((first, RowGather(run.rows(i, head, row_bytes), order)))
+            else:  # a chunk boundary inside the head: a run per row
+                out.extend((r, run_of_row[perm[r]][0].rows(run_of_row[perm[r]][1], 1, row_bytes)) for r in range(first, first + head))
+        return out
 
     def _read_region_into(self, name: str, start: Sequence[int], out: torch.Tensor) -> None:
         t = self._targets[name]
@@ -402,7 +439,9 @@ class NameTableView(LazyCheckpoint):
         """The HF rows, one head at a time: a head's rows are a permutation of the same head's
         source rows, so memory is one head (``head_dim x dim``) whatever the model size."""
         rows, dim = self.base.specs()[t.source].shape
-        perm = rope_source_rows(rows, t.heads)
+        import torch
+
+        perm = torch.tensor(rope_source_rows(rows, t.heads))
         head = rows // t.heads
         region = getattr(self.base, "read_region_into", None)
         full = None if region is not None else self.base.read(t.source)

@@ -25,9 +25,14 @@ class Renamed(LazyCheckpoint):
         self._specs = {new: base_specs[old].renamed(new) for new, old in table.items()}
         if hasattr(base, "read_region_into"):  # box reads survive renaming (layer / head slices)
             self.read_region_into = self._read_region_into
+        if hasattr(base, "file_rows"):  # and row runs of a layer's slice or a permuted tensor
+            self.file_rows = self._file_rows
 
     def _read_region_into(self, name: str, start, out: torch.Tensor) -> None:
         self.base.read_region_into(self._table[name], start, out)
+
+    def _file_rows(self, name: str, index: tuple[int, ...], first: int, rows: int):
+        return self.base.file_rows(self._table[name], index, first, rows)
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs

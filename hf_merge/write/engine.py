@@ -250,6 +250,17 @@ class Sink:
             offset += k
             n -= k
 
+    def add_gather(self, gather: "file_runs.RowGather") -> None:
+        """Append the rows of a file run in ``gather.order``: the run read once (its bytes checked
+        against their record's CRC-32 in file order), then its rows copied in turn."""
+        run = gather.run
+        block = memoryview(bytearray(run.nbytes))
+        file_runs.pread_exact(run.fd, block, run.offset)
+        self._crc.feed(run.fd, run.offset, block)
+        row = run.nbytes // len(gather.order)
+        for r in gather.order:
+            self.add_memory(block[r * row : (r + 1) * row])
+
     def sources_done(self) -> None:
         """Every byte is appended: a source record whose first bytes streamed in order, and whose
         rest another file holds, is handed to the check as a piece (call it on the filling thread)."""
@@ -425,7 +436,7 @@ def join_range(ranges: list[list[int]], source: tuple[int, int], offset: int, n:
     """Append ``n`` bytes of the file ``source`` (``(st_dev, st_ino)``) from ``offset`` to
     ``ranges`` (``[st_dev, st_ino, offset, n]`` items), joined to the last range when they follow it."""
     last = ranges[-1] if ranges else None
-    if last is not None and (last[0], last[1]) == source and last[2] + last[3] == offset:
+    if last is not None and len(last) == 4 and (last[0], last[1]) == source and last[2] + last[3] == offset:
         last[3] += n
     else:
         ranges.append([source[0], source[1], offset, n])
@@ -433,7 +444,8 @@ def join_range(ranges: list[list[int]], source: tuple[int, int], offset: int, n:
 
 def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan) -> list[list[int]] | None:
     """What the engine appends after ``plan``'s header, as rank-file byte ranges
-    (:func:`join_range`), or None when some bytes would not be copied from a file (computed,
+    (:func:`join_range`; a :class:`~hf_merge.readers.file_runs.RowGather` is its run's range followed by
+    its row order), or None when some bytes would not be copied from a file (computed,
     converted, or a tensor without row runs). Reads no tensor data."""
     ranges: list[list[int]] = []
     sources: dict[int, tuple[int, int]] = {}
@@ -444,11 +456,15 @@ def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan) -> list[list[int]] | None:
         if rows is None:
             return None
         for _first, run in rows:
-            located = file_bytes(run)
+            gather = run if isinstance(run, file_runs.RowGather) else None
+            located = gather.run if gather is not None else file_bytes(run)
             if located is None:
                 return None
             if located.fd not in sources:
                 st = os.fstat(located.fd)
                 sources[located.fd] = (st.st_dev, st.st_ino)
-            join_range(ranges, sources[located.fd], located.offset, located.nbytes)
+            if gather is not None:  # a run's rows in another order: the run, then the order
+                ranges.append([*sources[located.fd], located.offset, located.nbytes, *gather.order])
+            else:
+                join_range(ranges, sources[located.fd], located.offset, located.nbytes)
     return ranges

@@ -2,11 +2,13 @@
 
 Importing torch takes ~1 s of a 3 s merge of a 3 GB checkpoint; copying source-file bytes into a
 safetensors file needs none. So once the CLI knows the source is verl FSDP rank files, a generic
-DCP folder or an accelerate ``save_state`` folder (:data:`FORMATS`) and the merge a plain copy,
+DCP folder, an accelerate ``save_state`` folder or a torchtitan step folder (:data:`FORMATS`) and
+the merge a plain copy,
 it forks (before torch is imported) a child that runs the merge's own parts without torch: the
 reader's layout (:class:`~hf_merge.readers.fsdp_files.RankIndex`, the FSDP reader's layout and
 rank checks; :class:`~hf_merge.readers.dcp_index.DcpIndex`, the DCP reader's metadata and chunk
-parsing; pickles read under a subset of the one policy), the planner
+parsing, under torchtitan's name table for a torchtitan folder; pickles read under a subset of the
+one policy), the planner
 (:func:`~hf_merge.write.plan.plan_shards`), the byte recipe
 (:func:`~hf_merge.write.engine.byte_recipe`) and the file writer
 (:func:`~hf_merge.write.shards.fill_file`) into an anonymous ``O_TMPFILE`` beside the target. It
@@ -49,7 +51,7 @@ PLAN_WAIT_S = 120.0
 #: the formats whose first file a child can write, and the reader module of each whose ``probe``
 #: and ``open_index(source, config)`` (the source as the reader lays it out, and its config folder)
 #: import no torch
-FORMATS = {"fsdp": "fsdp_files", "dcp": "dcp_generic", "accelerate": "accelerate"}
+FORMATS = {"fsdp": "fsdp_files", "dcp": "dcp_generic", "accelerate": "accelerate", "torchtitan": "torchtitan"}
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,12 @@ def begin(request: Request) -> "HeadStart | None":
     if request.format == "fsdp":
         from ..readers import fsdp_files, rank_pool, rank_records  # noqa: F401
     else:
-        from ..readers import accelerate, dcp_generic, dcp_index, dcp_sources  # noqa: F401
+        from ..readers import accelerate, dcp_generic, dcp_index, dcp_sources, torchtitan  # noqa: F401
+    if request.format == "torchtitan":
+        from ..transforms import name_table, name_table_view  # noqa: F401
+        from ..transforms.name_table import all_tables
+
+        all_tables()  # the name tables' modules, imported
 
     folder = Path(request.target).absolute().parent
     try:
@@ -345,5 +352,5 @@ def _write(planned: _Planned, fd: int, checksum: str | None, progress: Callable[
     # records the sink did not see whole; a mismatch fails this child, and the merge then writes the file itself
     ranges = engine.byte_recipe(planned.index, planned.file)
     by_id = {(st.st_dev, st.st_ino): f for f in planned.index.fds.values() for st in [os.fstat(f)]}
-    record_crc.check_ranges([(by_id[(dev, ino)], offset, n) for dev, ino, offset, n in ranges])
+    record_crc.check_ranges([(by_id[(dev, ino)], offset, n) for dev, ino, offset, n, *_order in ranges])
     return digest, ranges

@@ -113,6 +113,9 @@ def _fill(sink: engine.Sink, ckpt: LazyCheckpoint, plan: FilePlan) -> None:
 def _add_tensor(sink: engine.Sink, piece: "file_runs.Piece") -> int:
     """Append a piece's bytes: from its file when the reader says it is a file's bytes
     (a :class:`~hf_merge.readers.file_runs.FileRun`), else from memory."""
+    if isinstance(piece, file_runs.RowGather):
+        sink.add_gather(piece)
+        return piece.run.nbytes
     run = engine.file_bytes(piece)
     if run is not None:
         sink.add_file(run.fd, run.offset, run.nbytes)
