@@ -39,9 +39,9 @@ class _Seen(prefetch_mod.Prefetch):
         super().__init__(*args, **kwargs)
         _Seen.made.append(self)
 
-    def _build(self, shape, runs):
+    def _build(self, *args):
         _Seen.started.set()
-        return super()._build(shape, runs)
+        return super()._build(*args)
 
 
 @pytest.fixture
@@ -66,6 +66,33 @@ PREFETCHED = ["deepspeed-zero3", "dcp", "fsdp", "megatron"]  # formats whose fix
 def test_prefetched_tensors_load_the_same_model_as_from_pretrained_of_the_merge(fmt, request, tmp_path, seen):
     assert_load_equals_the_merge(*SOURCES[fmt](_Fixtures(request)), tmp_path)
     assert len(seen.made) == 1 and seen.made[0].taken > 0, "nothing was prefetched: the test proves nothing"
+
+
+def test_megatron_row_parallel_weights_are_read_by_the_prefetch(request, tmp_path, seen):
+    """A TP > 1 row-parallel weight (o_proj, down_proj: each row is cut across the TP chunks) is not
+    file bytes throughout: the prefetch reads it with ``read_into``, and what it built equals the
+    reader's tensor; a load with the prefetch equals from_pretrained of the merge."""
+    from concurrent.futures import wait
+
+    from hf_merge.readers.file_runs import run_of
+
+    source, config = SOURCES["megatron"](_Fixtures(request))
+    with hf_merge.open_checkpoint(source) as ckpt:
+        specs = ckpt.specs()
+        cut = [n for n in specs if n.endswith(("o_proj.weight", "down_proj.weight"))
+               and not all(run_of(p) is not None for _, p in ckpt.read_rows(n, specs[n].dtype))]
+        assert cut, "the fixture has no row-parallel weight cut across TP chunks: the test proves nothing"
+        prefetch = prefetch_mod.Prefetch(ckpt, specs[cut[0]].dtype, threads=1)
+        try:
+            assert set(cut) <= set(prefetch._futures)
+            wait(list(prefetch._futures.values()))  # every build done: none is left to a fill
+            for name in cut:
+                built = prefetch.take(name, tuple(specs[name].shape), specs[name].dtype)
+                assert built is not None and torch.equal(built, ckpt.read(name)), name
+            assert prefetch.read >= len(cut)
+        finally:
+            prefetch.close()
+    assert_load_equals_the_merge(source, config, tmp_path)
 
 
 def test_a_cast_load_takes_nothing_prefetched_and_loads_the_cast_weights(request, tmp_path, seen):
@@ -126,10 +153,10 @@ def test_a_tensor_whose_build_has_not_started_is_left_to_the_fill(request, seen)
     release, holding = threading.Event(), threading.Event()
 
     class Held(prefetch_mod.Prefetch):
-        def _build(self, shape, runs):
+        def _build(self, *args):
             holding.set()
             assert release.wait(60), "never released"  # an event, not a sleep
-            return super()._build(shape, runs)
+            return super()._build(*args)
 
     with hf_merge.open_checkpoint(source) as ckpt:
         specs = ckpt.specs()
