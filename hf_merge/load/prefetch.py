@@ -12,8 +12,8 @@ tensor that run outside the GIL, so it can run beside the import without slowing
 of at least :data:`MIN_BYTES` the view holds in the load dtype, largest first: mapped where its
 runs are all file bytes (listed on the calling thread first: the threads make only big
 GIL-releasing calls), else, unless it is a cast, read by the view's ``read_into`` (a Megatron
-row-parallel weight: its TP chunks cut every row, a region read per chunk; meg-L8, 5.9 GB, ``bench_load.py --repeat 5``: load
-3.26 -> 3.00 s median). ``_fill`` then :meth:`Prefetch.take` s the tensor for a key whose
+row-parallel weight: its TP chunks cut every row, a region read per chunk; meg-L8, 5.9 GB,
+``bench_load.py --repeat 5``: load 3.26 -> 3.00 s median). ``_fill`` then :meth:`Prefetch.take` s the tensor for a key whose
 checkpoint name, shape and dtype match what it would build, and builds as before otherwise (a
 cast, a ``keep_in_fp32`` module, a stacked expert slot). The threads note their records in the
 load's :class:`~hf_merge.readers.record_crc.Placed` and place their pieces there, so a damaged

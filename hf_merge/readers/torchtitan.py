@@ -61,7 +61,7 @@ def open_torchtitan(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
 def open_index(path: Path, config: Path | None):
     """The model's tensors under Hugging Face names, read without torch, for the CLI's head start:
     the name table :func:`open_torchtitan` applies, over a :class:`~hf_merge.readers.dcp_index.DcpIndex`
-    (q/k rows un-permuted as one file run per row), and the folder of config.json."""
+    (q/k rows un-permuted: each head a ``RowGather`` of its source rows), and the folder of config.json."""
     import json
 
     from ..transforms.name_table import find_table
