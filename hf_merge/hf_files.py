@@ -13,15 +13,16 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Collection
-
-import torch
+from typing import TYPE_CHECKING, Any, Collection
 
 from .errors import MissingConfigError, UnsafeCheckpointError
 from .side_files import side_files
 from .spec import config_dtype_name, dtype_name, output_dtype_name, parse_dtype
 from . import config_fields
 from .transformers_compat import dtype_key, tied_weights
+
+if TYPE_CHECKING:  # reading a config needs no torch (the head start reads Megatron's without it)
+    import torch
 
 DEFAULT_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -92,6 +93,8 @@ def config_dtype(config: dict[str, Any]) -> torch.dtype | None:
 
 def resolve_dtype(requested: "str | torch.dtype | None", config: dict[str, Any]) -> torch.dtype | None:
     """Output dtype: None means keep each tensor's own dtype (``auto``)."""
+    import torch
+
     if isinstance(requested, torch.dtype):
         return requested
     name = output_dtype_name(requested, config)

@@ -450,23 +450,49 @@ def finishes(monkeypatch):
     return answers
 
 
-@pytest.mark.parametrize("case", ["accelerate", "dcp_nested", "torchtitan"])
-def test_a_dcp_folders_first_file_is_the_childs_and_the_folder_is_the_same(case, dcp_root, tmp_path, adoptions, finishes, monkeypatch):
-    """The child's file is linked and kept (its byte recipe is the merge's: for torchtitan's q/k,
-    each head's source rows and their un-permuted order), and the folder is the merge's own."""
-    forks: list[str] = []
+@pytest.fixture
+def forks(monkeypatch):
+    """The format of every head start ``begin`` started (forked a child for), per call, in this process."""
+    started_for: list[str] = []
     real = head_start.begin
 
     def begin(request):
         started = real(request)
         if started is not None:
-            forks.append(request.format)
+            started_for.append(request.format)
         return started
 
     monkeypatch.setattr(head_start, "begin", begin)
+    return started_for
+
+
+@pytest.mark.parametrize("case", ["accelerate", "dcp_nested", "torchtitan"])
+def test_a_dcp_folders_first_file_is_the_childs_and_the_folder_is_the_same(case, dcp_root, tmp_path, adoptions, finishes, forks):
+    """The child's file is linked and kept (its byte recipe is the merge's: for torchtitan's q/k,
+    each head's source rows and their un-permuted order), and the folder is the merge's own."""
     source, flags = _dcp_case(dcp_root, case)
     got, expected = _merge_both_ways(source, tmp_path, *flags)
     assert (forks, adoptions, finishes) == ([{"dcp_nested": "dcp"}.get(case, case)], [True], [True])
+    assert got == expected
+
+
+@pytest.mark.parametrize("case", ["qwen2_v1", "llama_v2_singleton"])
+def test_a_megatron_folders_first_file_is_the_childs_and_the_folder_is_the_same(case, megatron_root, tmp_path, adoptions,
+                                                                               finishes, forks):
+    """Megatron-Core torch_dist (TP>1: the row-parallel weights are each rank's columns side by
+    side, copied as ColumnGathers): the child's file is linked and kept, the folder the merge's own."""
+    got, expected = _merge_both_ways(megatron_root / case / "actor", tmp_path, "--dtype", "auto")
+    assert (forks, adoptions, finishes) == (["megatron"], [True], [True])
+    assert got == expected
+
+
+@pytest.mark.parametrize("case", ["mistral_critic_v2", "qwen2_legacy_tied", "qwen2_mbridge_v2", "qwen3_tied_v2"])
+def test_megatron_folders_the_child_does_not_serve_are_the_merges_own(case, megatron_root, tmp_path, adoptions):
+    """A critic, the legacy per-rank files, an mbridge folder, a tied model: the merge writes every
+    file (no file is taken from the child), and the folder is what it writes without one."""
+    role = "critic" if "critic" in case else "actor"
+    got, expected = _merge_both_ways(megatron_root / case / role, tmp_path, "--dtype", "auto")
+    assert True not in adoptions
     assert got == expected
 
 
@@ -480,19 +506,23 @@ def test_a_tied_dcp_folder_is_written_by_the_merge(dcp_root, tmp_path, adoptions
     assert (forks, adoptions) == (["dcp"], [False])
 
 
-@pytest.mark.parametrize("case", ["accelerate", "torchtitan"])
-def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, dcp_root, tmp_path):
+@pytest.mark.parametrize("case", ["accelerate", "torchtitan", "megatron"])
+def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, request, tmp_path):
     """The CLI's choice of a head start and the child's plan and file, in a fresh interpreter:
     no torch (torchtitan's name table and q/k un-permutation included); the file is byte for byte
     the merge's own."""
-    source, flags = _dcp_case(dcp_root, case)
+    if case == "megatron":
+        source, flags = request.getfixturevalue("megatron_root") / "qwen2_v1" / "actor", ("--dtype", "auto")
+    else:
+        source, flags = _dcp_case(request.getfixturevalue("dcp_root"), case)
+    config = str(flags[1]) if flags[0] == "--config" else None
     code = f"""
 import hashlib, json, os, sys
 from hf_merge.options import MergeOptions
 from hf_merge.write import head_start as hs
 from hf_merge.cli.merge import _head_start_format
 assert _head_start_format({str(source)!r}, "auto") == {case!r}  # the CLI's choice, made without torch too
-request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={str(flags[1])!r}), {case!r})
+request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={config!r}), {case!r})
 planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
 digest, _ranges = hs._write(planned, fd, "sha256", lambda n: None)
@@ -549,13 +579,52 @@ def test_the_torch_free_dcp_index_agrees_with_the_torch_reader(case, dcp_root):
                 # rows of it (a layer's slice, a permuted head's rows): the same file bytes too
                 index_of = (0,) * (len(spec.shape) - 2) if len(spec.shape) > 2 else ()
                 rows = spec.shape[len(index_of)]
-                for first, n in ((0, rows), (rows // 3, max(1, rows // 2))):
-                    a, b = index.file_rows(name, index_of, first, n), reader.file_rows(name, index_of, first, n)
-                    assert (a is None) == (b is None), name
-                    assert [(r, os.fstat(x.fd).st_ino, x.offset, x.nbytes) for r, x in a or ()] == \
-                        [(r, os.fstat(x.fd).st_ino, x.offset, x.nbytes) for r, x in b or ()], name
+                _same_file_rows(index, reader, name, spec.shape)
     index.close()
     assert served >= len(specs) // 2
+
+
+def _file_bytes_of(rows) -> list | None:
+    """``file_rows``' answer as (row, [(inode, offset, bytes) of each run side by side])."""
+    from hf_merge.readers.file_runs import ColumnGather
+
+    if rows is None:
+        return None
+    return [(r, [(os.fstat(x.fd).st_ino, x.offset, x.nbytes) for x in (p.runs if isinstance(p, ColumnGather) else (p,))])
+            for r, p in rows]
+
+
+def _same_file_rows(index, reader, name: str, shape: tuple[int, ...]) -> int:
+    """The torch-free index and the DCP reader give the same file bytes for rows of ``name`` (a
+    layer's slice of a stacked tensor, a band of it); the number of bands whose columns several
+    chunks hold."""
+    index_of = (0,) * (len(shape) - 2) if len(shape) > 2 else ()
+    rows = shape[len(index_of)]
+    columns = 0
+    for first, n in ((0, rows), (rows // 3, max(1, rows // 2))):
+        a, b = _file_bytes_of(index.file_rows(name, index_of, first, n)), _file_bytes_of(reader.file_rows(name, index_of, first, n))
+        assert a == b, name
+        columns += sum(len(parts) > 1 for _, parts in a or ())
+    return columns
+
+
+def test_the_torch_free_index_agrees_with_the_reader_on_megatron_folders(megatron_root):
+    """Megatron-Core torch_dist folders (layers stacked, TP chunks): the same file bytes for every
+    layer slice, a TP>1 row-parallel weight's rows as the same chunk runs side by side."""
+    from hf_merge.readers.dcp import DcpCheckpoint
+    from hf_merge.readers.dcp_index import DcpIndex
+
+    folders = sorted(p.parent for p in megatron_root.glob("*/actor/**/.metadata"))
+    assert folders
+    columns = 0
+    for folder in folders:
+        index = DcpIndex(folder)
+        with DcpCheckpoint(folder) as reader:
+            for name, spec in reader.specs().items():
+                if not name.startswith("optimizer") and len(spec.shape) >= 2 and spec.shape[0]:
+                    columns += _same_file_rows(index, reader, name, spec.shape)
+        index.close()
+    assert columns, "no Megatron fixture has a weight cut along its columns: the test proves nothing"
 
 
 @pytest.mark.parametrize("damage", ["truncated chunk file", "metadata that asks for code"])

@@ -48,7 +48,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .file_runs import FileRun, MappedFile
+from .file_runs import ColumnGather, FileRun, MappedFile
 from . import rank_pool, record_crc
 from ..forks import helper_cpus
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
@@ -272,11 +272,14 @@ class DcpCheckpoint(LazyCheckpoint):
         runs of whole rows: views of the ``.distcp`` file mapped copy-on-write, handed out as
         :class:`~hf_merge.readers.file_runs.FileRun`\\ s, so the writer copies them file to file (``copy_file_range``)
         instead of reading them into a buffer and writing it out. Other layouts (a chunk cut along
-        another dimension, a file that cannot be mapped) are read box by box (the default)."""
+        another dimension, a file that cannot be mapped) are read box by box (the default), except
+        chunks cut along the columns only (a TP>1 row-parallel weight), whose rows are
+        :class:`~hf_merge.readers.file_runs.ColumnGather`\ s (:meth:`file_rows`)."""
         spec = self._spec(name)
         views = self._row_views(name) if spec.shape and spec.shape[0] else None
         if views is None:
-            return super().read_rows(name, dtype, max_bytes)
+            side_by_side = self.file_rows(name, (), 0, spec.shape[0]) if dtype == spec.dtype and spec.shape and spec.shape[0] else None
+            return iter(side_by_side) if side_by_side is not None else super().read_rows(name, dtype, max_bytes)
 
         def runs():
             for first, view, chunk in views:
@@ -289,31 +292,32 @@ class DcpCheckpoint(LazyCheckpoint):
         """Rows ``first .. first + rows`` of ``name[index]`` (``index`` fixes the leading dims, e.g.
         the layer of a stacked ``[L, rows, H]`` tensor) as the file runs that hold them:
         ``(row, run)`` in row order, ``row`` counted from ``first``. None when a chunk cuts a
-        trailing dim (its rows are not contiguous bytes) or a file does not map. Each chunk's
+        dim after the columns or a file does not map; rows whose columns several chunks hold (a TP>1
+        row-parallel weight) are a :class:`~hf_merge.readers.file_runs.ColumnGather`. Each chunk's
         record is noted for its CRC-32 check (:func:`~hf_merge.readers.record_crc.check_record`)."""
         spec, k = self._spec(name), len(index)
         start = (*index, first) + (0,) * (len(spec.shape) - k - 1)
         size = (1,) * k + (rows,) + spec.shape[k + 1:]
         if k >= len(spec.shape) or any(s < 0 or s + n > d for s, n, d in zip(start, size, spec.shape)):
             raise ValueError(f"{name}: rows {first}+{rows} of {list(index)} are outside shape {list(spec.shape)}")
-        runs = []
-        for chunk in self._chunks_near(name, start, size):
-            lo, hi = max(first, chunk.offsets[k]), min(first + rows, chunk.offsets[k] + chunk.sizes[k])
-            if lo >= hi or any(not o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
-                continue
-            if chunk.offsets[k + 1:] != start[k + 1:] or chunk.sizes[k + 1:] != size[k + 1:]:
-                return None
-            view = self._view(name, chunk)
-            if view is None:
-                return None
-            sub = view[tuple(i - o for i, o in zip(index, chunk.offsets))][lo - chunk.offsets[k] : hi - chunk.offsets[k]]
-            run = self._maps[chunk.file].source.run(sub)
-            if run is None:
-                return None
-            self._checked_layout(name, chunk)
-            runs.append((lo - first, run))
-        runs.sort(key=lambda r: r[0])
-        return runs if sum(len(r.tensor) for _, r in runs) == rows else None
+        bands = self._folder.row_slices(name, self._chunks_near(name, start, size), index, first, rows, ROW_CHUNK_BYTES)
+        if bands is None:
+            return None
+        runs: list[tuple[int, FileRun | ColumnGather]] = []
+        for lo, hi, held in bands:
+            parts = []
+            for chunk in held:
+                view = self._view(name, chunk)
+                if view is None:
+                    return None
+                sub = view[tuple(i - o for i, o in zip(index, chunk.offsets))][lo - chunk.offsets[k] : hi - chunk.offsets[k]]
+                run = self._maps[chunk.file].source.run(sub)
+                if run is None:
+                    return None
+                self._checked_layout(name, chunk)
+                parts.append(run)
+            runs.append((lo - first, parts[0] if len(parts) == 1 else ColumnGather(tuple(parts), hi - lo)))
+        return runs if runs and sum(hi - lo for lo, hi, _ in bands) == rows else None
 
     def _row_views(self, name: str) -> list[tuple[int, torch.Tensor, _Chunk]] | None:
         """``(first row, chunk view, chunk)`` of every non-empty chunk in row order, when the chunks are

@@ -26,7 +26,7 @@ from . import contained, record_crc
 from ..errors import CorruptCheckpointError, PickleRefusedError, SourceNotFoundError, UnsafeCheckpointError, UnsupportedCheckpointError
 from ..spec import DTypeName, TensorSpec, c_contiguous
 from .dcp_metadata import check_tensor_properties, metadata_substitutes
-from .file_runs import FileRun
+from .file_runs import ColumnGather, FileRun
 from .safe_pickle import DCP_METADATA, Allowlist, load_pickle, named_torch, torch_names
 from .torch_zip import Record, Window, checked_pickle, read_records
 
@@ -382,6 +382,38 @@ class DcpFolder:
             return None
         return bands
 
+    def row_slices(
+        self, key: str, chunks: Iterable[Chunk], index: tuple[int, ...], first: int, rows: int, max_band: int = 32 << 20,
+    ) -> "list[tuple[int, int, list[Chunk]]] | None":
+        """Where rows ``first .. first + rows`` of ``key[index]`` lie: ``(lo, hi, chunks)`` in row
+        order, ``chunks`` holding rows ``lo .. hi`` side by side by column (one chunk when none cuts
+        the columns; then the band is as long as the chunk allows, else at most ``max_band`` bytes).
+        None when a chunk cuts a dimension after the columns or a band's chunks do not tile its rows."""
+        shape, k = self.tensors[key].shape, len(index)
+        near = [c for c in chunks if math.prod(c.sizes) and all(o <= i < o + n for i, o, n in zip(index, c.offsets, c.sizes))
+                and c.offsets[k] < first + rows and c.offsets[k] + c.sizes[k] > first]
+        if any(c.offsets[k + 2:] != (0,) * len(shape[k + 2:]) or c.sizes[k + 2:] != shape[k + 2:] for c in near):
+            return None
+        cuts = sorted({first, first + rows} | {b for c in near for b in (c.offsets[k], c.offsets[k] + c.sizes[k]) if first < b < first + rows})
+        width = shape[k + 1] if len(shape) > k + 1 else None
+        row_bytes = math.prod(shape[k + 1:]) * self.tensors[key].dtype.itemsize
+        out: list[tuple[int, int, list[Chunk]]] = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            held = sorted((c for c in near if c.offsets[k] <= lo and hi <= c.offsets[k] + c.sizes[k]),
+                          key=lambda c: c.offsets[k + 1] if width is not None else 0)
+            at = 0
+            for c in held:
+                if width is None or c.offsets[k + 1] != at:
+                    if width is None and len(held) == 1:
+                        break
+                    return None
+                at += c.sizes[k + 1]
+            if width is not None and at != width:
+                return None
+            step = hi - lo if len(held) == 1 else max(1, max_band // max(1, row_bytes))
+            out.extend((a, min(a + step, hi), held) for a in range(lo, hi, step))
+        return out
+
     def check_dtype(self, name: str, chunk: Chunk, layout: ChunkLayout) -> ChunkLayout:
         if layout.dtype != self.tensors[name].dtype:
             raise CorruptCheckpointError(
@@ -416,9 +448,12 @@ class DcpIndex(DcpFolder):
         ``max_bytes`` (the read_rows contract's bound on converted runs) does not apply: runs are file bytes."""
         key = self.table[name]
         spec = self.tensors[key]
-        bands = self.row_bands(key) if dtype == spec.dtype and spec.shape and spec.shape[0] else None
-        if bands is None:
+        if dtype != spec.dtype or not spec.shape or not spec.shape[0]:
             return None
+        bands = self.row_bands(key)
+        if bands is None:  # chunks cut along the columns only: rows side by side (as the DCP reader)
+            side_by_side = self.file_rows(name, (), 0, spec.shape[0])
+            return iter(side_by_side) if side_by_side is not None else None
 
         def runs() -> Iterator[tuple[int, FileRun]]:
             for chunk in bands:
@@ -434,28 +469,31 @@ class DcpIndex(DcpFolder):
     def file_rows(self, name: str, index: tuple[int, ...], first: int, rows: int) -> list[tuple[int, FileRun]] | None:
         """Rows ``first .. first + rows`` of ``name[index]`` as file runs, as the DCP reader's
         ``file_rows`` gives them (``(row counted from first, run)`` in row order); the chunks they
-        lie in are parsed now. None when a chunk cuts a trailing dimension."""
+        lie in are parsed now; rows whose columns several chunks hold are a
+        :class:`~hf_merge.readers.file_runs.ColumnGather`. None when a chunk cuts a later dimension."""
         key = self.table[name]
         spec, k = self.tensors[key], len(index)
         if k >= len(spec.shape) or first < 0 or first + rows > spec.shape[k]:
             raise ValueError(f"{name}: rows {first}+{rows} of {list(index)} are outside shape {list(spec.shape)}")
-        runs: list[tuple[int, FileRun]] = []
-        for chunk in self.chunks[key]:
-            lo, hi = max(first, chunk.offsets[k]), min(first + rows, chunk.offsets[k] + chunk.sizes[k])
-            if lo >= hi or any(not o <= i < o + n for i, o, n in zip(index, chunk.offsets, chunk.sizes)):
-                continue
-            if any(o or n != d for o, n, d in zip(chunk.offsets[k + 1:], chunk.sizes[k + 1:], spec.shape[k + 1:])):
-                return None
-            if chunk.layout is None:
-                chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
-            if not c_contiguous(chunk.layout.size, chunk.layout.stride):
-                return None
-            stride = [math.prod(chunk.sizes[d + 1:]) for d in range(k + 1)]  # C order (size-1 dims' strides are free)
-            at = sum((i - o) * st for i, o, st in zip(index, chunk.offsets, stride)) + (lo - chunk.offsets[k]) * stride[k]
-            size = spec.dtype.itemsize
-            runs.append((lo - first, FileRun(self.fds[chunk.file], chunk.layout.data_start + at * size, (hi - lo) * stride[k] * size, None)))
-        runs.sort(key=lambda r: r[0])
-        return runs if runs and sum(r.nbytes for _, r in runs) == rows * math.prod(spec.shape[k + 1:]) * spec.dtype.itemsize else None
+        from ..checkpoint import ROW_CHUNK_BYTES  # the DCP reader's band bound: the same runs, the same recipe
+
+        bands = self.row_slices(key, self.chunks[key], index, first, rows, ROW_CHUNK_BYTES)
+        if bands is None:
+            return None
+        size = spec.dtype.itemsize
+        runs: list[tuple[int, FileRun | ColumnGather]] = []
+        for lo, hi, held in bands:
+            parts = []
+            for chunk in held:
+                if chunk.layout is None:
+                    chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
+                if not c_contiguous(chunk.layout.size, chunk.layout.stride):
+                    return None
+                stride = [math.prod(chunk.sizes[d + 1:]) for d in range(k + 1)]  # C order (size-1 dims' strides are free)
+                at = sum((i - o) * st for i, o, st in zip(index, chunk.offsets, stride)) + (lo - chunk.offsets[k]) * stride[k]
+                parts.append(FileRun(self.fds[chunk.file], chunk.layout.data_start + at * size, (hi - lo) * stride[k] * size, None))
+            runs.append((lo - first, parts[0] if len(parts) == 1 else ColumnGather(tuple(parts), hi - lo)))
+        return runs if runs and sum(r.nbytes for _, r in runs) == rows * math.prod(spec.shape[k + 1:]) * size else None
 
     def close(self) -> None:
         for fd in self.fds.values():

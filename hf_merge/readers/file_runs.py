@@ -72,9 +72,30 @@ class RowGather:
         return self.run.tensor[torch.tensor(self.order)]
 
 
-#: what ``read_rows`` yields after the first row: file bytes with their provenance (a run, or a
-#: run's rows in another order), or values
-Piece = Union[FileRun, RowGather, "torch.Tensor"]
+@dataclass(frozen=True, eq=False)
+class ColumnGather:
+    """Rows whose columns lie in several file runs: row ``i`` of this piece is row ``i`` of each of
+    ``runs`` side by side (a TP>1 row-parallel weight: each rank's chunk holds a slice of every
+    row). Each run holds ``rows`` whole rows of its slice. A writer reads each run once and
+    interleaves them; ``tensor`` is the runs' tensors joined along dim 1."""
+
+    runs: tuple[FileRun, ...]
+    rows: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.runs)
+
+    @property
+    def tensor(self) -> "torch.Tensor":
+        import torch
+
+        return torch.cat([r.tensor for r in self.runs], dim=1)
+
+
+#: what ``read_rows`` yields after the first row: file bytes with their provenance (a run, a run's
+#: rows in another order, rows side by side in several runs), or values
+Piece = Union[FileRun, RowGather, ColumnGather, "torch.Tensor"]
 
 #: what receives a file run's bytes where a loader placed them: (descriptor, file offset, bytes)
 #: (:meth:`hf_merge.readers.record_crc.Placed.place`)
@@ -83,7 +104,7 @@ OnPlaced = Callable[[int, int, memoryview], None]
 
 def values(piece: Piece) -> "torch.Tensor":
     """The tensor of ``piece``."""
-    return piece.tensor if isinstance(piece, (FileRun, RowGather)) else piece
+    return piece.tensor if isinstance(piece, (FileRun, RowGather, ColumnGather)) else piece
 
 
 def run_of(piece: Piece) -> FileRun | None:

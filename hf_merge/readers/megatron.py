@@ -46,7 +46,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from . import contained, megatron_legacy
 from ..checkpoint import CheckpointInfo, LazyCheckpoint
@@ -65,11 +65,14 @@ from ..spec import TensorSpec
 from ..transforms.name_tables.megatron_gpt import HF_LAYER, LAYER_INDEX, NOT_MODEL, OUTPUT_BIAS, OUTPUT_LAYER
 from ..transforms.name_table import NameTable, find_table
 from ..transforms.name_table_view import NameTableView, attention_heads
-from .dcp import DcpCheckpoint, is_dcp_dir
+from .dcp_index import is_dcp_dir
 from .fsdp_files import choose_step
 from ..hf_files import checkpoint_side_dir, load_config
 
-__all__ = ["probe", "open_megatron", "find_layout", "resolve_megatron_dir"]
+if TYPE_CHECKING:  # probing (and the head start's index) imports this module without torch
+    from .dcp import DcpCheckpoint
+
+__all__ = ["probe", "open_megatron", "open_index", "find_layout", "resolve_megatron_dir"]
 
 MANIFEST = "ckpt_contents.json"
 TRANSFORMER_CONFIG = "transformer_config.json"
@@ -506,6 +509,8 @@ def open_megatron(
                     "use another step"
                 )
         else:
+            from .dcp import DcpCheckpoint
+
             dcp = DcpCheckpoint(lay.dist_dir)
     details: dict[str, Any] = {"layout": lay.kind, **_parallel_details(lay, dcp)}
     if lay.manifest is not None:
@@ -616,6 +621,39 @@ def open_megatron(
     )
     named.view.info = info
     return named.view
+
+
+def open_index(path: Path, config: Path | None):
+    """The model's tensors under Hugging Face names, read without torch, for the CLI's head start:
+    the name table :func:`open_megatron` applies, over a :class:`~hf_merge.readers.dcp_index.DcpIndex`
+    of the ``torch_dist`` folder's model entries (a TP>1 row-parallel weight's rows as
+    ``ColumnGather`` s), and the folder of config.json. None (no head start) for the legacy and
+    mbridge layouts, a critic, and a folder the reader parses with a process per CPU."""
+    from .dcp_index import PARALLEL_CHUNKS, DcpIndex
+
+    folder, _ = resolve_megatron_dir(Path(path))
+    lay = find_layout(folder)
+    if lay is None or lay.kind == "legacy" or lay.dist_dir is None or not is_dcp_dir(lay.dist_dir):
+        return None
+    if (((lay.manifest or {}).get("contents") or {}).get("model") or {}).get("format") == "huggingface":
+        return None
+    index = DcpIndex(lay.dist_dir)
+    try:
+        keys = [k for k in index.tensors if not _matches(k, NOT_MODEL)]
+        if not keys or sum(map(len, index.chunks.values())) >= PARALLEL_CHUNKS:
+            index.close()
+            return None
+        index.select({k: k for k in keys})
+        cdir, hf_config = _load_hf_config(lay.hf_dir, config, lay.root)
+        named = hf_names(index, _table_for(hf_config, cdir, lay.transformer_config), hf_config, is_value_model=None,
+                         where=str(lay.dist_dir))
+        if named.head.value_model or named.head.tied:
+            index.close()
+            return None
+        return named.view, cdir
+    except BaseException:
+        index.close()
+        raise
 
 
 def _step_from(path: Path) -> int | None:

@@ -14,9 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .. import config_fields
 from .file_runs import MappedFile, source_of
@@ -27,6 +25,9 @@ from ..transforms.name_tables.megatron_gpt import EMBEDDING, LAYER, LAYER_INDEX,
 from ..spec import TensorSpec
 from ..transforms.name_table import NameTable
 from .safe_pickle import TENSOR_FILE, Allowlist, torch_load
+
+if TYPE_CHECKING:  # the probe (legacy_dir) runs before torch is imported
+    import torch
 
 __all__ = ["LEGACY_RANK_FILE", "Assembled", "RankGrid", "assemble", "legacy_dir", "load_rank_file", "rank_grid"]
 
@@ -111,6 +112,8 @@ def load_rank_file(path: Path) -> list[dict[str, Any]]:
         sds = [obj]
     else:
         raise UnsupportedCheckpointError(f"{path}: holds a {type(obj).__name__}, not a model state dict")
+    import torch
+
     out = []
     for sd in sds:
         if not isinstance(sd, dict):

@@ -391,7 +391,7 @@ class NameTableView(LazyCheckpoint):
             return None
         rows = spec.shape[0]
         found = file_rows(t.source, t.index, 0, rows)
-        if found is None:
+        if found is None or not all(isinstance(run, FileRun) for _, run in found):
             return None
         row_bytes, head = spec.nbytes // rows, rows // t.heads
         run_of_row: list[tuple[FileRun, int]] = []

@@ -261,6 +261,22 @@ class Sink:
         for r in gather.order:
             self.add_memory(block[r * row : (r + 1) * row])
 
+    def add_columns(self, gather: "file_runs.ColumnGather") -> None:
+        """Append rows whose columns lie in ``gather.runs``: each run read once (checked against
+        its record's CRC-32 in file order), the rows interleaved by numpy, then appended."""
+        import numpy
+
+        band = numpy.empty((gather.rows, gather.nbytes // gather.rows), dtype=numpy.uint8)
+        at = 0
+        for run in gather.runs:
+            width = run.nbytes // gather.rows
+            block = memoryview(bytearray(run.nbytes))
+            file_runs.pread_exact(run.fd, block, run.offset)
+            self._crc.feed(run.fd, run.offset, block)
+            band[:, at : at + width] = numpy.frombuffer(block, dtype=numpy.uint8).reshape(gather.rows, width)
+            at += width
+        self.add_memory(memoryview(band).cast("B"))
+
     def sources_done(self) -> None:
         """Every byte is appended: a source record whose first bytes streamed in order, and whose
         rest another file holds, is handed to the check as a piece (call it on the filling thread)."""
@@ -445,7 +461,8 @@ def join_range(ranges: list[list[int]], source: tuple[int, int], offset: int, n:
 def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan) -> list[list[int]] | None:
     """What the engine appends after ``plan``'s header, as rank-file byte ranges
     (:func:`join_range`; a :class:`~hf_merge.readers.file_runs.RowGather` is its run's range followed by
-    its row order), or None when some bytes would not be copied from a file (computed,
+    its row order, a :class:`~hf_merge.readers.file_runs.ColumnGather` each run's range followed by
+    minus its row count), or None when some bytes would not be copied from a file (computed,
     converted, or a tensor without row runs). Reads no tensor data."""
     ranges: list[list[int]] = []
     sources: dict[int, tuple[int, int]] = {}
@@ -456,6 +473,13 @@ def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan) -> list[list[int]] | None:
         if rows is None:
             return None
         for _first, run in rows:
+            if isinstance(run, file_runs.ColumnGather):  # each run, then the band's row count (negative)
+                for part in run.runs:
+                    if part.fd not in sources:
+                        st = os.fstat(part.fd)
+                        sources[part.fd] = (st.st_dev, st.st_ino)
+                    ranges.append([*sources[part.fd], part.offset, part.nbytes, -run.rows])
+                continue
             gather = run if isinstance(run, file_runs.RowGather) else None
             located = gather.run if gather is not None else file_bytes(run)
             if located is None:

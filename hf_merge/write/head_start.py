@@ -51,7 +51,8 @@ PLAN_WAIT_S = 120.0
 #: the formats whose first file a child can write, and the reader module of each whose ``probe``
 #: and ``open_index(source, config)`` (the source as the reader lays it out, and its config folder)
 #: import no torch
-FORMATS = {"fsdp": "fsdp_files", "dcp": "dcp_generic", "accelerate": "accelerate", "torchtitan": "torchtitan"}
+FORMATS = {"fsdp": "fsdp_files", "dcp": "dcp_generic", "accelerate": "accelerate", "torchtitan": "torchtitan",
+           "megatron": "megatron"}
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ def begin(request: Request) -> "HeadStart | None":
     if request.format == "fsdp":
         from ..readers import fsdp_files, rank_pool, rank_records  # noqa: F401
     else:
-        from ..readers import accelerate, dcp_generic, dcp_index, dcp_sources, torchtitan  # noqa: F401
-    if request.format == "torchtitan":
+        from ..readers import accelerate, dcp_generic, dcp_index, dcp_sources, megatron, torchtitan  # noqa: F401
+    if request.format in ("torchtitan", "megatron"):
         from ..transforms import name_table, name_table_view  # noqa: F401
         from ..transforms.name_table import all_tables
 
@@ -291,7 +292,7 @@ def _open(request: Request) -> tuple[Any, Path]:
     config = Path(request.options.config) if request.options.config else None
     opened = importlib.import_module(f"hf_merge.readers.{FORMATS[request.format]}").open_index(Path(request.source), config)
     if opened is None:
-        raise _Skip("the merge reads this source's pickles with a process per CPU, which this child would slow")
+        raise _Skip("not served: a layout the child does not read, or pickles the merge reads with a process per CPU")
     return opened
 
 

@@ -116,6 +116,9 @@ def _add_tensor(sink: engine.Sink, piece: "file_runs.Piece") -> int:
     if isinstance(piece, file_runs.RowGather):
         sink.add_gather(piece)
         return piece.run.nbytes
+    if isinstance(piece, file_runs.ColumnGather):
+        sink.add_columns(piece)
+        return piece.nbytes
     run = engine.file_bytes(piece)
     if run is not None:
         sink.add_file(run.fd, run.offset, run.nbytes)
