@@ -401,6 +401,8 @@ class DcpFolder:
         for lo, hi in zip(cuts, cuts[1:]):
             held = sorted((c for c in near if c.offsets[k] <= lo and hi <= c.offsets[k] + c.sizes[k]),
                           key=lambda c: c.offsets[k + 1] if width is not None else 0)
+            if not held:  # rows no chunk holds (the metadata's tiling check makes this unreachable)
+                return None
             at = 0
             for c in held:
                 if width is None or c.offsets[k + 1] != at:
@@ -440,33 +442,31 @@ class DcpIndex(DcpFolder):
     def specs(self) -> dict[str, TensorSpec]:
         return {name: TensorSpec(name, self.tensors[key].shape, self.tensors[key].dtype) for name, key in self.table.items()}
 
-    def read_rows(self, name: str, dtype: Any, max_bytes: int = 0) -> Iterator[tuple[int, FileRun]] | None:
-        """The row bands of ``name`` as file runs, each chunk's archive parsed when its run is
-        reached (a write copies the first tensors meanwhile); None, from the metadata alone, when
-        the chunks are not bands of whole rows or ``dtype`` is another. A chunk stored in another
-        order than C raises (DCP saves contiguous chunks; the merge then writes the file itself).
-        ``max_bytes`` (the read_rows contract's bound on converted runs) does not apply: runs are file bytes."""
+    def read_rows(self, name: str, dtype: Any, max_bytes: int = 0) -> Iterator[tuple[int, FileRun | ColumnGather]] | None:
+        """The tensor's rows as file runs (:meth:`file_rows` of all of them), each chunk's archive
+        parsed when its run is reached (a write copies the first tensors meanwhile); None, from the
+        metadata alone, when a chunk cuts a dimension after the columns or ``dtype`` is another. A
+        chunk stored in another order than C raises (DCP saves contiguous chunks; the merge then
+        writes the file itself). ``max_bytes`` (the read_rows contract's bound on converted runs)
+        does not apply: runs are file bytes."""
         key = self.table[name]
         spec = self.tensors[key]
         if dtype != spec.dtype or not spec.shape or not spec.shape[0]:
             return None
-        bands = self.row_bands(key)
-        if bands is None:  # chunks cut along the columns only: rows side by side (as the DCP reader)
-            side_by_side = self.file_rows(name, (), 0, spec.shape[0])
-            return iter(side_by_side) if side_by_side is not None else None
+        bands = self._bands(key, (), 0, spec.shape[0])
+        if bands is None:
+            return None
 
-        def runs() -> Iterator[tuple[int, FileRun]]:
-            for chunk in bands:
-                if chunk.layout is None:
-                    chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
-                lay = chunk.layout
-                if not c_contiguous(lay.size, lay.stride):
-                    raise UnsupportedCheckpointError(f"{self.path / chunk.file}: a chunk of {key} is not stored in C order")
-                yield chunk.offsets[0], FileRun(self.fds[chunk.file], lay.data_start, lay.storage_nbytes, None)
+        def runs() -> Iterator[tuple[int, FileRun | ColumnGather]]:
+            for lo, hi, held in bands:
+                piece = self._piece(key, (), lo, hi, held)
+                if piece is None:
+                    raise UnsupportedCheckpointError(f"{self.path}: a chunk of {key} is not stored in C order")
+                yield lo, piece
 
         return runs()
 
-    def file_rows(self, name: str, index: tuple[int, ...], first: int, rows: int) -> list[tuple[int, FileRun]] | None:
+    def file_rows(self, name: str, index: tuple[int, ...], first: int, rows: int) -> list[tuple[int, FileRun | ColumnGather]] | None:
         """Rows ``first .. first + rows`` of ``name[index]`` as file runs, as the DCP reader's
         ``file_rows`` gives them (``(row counted from first, run)`` in row order); the chunks they
         lie in are parsed now; rows whose columns several chunks hold are a
@@ -475,25 +475,33 @@ class DcpIndex(DcpFolder):
         spec, k = self.tensors[key], len(index)
         if k >= len(spec.shape) or first < 0 or first + rows > spec.shape[k]:
             raise ValueError(f"{name}: rows {first}+{rows} of {list(index)} are outside shape {list(spec.shape)}")
-        from ..checkpoint import ROW_CHUNK_BYTES  # the DCP reader's band bound: the same runs, the same recipe
-
-        bands = self.row_slices(key, self.chunks[key], index, first, rows, ROW_CHUNK_BYTES)
+        bands = self._bands(key, index, first, rows)
         if bands is None:
             return None
-        size = spec.dtype.itemsize
-        runs: list[tuple[int, FileRun | ColumnGather]] = []
-        for lo, hi, held in bands:
-            parts = []
-            for chunk in held:
-                if chunk.layout is None:
-                    chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
-                if not c_contiguous(chunk.layout.size, chunk.layout.stride):
-                    return None
-                stride = [math.prod(chunk.sizes[d + 1:]) for d in range(k + 1)]  # C order (size-1 dims' strides are free)
-                at = sum((i - o) * st for i, o, st in zip(index, chunk.offsets, stride)) + (lo - chunk.offsets[k]) * stride[k]
-                parts.append(FileRun(self.fds[chunk.file], chunk.layout.data_start + at * size, (hi - lo) * stride[k] * size, None))
-            runs.append((lo - first, parts[0] if len(parts) == 1 else ColumnGather(tuple(parts), hi - lo)))
-        return runs if runs and sum(r.nbytes for _, r in runs) == rows * math.prod(spec.shape[k + 1:]) * size else None
+        runs = [(lo - first, self._piece(key, index, lo, hi, held)) for lo, hi, held in bands]
+        if not runs or any(piece is None for _, piece in runs):
+            return None
+        return runs if sum(r.nbytes for _, r in runs) == rows * math.prod(spec.shape[k + 1:]) * spec.dtype.itemsize else None
+
+    def _bands(self, key: str, index: tuple[int, ...], first: int, rows: int) -> "list[tuple[int, int, list[Chunk]]] | None":
+        from ..checkpoint import ROW_CHUNK_BYTES  # the DCP reader's band bound: the same runs, the same recipe
+
+        return self.row_slices(key, self.chunks[key], index, first, rows, ROW_CHUNK_BYTES)
+
+    def _piece(self, key: str, index: tuple[int, ...], lo: int, hi: int, held: list[Chunk]) -> "FileRun | ColumnGather | None":
+        """Rows ``lo .. hi`` of ``key[index]`` in the chunks ``held`` (side by side) as file bytes,
+        each chunk's archive parsed now; None when a chunk is not stored in C order."""
+        k, size = len(index), self.tensors[key].dtype.itemsize
+        parts = []
+        for chunk in held:
+            if chunk.layout is None:
+                chunk.layout = self.parse_chunk(self.fds[chunk.file], key, chunk)
+            if not c_contiguous(chunk.layout.size, chunk.layout.stride):
+                return None
+            stride = [math.prod(chunk.sizes[d + 1:]) for d in range(k + 1)]  # C order (size-1 dims' strides are free)
+            at = sum((i - o) * st for i, o, st in zip(index, chunk.offsets, stride)) + (lo - chunk.offsets[k]) * stride[k]
+            parts.append(FileRun(self.fds[chunk.file], chunk.layout.data_start + at * size, (hi - lo) * stride[k] * size, None))
+        return parts[0] if len(parts) == 1 else ColumnGather(tuple(parts), hi - lo)
 
     def close(self) -> None:
         for fd in self.fds.values():

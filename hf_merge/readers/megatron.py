@@ -518,7 +518,7 @@ def open_megatron(
         details["global_step"] = lay.manifest.get("global_step")
     step = details.get("global_step") if isinstance(details.get("global_step"), int) else _step_from(path)
 
-    model_entry = ((lay.manifest or {}).get("contents") or {}).get("model") or {}
+    model_entry = _manifest_model(lay)
     if model_entry.get("format") == "megatron_dist_checkpoint" and dcp is None:
         raise CorruptCheckpointError(
             f"{lay.root / MANIFEST} lists the model at {model_entry.get('path')!r}, but {lay.dist_dir} holds no "
@@ -623,6 +623,11 @@ def open_megatron(
     return named.view
 
 
+def _manifest_model(lay: Layout) -> dict[str, Any]:
+    """The manifest's entry for the model (``contents.model`` of ckpt_contents.json), or {}."""
+    return ((lay.manifest or {}).get("contents") or {}).get("model") or {}
+
+
 def open_index(path: Path, config: Path | None):
     """The model's tensors under Hugging Face names, read without torch, for the CLI's head start:
     the name table :func:`open_megatron` applies, over a :class:`~hf_merge.readers.dcp_index.DcpIndex`
@@ -635,7 +640,7 @@ def open_index(path: Path, config: Path | None):
     lay = find_layout(folder)
     if lay is None or lay.kind == "legacy" or lay.dist_dir is None or not is_dcp_dir(lay.dist_dir):
         return None
-    if (((lay.manifest or {}).get("contents") or {}).get("model") or {}).get("format") == "huggingface":
+    if _manifest_model(lay).get("format") == "huggingface":  # mbridge: the HF folder is the model
         return None
     index = DcpIndex(lay.dist_dir)
     try:

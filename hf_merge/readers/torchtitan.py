@@ -62,8 +62,7 @@ def open_index(path: Path, config: Path | None):
     """The model's tensors under Hugging Face names, read without torch, for the CLI's head start:
     the name table :func:`open_torchtitan` applies, over a :class:`~hf_merge.readers.dcp_index.DcpIndex`
     (q/k rows un-permuted: each head a ``RowGather`` of its source rows), and the folder of config.json."""
-    import json
-
+    from ..hf_files import load_config
     from ..transforms.name_table import find_table
     from ..transforms.name_table_view import NameTableView
 
@@ -73,7 +72,7 @@ def open_index(path: Path, config: Path | None):
         return None
     index, hf_dir = opened
     try:
-        hf_config = json.loads((hf_dir / "config.json").read_bytes())
+        hf_config = load_config(hf_dir)
         return NameTableView(index, find_table("torchtitan", hf_config), hf_config), hf_dir
     except BaseException:
         index.close()

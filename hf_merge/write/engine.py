@@ -253,11 +253,8 @@ class Sink:
     def add_gather(self, gather: "file_runs.RowGather") -> None:
         """Append the rows of a file run in ``gather.order``: the run read once (its bytes checked
         against their record's CRC-32 in file order), then its rows copied in turn."""
-        run = gather.run
-        block = memoryview(bytearray(run.nbytes))
-        file_runs.pread_exact(run.fd, block, run.offset)
-        self._crc.feed(run.fd, run.offset, block)
-        row = run.nbytes // len(gather.order)
+        block = self._read_checked(gather.run)
+        row = gather.run.nbytes // len(gather.order)
         for r in gather.order:
             self.add_memory(block[r * row : (r + 1) * row])
 
@@ -270,12 +267,17 @@ class Sink:
         at = 0
         for run in gather.runs:
             width = run.nbytes // gather.rows
-            block = memoryview(bytearray(run.nbytes))
-            file_runs.pread_exact(run.fd, block, run.offset)
-            self._crc.feed(run.fd, run.offset, block)
+            block = self._read_checked(run)
             band[:, at : at + width] = numpy.frombuffer(block, dtype=numpy.uint8).reshape(gather.rows, width)
             at += width
         self.add_memory(memoryview(band).cast("B"))
+
+    def _read_checked(self, run: "file_runs.FileRun") -> memoryview:
+        """``run``'s bytes read into fresh memory, fed to the source records' CRC-32 in file order."""
+        block = memoryview(bytearray(run.nbytes))
+        file_runs.pread_exact(run.fd, block, run.offset)
+        self._crc.feed(run.fd, run.offset, block)
+        return block
 
     def sources_done(self) -> None:
         """Every byte is appended: a source record whose first bytes streamed in order, and whose
@@ -466,6 +468,13 @@ def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan) -> list[list[int]] | None:
     converted, or a tensor without row runs). Reads no tensor data."""
     ranges: list[list[int]] = []
     sources: dict[int, tuple[int, int]] = {}
+
+    def source(fd: int) -> tuple[int, int]:
+        if fd not in sources:
+            st = os.fstat(fd)
+            sources[fd] = (st.st_dev, st.st_ino)
+        return sources[fd]
+
     for spec, _start in plan.placed():
         if spec.nbytes == 0:
             continue
@@ -474,21 +483,12 @@ def byte_recipe(ckpt: LazyCheckpoint, plan: FilePlan) -> list[list[int]] | None:
             return None
         for _first, run in rows:
             if isinstance(run, file_runs.ColumnGather):  # each run, then the band's row count (negative)
-                for part in run.runs:
-                    if part.fd not in sources:
-                        st = os.fstat(part.fd)
-                        sources[part.fd] = (st.st_dev, st.st_ino)
-                    ranges.append([*sources[part.fd], part.offset, part.nbytes, -run.rows])
-                continue
-            gather = run if isinstance(run, file_runs.RowGather) else None
-            located = gather.run if gather is not None else file_bytes(run)
-            if located is None:
-                return None
-            if located.fd not in sources:
-                st = os.fstat(located.fd)
-                sources[located.fd] = (st.st_dev, st.st_ino)
-            if gather is not None:  # a run's rows in another order: the run, then the order
-                ranges.append([*sources[located.fd], located.offset, located.nbytes, *gather.order])
+                ranges.extend([*source(part.fd), part.offset, part.nbytes, -run.rows] for part in run.runs)
+            elif isinstance(run, file_runs.RowGather):  # a run's rows in another order: the run, then the order
+                ranges.append([*source(run.run.fd), run.run.offset, run.run.nbytes, *run.order])
             else:
-                join_range(ranges, sources[located.fd], located.offset, located.nbytes)
+                located = file_bytes(run)
+                if located is None:
+                    return None
+                join_range(ranges, source(located.fd), located.offset, located.nbytes)
     return ranges
