@@ -658,3 +658,28 @@ def test_a_damaged_dcp_folder_is_one_line_with_the_child_running(damage, dcp_roo
     assert ("truncated" in line) if damage == "truncated chunk file" else ("system" in line and "allowlist" in line), line
     assert forks == ["accelerate"] and adoptions == [] and not marker.exists() and not (tmp_path / "out").exists()
     assert set(_children()) <= before
+
+
+@pytest.mark.parametrize("case", ["torchtitan", "megatron"])
+def test_a_config_no_name_table_maps_is_one_line_with_the_child_running(case, request, tmp_path, adoptions, forks):
+    """A config.json whose model_type no name table maps (the child opens the name table too): the
+    child is forked, the merge fails with the reader's one error line, no target, no child left."""
+    import shutil
+
+    if case == "megatron":
+        source, config = request.getfixturevalue("megatron_root") / "qwen2_v1" / "actor", None
+        config = tmp_path / "config"
+        shutil.copytree(source / "huggingface", config)
+    else:
+        dcp_root = request.getfixturevalue("dcp_root")
+        source, config = dcp_root / "torchtitan" / "dump", tmp_path / "config"
+        shutil.copytree(dcp_root / "torchtitan" / "config", config)
+    data = json.loads((config / "config.json").read_text())
+    data["model_type"] = "gpt2"
+    (config / "config.json").write_text(json.dumps(data))
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", "--config", config)
+    line = error_line(proc)
+    assert "name table" in line and "gpt2" in line, line
+    assert forks == [case] and adoptions == []
+    assert not (tmp_path / "out").exists() and set(_children()) <= before
