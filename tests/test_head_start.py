@@ -118,11 +118,11 @@ def test_no_head_start_where_the_merge_is_not_a_plain_copy(case, checkpoint, tmp
 
 
 def test_no_child_is_forked_for_other_formats(tmp_path, monkeypatch):
-    """A DeepSpeed folder (or any source that is not verl FSDP rank files) forks nothing."""
+    """A ColossalAI folder (or any source of a format the child does not read) forks nothing."""
     forks: list[object] = []
     real = head_start.begin
     monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request) or real(request))
-    data = ROOT / "tests" / "data" / "deepspeed" / "z2_bf16_trainer_ws2"
+    data = ROOT / "tests" / "data" / "colossalai" / "ddp_safetensors_ws2"
     proc = run_cli("merge", data, tmp_path / "out", "--dtype", "auto", in_process=True)
     assert proc.returncode == 0, proc.stderr
     assert forks == []
@@ -242,7 +242,7 @@ print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest, "data": ha
 
 
 def test_the_childs_pickle_policy_is_a_subset_of_the_one_policy():
-    allow, names, subs = rank_records._named_policy()
+    allow, names, subs = rank_records.named_policy()
     assert allow.calls <= DTENSOR_FILE.calls and allow.classes <= DTENSOR_FILE.classes
     assert names.names <= torch_names().names
     for pair in allow.pairs() | names.pairs():  # nothing the child allows is looked up in a module
@@ -506,13 +506,15 @@ def test_a_tied_dcp_folder_is_written_by_the_merge(dcp_root, tmp_path, adoptions
     assert (forks, adoptions) == (["dcp"], [False])
 
 
-@pytest.mark.parametrize("case", ["accelerate", "torchtitan", "megatron"])
+@pytest.mark.parametrize("case", ["accelerate", "torchtitan", "megatron", "deepspeed"])
 def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, request, tmp_path):
     """The CLI's choice of a head start and the child's plan and file, in a fresh interpreter:
     no torch (torchtitan's name table and q/k un-permutation included); the file is byte for byte
     the merge's own."""
     if case == "megatron":
         source, flags = request.getfixturevalue("megatron_root") / "qwen2_v1" / "actor", ("--dtype", "auto")
+    elif case == "deepspeed":
+        source, flags = DEEPSPEED / "z3_fp32_ws3", _deepspeed_flags("z3_fp32_ws3")
     else:
         source, flags = _dcp_case(request.getfixturevalue("dcp_root"), case)
     config = str(flags[1]) if flags[0] == "--config" else None
@@ -683,3 +685,155 @@ def test_a_config_no_name_table_maps_is_one_line_with_the_child_running(case, re
     assert "name table" in line and "gpt2" in line, line
     assert forks == [case] and adoptions == []
     assert not (tmp_path / "out").exists() and set(_children()) <= before
+
+
+# ---- DeepSpeed ZeRO folders: the reader's own layout (ZeroLayout) over pickles read without torch -----
+
+DEEPSPEED = ROOT / "tests" / "data" / "deepspeed"
+DEEPSPEED_CASES = sorted(p.name for p in DEEPSPEED.iterdir() if (p / "variant.json").is_file())
+
+
+def _deepspeed_flags(name: str) -> tuple:
+    return ("--config", DEEPSPEED / name / "reference" / "step2" / "config", "--dtype", "auto")
+
+
+@pytest.mark.parametrize("name", ["z3_fp32_ws3", "z1_fp32_ws1"])
+def test_a_deepspeed_folders_first_file_is_the_childs_and_the_folder_is_the_same(name, tmp_path, adoptions, finishes, forks):
+    """ZeRO-3 over 3 ranks (rows cut between ranks copied as their pieces side by side) and ZeRO-1
+    on one rank, fp32 masters written as they are: the child's file is linked and kept, the folder
+    is the merge's own."""
+    got, expected = _merge_both_ways(DEEPSPEED / name, tmp_path, *_deepspeed_flags(name))
+    assert (forks, adoptions, finishes) == (["deepspeed"], [True], [True])
+    assert got == expected
+
+
+@pytest.mark.parametrize("name, flags", [("z3_bf16_tied_ws2", ()), ("z3_fp32_ws3", ("--dtype", "bfloat16"))],
+                         ids=["tied", "cast"])
+def test_deepspeed_merges_the_child_declines_are_the_merges_own(name, flags, tmp_path, adoptions, forks):
+    """A tied model, and fp32 masters written as bfloat16: the child is forked and declines, the
+    merge writes every file, and the folder is what it writes without the child."""
+    got, expected = _merge_both_ways(DEEPSPEED / name, tmp_path, *_deepspeed_flags(name), *flags)
+    assert (forks, adoptions) == (["deepspeed"], [False])
+    assert got == expected
+
+
+def test_a_universal_deepspeed_folder_is_written_by_the_merge(tmp_path, adoptions, forks):
+    """ds_to_universal output (one fp32.pt per parameter) is not read by the child."""
+    universal = ROOT / "tests" / "data" / "deepspeed_universal" / "z2_bf16_align_ws3"
+    config = DEEPSPEED / "z2_bf16_align_ws3" / "reference" / "step2" / "config"
+    got, expected = _merge_both_ways(universal, tmp_path, "--config", config, "--dtype", "auto")
+    assert forks == ["deepspeed"] and True not in adoptions
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", DEEPSPEED_CASES)
+def test_the_torch_free_deepspeed_index_agrees_with_the_torch_reader(name):
+    """Every tensor of every DeepSpeed fixture (ZeRO 1/2/3, BF16_Optimizer, alignment padding, an
+    HF Trainer folder, LoRA): the same names in the same order, shapes and dtypes, and the same file
+    bytes as the reader hands the writer, rows cut between partitions as the same pieces."""
+    from hf_merge.readers.deepspeed import open_deepspeed
+    from hf_merge.readers.deepspeed_files import DeepSpeedIndex, resolve_deepspeed_dir
+    from hf_merge.readers.file_runs import ColumnGather
+    from hf_merge.write.engine import file_bytes, join_range
+
+    def recipe(ckpt, spec) -> list | None:
+        rows = ckpt.read_rows(spec.name, spec.dtype)
+        if rows is None:
+            return None
+        out: list = []
+        for first, run in rows:
+            if isinstance(run, ColumnGather):
+                out.append(("row", first, [(os.fstat(r.fd).st_ino, r.offset, r.nbytes) for r in run.runs]))
+                continue
+            located = file_bytes(run)
+            assert located is not None, spec.name  # the reader's rows of a master are file bytes
+            st = os.fstat(located.fd)
+            join_range(out, (st.st_dev, st.st_ino), located.offset, located.nbytes)
+        return out
+
+    source = next(DEEPSPEED.joinpath(name).rglob("latest")).parent
+    reader = open_deepspeed(source)
+    index = DeepSpeedIndex(resolve_deepspeed_dir(source))
+    try:
+        specs, indexed = reader.specs(), index.specs()
+        assert list(indexed) == list(specs)
+        cut_rows = 0
+        for name_, spec in specs.items():
+            assert (indexed[name_].shape, str(indexed[name_].dtype)) == (spec.shape, str(spec.dtype)), name_
+            want = recipe(reader, spec)
+            assert want is not None and recipe(index, indexed[name_]) == want, name_
+            cut_rows += sum(1 for entry in want if entry[0] == "row")
+        if name.startswith("z3") or name in ("z2_bf16_align_ws3", "z1_bf16_tied_ws2"):
+            assert cut_rows, "no row of this fixture is cut between partitions: the cut-row case is not tested"
+    finally:
+        reader.close()
+        index.close()
+
+
+def test_the_deepspeed_childs_pickle_policy_is_the_readers_with_no_torch_module_looked_up():
+    from hf_merge.readers import deepspeed_files
+    from hf_merge.readers.deepspeed import DEEPSPEED_FILE
+
+    allow, names, subs = deepspeed_files._named_policy()
+    assert allow.calls <= DEEPSPEED_FILE.calls and allow.classes <= DEEPSPEED_FILE.classes
+    assert names.names <= torch_names().names | DEEPSPEED_FILE.names
+    for pair in allow.pairs() | names.pairs():
+        assert pair in subs or pair[0] in ("builtins", "collections"), pair
+
+
+def test_a_deepspeed_file_that_asks_for_code_is_one_line_with_the_child_running(tmp_path, adoptions, forks):
+    """A model_states file whose pickle calls os.system: the child refuses it under its subset of
+    the policy, the merge with the one policy's error line; no target, no child left, nothing ran."""
+    import shutil
+
+    import torch
+
+    source = tmp_path / "run"
+    shutil.copytree(DEEPSPEED / "z3_fp32_ws3", source, ignore=shutil.ignore_patterns("reference"))
+    marker = tmp_path / "ran"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    model = source / "global_step2" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    state = torch.load(model, weights_only=True)
+    state["boom"] = Boom()
+    torch.save(state, model)
+    from hf_merge.errors import UnsafeCheckpointError
+    from hf_merge.readers.deepspeed_files import DeepSpeedIndex, resolve_deepspeed_dir
+
+    with pytest.raises(UnsafeCheckpointError, match="system"):  # the child's own reading
+        DeepSpeedIndex(resolve_deepspeed_dir(source))
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", *_deepspeed_flags("z3_fp32_ws3"))
+    line = error_line(proc)
+    assert "system" in line and "allowlist" in line, line
+    assert forks == ["deepspeed"] and adoptions == []
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert set(_children()) <= before
+
+
+def test_a_flipped_byte_in_a_row_cut_between_partitions_is_one_line_with_the_child_running(tmp_path, adoptions, forks):
+    """A byte of a ZeRO-3 row that two ranks' partitions share (copied as its pieces side by side),
+    flipped: the child's and the merge's CRC-32 checks refuse it; one line naming the file, no target."""
+    import shutil
+
+    from hf_merge.readers.deepspeed import open_deepspeed
+    from hf_merge.readers.file_runs import ColumnGather
+
+    source = tmp_path / "run"
+    shutil.copytree(DEEPSPEED / "z3_fp32_ws3", source, ignore=shutil.ignore_patterns("reference"))
+    with open_deepspeed(source) as reader:
+        cut = next(run for spec in reader.specs().values() for _first, run in reader.read_rows(spec.name, spec.dtype) or ()
+                   if isinstance(run, ColumnGather))
+        piece = cut.runs[-1]
+        path = next(p for p in (source / "global_step2").iterdir() if p.stat().st_ino == os.fstat(piece.fd).st_ino)
+        at = piece.offset + piece.nbytes // 2
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    proc = run_cli("merge", source, tmp_path / "out", *_deepspeed_flags("z3_fp32_ws3"))
+    line = error_line(proc)
+    assert proc.returncode != 0 and path.name in line and "CRC" in line, line
+    assert forks == ["deepspeed"] and adoptions == [True] and not (tmp_path / "out").exists()

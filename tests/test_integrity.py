@@ -565,12 +565,14 @@ def test_a_zero_partition_split_over_output_files_is_read_once(name, workers, tm
     # checked bytes here); before: 46-96 % with one writer, more with three (each file's writer read
     # what it had not copied itself)
     assert reread < checked // 20, (reread, checked)
-    assert checked > partitions // 4  # the fp32 partitions, combined in this process (also from forked writers)
+    # the fp32 partitions, combined in this process (also from forked writers); a record a forked
+    # writer streamed whole (a ZeRO-3 row cut between ranks is copied from the files too) is checked there
+    assert checked > partitions // 5
 
 
 def _a_piece_in_the_second_file(ckpt: Path, monkeypatch) -> tuple[Path, int]:
     """Merge ``ckpt`` with one writer into small files; the source file and byte offset of a
-    partition piece the second output file copied."""
+    partition piece a later output file copied."""
     from hf_merge.write import shards
 
     current: list[str] = []
@@ -590,8 +592,9 @@ def _a_piece_in_the_second_file(ckpt: Path, monkeypatch) -> tuple[Path, int]:
         m.setattr(record_crc.Placed, "add", add)
         hf_merge.merge(ckpt, ckpt.parent / "probe", config=DEEPSPEED / ckpt.name / "reference" / "step2" / "config",
                        dtype="auto", workers=1, max_shard_size=8000)
-    second = sorted(set(current))[1]
-    _file, key, offset, n = next(p for p in pieces if p[0] == second and p[3] >= 8)
+    first = sorted(set(current))[0]
+    # a piece of a later file (a record one writer streams whole through a file is checked as it passes)
+    _file, key, offset, n = next(p for p in pieces if p[0] != first and p[3] >= 8)
     path = next(p for p in ckpt.rglob("*optim_states.pt") if p.stat().st_ino == key[1])
     return path, offset + n // 2
 

@@ -27,9 +27,7 @@ from __future__ import annotations
 import math
 import resource
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
@@ -37,6 +35,9 @@ from ..errors import CorruptCheckpointError
 from ..spec import TensorSpec
 from .file_runs import MappedFile, read_into
 from .safe_pickle import TENSOR_FILE, torch_load
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: the head start's probe imports this module
+    import torch
 
 ZERO_DIR = "zero"
 MASTER_FILE = "fp32.pt"
@@ -56,6 +57,8 @@ def is_universal_tag_dir(folder: Path) -> bool:
 
 
 def _master(path: Path, name: str) -> torch.Tensor:
+    import torch
+
     state = torch_load(contained.check(path), TENSOR_FILE, where=f"{ZERO_DIR}/{name}/{MASTER_FILE}")
     tensor = state.get("param") if isinstance(state, dict) else state
     if not isinstance(tensor, torch.Tensor):
@@ -67,6 +70,8 @@ class UniversalCheckpoint(LazyCheckpoint):
     """One ds_to_universal tag folder as a lazy checkpoint with the training names, fp32 masters."""
 
     def __init__(self, tag_dir: Path, model_states: list[dict[str, Any]], info: CheckpointInfo):
+        import torch
+
         self.info = info
         zero = Path(tag_dir) / ZERO_DIR
         self._tensors: dict[str, torch.Tensor] = {}

@@ -467,7 +467,7 @@ def _check_byte_order(f: Any, records: dict, prefix: str, where: str) -> None:
             raise UnsupportedCheckpointError(f"{where}: big-endian tensor data is not supported")
 
 
-def _unpickle(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names: Allowlist | None = None) -> tuple[Any, dict, str]:
+def unpickle_records(path: Path, allow: Allowlist, substitutes: dict[Pair, Any], names: Allowlist | None = None) -> tuple[Any, dict, str]:
     """A rank file's ``data.pkl`` interpreted under ``allow`` with ``substitutes``:
     ``(state, zip records, record prefix)``; storages become :class:`_Storage` records."""
     where = path.name
@@ -507,7 +507,7 @@ def load_mapped_rank_records(path: Path) -> tuple[dict[str, "torch.Tensor | Loca
     """
     path = Path(path)
     where = path.name
-    state, records, prefix = _unpickle(path, DTENSOR_FILE, _substitutes())
+    state, records, prefix = unpickle_records(path, DTENSOR_FILE, _substitutes())
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
     mapped = _Mapped(path, records, prefix, where)
@@ -547,8 +547,29 @@ class IndexedTensor:
     mesh: "tuple[int, ...] | None" = None  # global ranks, row-major (as LocalDTensor.mesh)
 
 
+def record_span(rec: Any, records: dict, prefix: str) -> tuple[int, int] | None:
+    """``(file offset, bytes)`` of a tensor record read by :func:`unpickle_records` when its
+    elements are one dense run inside its storage, else None (``records``/``prefix``: its file's)."""
+    n = math.prod(rec.size)
+    if not c_contiguous(rec.size, rec.stride) or rec.offset < 0 or rec.offset + n > rec.storage.numel:
+        return None
+    item = rec.storage.dtype.itemsize
+    return records[f"{prefix}data/{rec.storage.key}"].data_start + rec.offset * item, n * item
+
+
+def record_meta(value: Any) -> "tuple[tuple[int, ...], DTypeName] | None":
+    """``(shape, dtype)`` of a tensor record read by :func:`unpickle_records`; None for any other value."""
+    return (value.size, value.storage.dtype) if isinstance(value, _TensorRecord) else None
+
+
+def tensor_record_builder() -> Any:
+    """What ``_rebuild_tensor_v2`` is bound to under :func:`named_policy` (a caller that binds
+    ``_rebuild_from_type_v2`` itself checks it was given this)."""
+    return _rebuild_tensor
+
+
 @functools.cache
-def _named_policy() -> tuple[Allowlist, Allowlist, dict[Pair, Any]]:
+def named_policy() -> tuple[Allowlist, Allowlist, dict[Pair, Any]]:
     """``(allow, names, substitutes)`` that read a rank file with no torch module looked up: every
     pair of :data:`DTENSOR_FILE` kept here is substituted or from the standard library."""
     names, subs = named_torch(_StorageType)
@@ -576,10 +597,10 @@ def _read_ints(path: Path, offset: int, numel: int, code: str) -> list[int]:
 
 
 def _named_state(path: Path) -> tuple[dict, dict, str]:
-    """Rank file ``path``'s pickle read without torch (:func:`_named_policy`): ``(state, zip
+    """Rank file ``path``'s pickle read without torch (:func:`named_policy`): ``(state, zip
     records, record prefix)``."""
-    allow, names, subs = _named_policy()
-    state, records, prefix = _unpickle(path, allow, subs, names)
+    allow, names, subs = named_policy()
+    state, records, prefix = unpickle_records(path, allow, subs, names)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{path.name} holds a {type(state).__name__}, not a state dict")
     return state, records, prefix
@@ -591,11 +612,7 @@ def _indexed(path: Path, state: dict, records: dict, prefix: str):
     where = path.name
 
     def span(rec: _TensorRecord) -> tuple[int, int] | None:
-        n = math.prod(rec.size)
-        if not c_contiguous(rec.size, rec.stride) or rec.offset < 0 or rec.offset + n > rec.storage.numel:
-            return None
-        item = rec.storage.dtype.itemsize
-        return records[f"{prefix}data/{rec.storage.key}"].data_start + rec.offset * item, n * item
+        return record_span(rec, records, prefix)
 
     meshes: dict[int, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}  # id(mesh) -> (it, shape, ranks)
 
