@@ -506,7 +506,7 @@ def test_a_tied_dcp_folder_is_written_by_the_merge(dcp_root, tmp_path, adoptions
     assert (forks, adoptions) == (["dcp"], [False])
 
 
-@pytest.mark.parametrize("case", ["accelerate", "torchtitan", "megatron", "deepspeed"])
+@pytest.mark.parametrize("case", ["accelerate", "torchtitan", "megatron", "deepspeed", "deepspeed universal"])
 def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, request, tmp_path):
     """The CLI's choice of a head start and the child's plan and file, in a fresh interpreter:
     no torch (torchtitan's name table and q/k un-permutation included); the file is byte for byte
@@ -515,16 +515,19 @@ def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, request
         source, flags = request.getfixturevalue("megatron_root") / "qwen2_v1" / "actor", ("--dtype", "auto")
     elif case == "deepspeed":
         source, flags = DEEPSPEED / "z3_fp32_ws3", _deepspeed_flags("z3_fp32_ws3")
+    elif case == "deepspeed universal":
+        source, flags = UNIVERSAL / "z2_bf16_align_ws3", _deepspeed_flags("z2_bf16_align_ws3")
     else:
         source, flags = _dcp_case(request.getfixturevalue("dcp_root"), case)
     config = str(flags[1]) if flags[0] == "--config" else None
+    form = case.split()[0]
     code = f"""
 import hashlib, json, os, sys
 from hf_merge.options import MergeOptions
 from hf_merge.write import head_start as hs
 from hf_merge.cli.merge import _head_start_format
-assert _head_start_format({str(source)!r}, "auto") == {case!r}  # the CLI's choice, made without torch too
-request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={config!r}), {case!r})
+assert _head_start_format({str(source)!r}, "auto") == {form!r}  # the CLI's choice, made without torch too
+request = hs.Request({str(source)!r}, {str(tmp_path / "out")!r}, MergeOptions(dtype="auto", config={config!r}), {form!r})
 planned = hs._plan(request)
 fd = os.open({str(tmp_path)!r}, os.O_TMPFILE | os.O_RDWR, 0o644)
 digest, _ranges = hs._write(planned, fd, "sha256", lambda n: None)
@@ -579,8 +582,6 @@ def test_the_torch_free_dcp_index_agrees_with_the_torch_reader(case, dcp_root):
                 assert mine == recipe(reader, name, spec.dtype), name
                 served += mine is not None
                 # rows of it (a layer's slice, a permuted head's rows): the same file bytes too
-                index_of = (0,) * (len(spec.shape) - 2) if len(spec.shape) > 2 else ()
-                rows = spec.shape[len(index_of)]
                 _same_file_rows(index, reader, name, spec.shape)
     index.close()
     assert served >= len(specs) // 2
@@ -717,13 +718,46 @@ def test_deepspeed_merges_the_child_declines_are_the_merges_own(name, flags, tmp
     assert got == expected
 
 
-def test_a_universal_deepspeed_folder_is_written_by_the_merge(tmp_path, adoptions, forks):
-    """ds_to_universal output (one fp32.pt per parameter) is not read by the child."""
-    universal = ROOT / "tests" / "data" / "deepspeed_universal" / "z2_bf16_align_ws3"
+UNIVERSAL = ROOT / "tests" / "data" / "deepspeed_universal"
+
+
+def test_a_universal_deepspeed_folders_first_file_is_the_childs(tmp_path, adoptions, finishes, forks):
+    """ds_to_universal output (one fp32.pt per parameter, laid out by the reader's own
+    ``universal_layout``): the child's file is linked and kept, the folder is the merge's own."""
     config = DEEPSPEED / "z2_bf16_align_ws3" / "reference" / "step2" / "config"
-    got, expected = _merge_both_ways(universal, tmp_path, "--config", config, "--dtype", "auto")
-    assert forks == ["deepspeed"] and True not in adoptions
+    got, expected = _merge_both_ways(UNIVERSAL / "z2_bf16_align_ws3", tmp_path, "--config", config, "--dtype", "auto")
+    assert (forks, adoptions, finishes) == (["deepspeed"], [True], [True])
     assert got == expected
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in UNIVERSAL.iterdir() if p.is_dir()))
+def test_the_torch_free_universal_index_agrees_with_the_torch_reader(name):
+    """Every tensor of every universal fixture: the same names in the same order, shapes, dtypes
+    and file bytes (one run of its fp32.pt per master; a tied alias its source's)."""
+    from hf_merge.readers.deepspeed import open_deepspeed
+    from hf_merge.readers.deepspeed_files import UniversalIndex, resolve_deepspeed_dir
+    from hf_merge.write.engine import file_bytes
+
+    def run_of(ckpt, spec):
+        rows = ckpt.read_rows(spec.name, spec.dtype)
+        if rows is None:
+            return None
+        (first, run), = rows
+        located = file_bytes(run)
+        return None if located is None else (first, os.fstat(located.fd).st_ino, located.offset, located.nbytes)
+
+    reader = open_deepspeed(UNIVERSAL / name)
+    index = UniversalIndex(resolve_deepspeed_dir(UNIVERSAL / name))
+    try:
+        specs, indexed = reader.specs(), index.specs()
+        assert list(indexed) == list(specs)
+        for key, spec in specs.items():
+            assert (indexed[key].shape, str(indexed[key].dtype)) == (spec.shape, str(spec.dtype)), key
+            want = run_of(reader, spec)
+            assert want is not None and run_of(index, indexed[key]) == want, key
+    finally:
+        reader.close()
+        index.close()
 
 
 @pytest.mark.parametrize("name", DEEPSPEED_CASES)

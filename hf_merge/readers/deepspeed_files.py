@@ -676,6 +676,62 @@ class DeepSpeedIndex:
         self.fds = {}
 
 
+class UniversalIndex:
+    """A ds_to_universal tag folder laid out by :func:`~hf_merge.readers.deepspeed_universal.universal_layout`,
+    read without torch: each master one run of its ``fp32.pt`` (the first
+    :data:`~hf_merge.readers.deepspeed_universal.OPEN_FILES` of them, as the reader keeps open), as
+    the torch reader's ``read_rows`` gives it; None for a buffer, a cast, or a master past that."""
+
+    def __init__(self, loc: DeepSpeedLocation):
+        from .deepspeed_universal import OPEN_FILES, universal_layout
+        from .rank_records import record_meta, record_span, unpickle_records
+
+        allow, names, subs = _named_policy()
+        files = numbered_files(loc.tag_dir, MODEL_STATES, rank_group=1)
+        if not files:
+            raise CorruptCheckpointError(f"{loc.tag_dir} has zero/ but no *_model_states.pt; copy the whole universal checkpoint")
+        ms = unpickle_records(files[min(files)], allow, subs, names)[0]
+        if not isinstance(ms, dict) or "module" not in ms or "param_shapes" not in ms:
+            raise CorruptCheckpointError(f"{files[min(files)].name} is not a DeepSpeed model_states file")
+        records: dict[Path, tuple[dict, str]] = {}
+
+        def master(path: Path, _name: str) -> Any:
+            state, zip_records, prefix = unpickle_records(path, allow, subs, names)
+            records[path] = zip_records, prefix
+            return state.get("param") if isinstance(state, dict) else state
+
+        entries, aliases = universal_layout(loc.tag_dir, ms, master, record_meta)
+        self._specs = {name: e.spec for name, e in entries.items()}
+        self._specs.update({alias: entries[source].spec.renamed(alias) for alias, source in aliases.items()})
+        self._runs: dict[str, FileRun | None] = {}
+        self.fds: dict[Path, int] = {}
+        try:
+            for name, entry in entries.items():
+                span = None
+                if entry.path is not None and len(self.fds) < OPEN_FILES:
+                    span = record_span(entry.value, *records[entry.path])
+                    self.fds[entry.path] = os.open(entry.path, os.O_RDONLY)
+                self._runs[name] = FileRun(self.fds[entry.path], *span, None) if span is not None else None
+        except BaseException:
+            self.close()
+            raise
+        self._runs.update({alias: self._runs[source] for alias, source in aliases.items()})
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return dict(self._specs)
+
+    def read_rows(self, name: str, dtype: Any) -> Iterator[tuple[int, Any]] | None:
+        spec, run = self._specs[name], self._runs[name]
+        if run is None or dtype != spec.dtype or not spec.shape or spec.shape[0] == 0:
+            return None
+        return iter([(0, run)])
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
 def deepspeed_files(folder: Path) -> tuple[dict[int, Path], dict[int, Path]]:
     """``(model_states by rank, optim_states by rank)`` of a tag folder, every rank present."""
     model_files = numbered_files(folder, MODEL_STATES, rank_group=1)
@@ -687,14 +743,14 @@ def deepspeed_files(folder: Path) -> tuple[dict[int, Path], dict[int, Path]]:
 
 def open_index(source: Path, config: Path | None) -> "tuple[DeepSpeedIndex, Path] | None":  # the head start's
     """The tag folder ``source`` resolves to, laid out as the DeepSpeed reader lays out its fp32
-    masters, read without torch, and the folder of its config.json; None for a universal
-    checkpoint, for source options the child does not take, or without a config.json."""
+    masters (a universal folder's too), read without torch, and the folder of its config.json;
+    None without a config.json."""
     from .deepspeed_universal import is_universal_tag_dir
 
     loc = resolve_deepspeed_dir(Path(source))
-    if is_universal_tag_dir(loc.tag_dir) and not any(OPTIM_STATES.match(p.name) for p in loc.tag_dir.iterdir()):
-        return None
     config_dir = config or find_config(loc)
     if config_dir is None:
         return None
+    if is_universal_tag_dir(loc.tag_dir) and not any(OPTIM_STATES.match(p.name) for p in loc.tag_dir.iterdir()):
+        return UniversalIndex(loc), config_dir
     return DeepSpeedIndex(loc), config_dir

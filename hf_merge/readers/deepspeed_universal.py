@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import resource
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
@@ -56,6 +57,67 @@ def is_universal_tag_dir(folder: Path) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class UniversalEntry:
+    """One tensor of a universal folder: its spec, its value as the caller loaded it (the master of
+    an fp32.pt, or a buffer of the model_states file), and the fp32.pt it came from (None: a buffer)."""
+
+    spec: TensorSpec
+    value: Any
+    path: Path | None
+
+
+def universal_layout(tag_dir: Path, ms: dict[str, Any], load_master: Callable[[Path, str], Any],
+                     meta: Callable[[Any], "tuple[tuple[int, ...], Any] | None"]) -> tuple[dict[str, UniversalEntry], dict[str, str]]:
+    """``(entries in the training order, aliases -> their source)`` of the universal tag folder
+    ``tag_dir`` whose model_states state is ``ms``; ``load_master(path, name)`` gives an fp32.pt's
+    master, ``meta(value)`` its ``(shape, dtype)`` (None: not a tensor). Reads no value: the torch
+    reader and the head start's torch-free index (:class:`~hf_merge.readers.deepspeed_files.UniversalIndex`)
+    lay a folder out by this one function.
+
+    Raises:
+        CorruptCheckpointError: a master of another size than its shape, or one missing.
+    """
+    zero = Path(tag_dir) / ZERO_DIR
+    entries: dict[str, UniversalEntry] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for group in ms.get("param_shapes") or []:
+        shapes.update({n: tuple(int(d) for d in s) for n, s in group.items()})
+    shapes.update({n: tuple(int(d) for d in s) for n, s in (ms.get("frozen_param_shapes") or {}).items()})
+    shared = {a: s for a, s in (ms.get("shared_params") or {}).items() if isinstance(a, str) and isinstance(s, str)}
+    found = sorted(p.name for p in zero.iterdir() if (p / MASTER_FILE).is_file())
+    # the training order (param_shapes) first, then what only the module had
+    order = [n for n in shapes if n in found] + [n for n in found if n not in shapes]
+    for name in order:
+        if name in shared and shared[name] in found:
+            continue  # an alias: read from its source below
+        path = zero / name / MASTER_FILE
+        value = load_master(path, name)
+        got = meta(value)
+        if got is None:
+            raise CorruptCheckpointError(f"{ZERO_DIR}/{name}/{MASTER_FILE} holds no tensor; re-run ds_to_universal")
+        shape = shapes.get(name, tuple(got[0]))
+        if math.prod(got[0]) != math.prod(shape):
+            raise CorruptCheckpointError(
+                f"{ZERO_DIR}/{name}/{MASTER_FILE} holds {math.prod(got[0])} elements, the model_states shape "
+                f"{list(shape)} needs {math.prod(shape)}; the folders are from different runs"
+            )
+        entries[name] = UniversalEntry(TensorSpec(name, shape, got[1]), value, path)
+    module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
+    for name in ms.get("buffer_names") or []:  # buffers are not parameters: only in the module
+        got = meta(module.get(name))
+        if name not in entries and got is not None:
+            entries[name] = UniversalEntry(TensorSpec(name, tuple(got[0]), got[1]), module[name], None)
+    missing = [n for n in shapes if n not in entries]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{zero} has no {MASTER_FILE} for {len(missing)} parameter(s) of the model_states, e.g. {missing[0]}; "
+            "copy the whole universal checkpoint"
+        )
+    aliases = {alias: source for alias, source in shared.items() if source in entries and alias not in entries}
+    return entries, aliases
+
+
 def _master(path: Path, name: str) -> torch.Tensor:
     import torch
 
@@ -66,60 +128,37 @@ def _master(path: Path, name: str) -> torch.Tensor:
     return tensor.detach()
 
 
+def _tensor_meta(value: Any) -> "tuple[tuple[int, ...], torch.dtype] | None":
+    import torch
+
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+
+
 class UniversalCheckpoint(LazyCheckpoint):
     """One ds_to_universal tag folder as a lazy checkpoint with the training names, fp32 masters."""
 
     def __init__(self, tag_dir: Path, model_states: list[dict[str, Any]], info: CheckpointInfo):
-        import torch
-
         self.info = info
-        zero = Path(tag_dir) / ZERO_DIR
         self._tensors: dict[str, torch.Tensor] = {}
         self._sources: dict[str, MappedFile] = {}  # name -> the fp32.pt its master is a run of
         self._specs: dict[str, TensorSpec] = {}
-        ms = model_states[0]
-        shapes: dict[str, tuple[int, ...]] = {}
-        for group in ms.get("param_shapes") or []:
-            shapes.update({n: tuple(int(d) for d in s) for n, s in group.items()})
-        shapes.update({n: tuple(int(d) for d in s) for n, s in (ms.get("frozen_param_shapes") or {}).items()})
-        shared = {a: s for a, s in (ms.get("shared_params") or {}).items() if isinstance(a, str) and isinstance(s, str)}
-        found = sorted(p.name for p in zero.iterdir() if (p / MASTER_FILE).is_file())
-        # the training order (param_shapes) first, then what only the module had
-        order = [n for n in shapes if n in found] + [n for n in found if n not in shapes]
-        for name in order:
-            if name in shared and shared[name] in found:
-                continue  # an alias: read from its source below
-            path = zero / name / MASTER_FILE
-            tensor = _master(path, name)
-            shape = shapes.get(name, tuple(tensor.shape))
-            if tensor.numel() != math.prod(shape):
-                raise CorruptCheckpointError(
-                    f"{ZERO_DIR}/{name}/{MASTER_FILE} holds {tensor.numel()} elements, the model_states shape "
-                    f"{list(shape)} needs {math.prod(shape)}; the folders are from different runs"
-                )
+        entries, aliases = universal_layout(tag_dir, model_states[0], _master, _tensor_meta)
+        for name, entry in entries.items():
+            tensor, shape = entry.value, entry.spec.shape
+            self._specs[name] = entry.spec
+            if entry.path is None:  # a buffer
+                self._tensors[name] = tensor.detach()
+                continue
             self._tensors[name] = tensor.reshape(shape) if tensor.is_contiguous() else tensor.contiguous().reshape(shape)
-            self._specs[name] = TensorSpec(name, shape, tensor.dtype)
             if len(self._sources) < OPEN_FILES:
-                source = record_crc.mapped_file(path, [tensor], where=f"{ZERO_DIR}/{name}/{MASTER_FILE}")
+                source = record_crc.mapped_file(entry.path, [tensor], where=f"{ZERO_DIR}/{name}/{MASTER_FILE}")
                 if source is not None:
                     self._sources[name] = source
-        module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
-        for name in ms.get("buffer_names") or []:  # buffers are not parameters: only in the module
-            if name not in self._specs and isinstance(module.get(name), torch.Tensor):
-                self._tensors[name] = module[name].detach()
-                self._specs[name] = TensorSpec(name, tuple(module[name].shape), module[name].dtype)
-        missing = [n for n in shapes if n not in self._specs]
-        if missing:
-            raise CorruptCheckpointError(
-                f"{zero} has no {MASTER_FILE} for {len(missing)} parameter(s) of the model_states, e.g. {missing[0]}; "
-                "copy the whole universal checkpoint"
-            )
-        for alias, source in shared.items():
-            if source in self._specs and alias not in self._specs:
-                self._tensors[alias] = self._tensors[source]
-                self._specs[alias] = self._specs[source].renamed(alias)
-                if source in self._sources:
-                    self._sources[alias] = self._sources[source]
+        for alias, source in aliases.items():
+            self._tensors[alias] = self._tensors[source]
+            self._specs[alias] = self._specs[source].renamed(alias)
+            if source in self._sources:
+                self._sources[alias] = self._sources[source]
 
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
