@@ -6,7 +6,7 @@ straight into the caller's buffer; a parameter may span two ranks' partitions, a
 ever concatenated. ``source_weights="module"`` reads the 16-bit module weights instead (stage 1/2).
 
 The files are pickles: they are loaded with ``weights_only=True`` plus the exact DeepSpeed class
-names in :data:`DEEPSPEED_GLOBALS`, bound to inert stand-in classes defined here (deepspeed is
+names in :data:`DEEPSPEED_GLOBALS`, bound to the inert stand-ins of :mod:`.deepspeed_files` (deepspeed is
 never imported and none of its code runs).
 """
 
