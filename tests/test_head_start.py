@@ -545,6 +545,30 @@ print(json.dumps({{"torch": "torch" in sys.modules, "digest": digest}}))
     assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == result["digest"]
 
 
+def _recipe(ckpt, name: str, dtype) -> list | None:
+    """The file bytes ``ckpt.read_rows`` hands the writer for ``name`` (``byte_recipe``'s question):
+    adjacent runs joined (``engine.join_range``), rows side by side in several runs as
+    ``("columns", first row, [(inode, offset, bytes) of each run])``; None when there are no row
+    runs or some are not file bytes."""
+    from hf_merge.readers.file_runs import ColumnGather
+    from hf_merge.write.engine import file_bytes, join_range
+
+    rows = ckpt.read_rows(name, dtype)
+    if rows is None:
+        return None
+    ranges: list = []
+    for first, run in rows:
+        if isinstance(run, ColumnGather):
+            ranges.append(("columns", first, [(os.fstat(r.fd).st_ino, r.offset, r.nbytes) for r in run.runs]))
+            continue
+        located = file_bytes(run)
+        if located is None:
+            return None
+        st = os.fstat(located.fd)
+        join_range(ranges, (st.st_dev, st.st_ino), located.offset, located.nbytes)
+    return ranges
+
+
 DCP_CELLS = sorted((ROOT / "tests" / "data" / "torch_versions").glob("torch-*/dcp"))
 
 
@@ -556,20 +580,6 @@ def test_the_torch_free_dcp_index_agrees_with_the_torch_reader(case, dcp_root):
     hands the writer (``byte_recipe``'s question)."""
     from hf_merge.readers.dcp import DcpCheckpoint
     from hf_merge.readers.dcp_index import DcpIndex
-    from hf_merge.write.engine import file_bytes, join_range
-
-    def recipe(ckpt, name, dtype) -> list | None:
-        rows = ckpt.read_rows(name, dtype)
-        if rows is None:
-            return None
-        ranges: list = []
-        for _first, run in rows:
-            located = file_bytes(run)
-            if located is None:
-                return None
-            st = os.fstat(located.fd)
-            join_range(ranges, (st.st_dev, st.st_ino), located.offset, located.nbytes)
-        return ranges
 
     index = DcpIndex(dcp_root / case)
     served = 0
@@ -578,8 +588,8 @@ def test_the_torch_free_dcp_index_agrees_with_the_torch_reader(case, dcp_root):
         assert {n: (s.shape, str(s.dtype)) for n, s in index.specs().items()} == {n: (s.shape, str(s.dtype)) for n, s in specs.items()}
         for name, spec in specs.items():
             if spec.shape and spec.shape[0]:  # the index refuses no tensor the reader has runs of
-                mine = recipe(index, name, index.specs()[name].dtype)
-                assert mine == recipe(reader, name, spec.dtype), name
+                mine = _recipe(index, name, index.specs()[name].dtype)
+                assert mine == _recipe(reader, name, spec.dtype), name
                 served += mine is not None
                 # rows of it (a layer's slice, a permuted head's rows): the same file bytes too
                 _same_file_rows(index, reader, name, spec.shape)
@@ -767,23 +777,6 @@ def test_the_torch_free_deepspeed_index_agrees_with_the_torch_reader(name):
     bytes as the reader hands the writer, rows cut between partitions as the same pieces."""
     from hf_merge.readers.deepspeed import open_deepspeed
     from hf_merge.readers.deepspeed_files import DeepSpeedIndex, resolve_deepspeed_dir
-    from hf_merge.readers.file_runs import ColumnGather
-    from hf_merge.write.engine import file_bytes, join_range
-
-    def recipe(ckpt, spec) -> list | None:
-        rows = ckpt.read_rows(spec.name, spec.dtype)
-        if rows is None:
-            return None
-        out: list = []
-        for first, run in rows:
-            if isinstance(run, ColumnGather):
-                out.append(("row", first, [(os.fstat(r.fd).st_ino, r.offset, r.nbytes) for r in run.runs]))
-                continue
-            located = file_bytes(run)
-            assert located is not None, spec.name  # the reader's rows of a master are file bytes
-            st = os.fstat(located.fd)
-            join_range(out, (st.st_dev, st.st_ino), located.offset, located.nbytes)
-        return out
 
     source = next(DEEPSPEED.joinpath(name).rglob("latest")).parent
     reader = open_deepspeed(source)
@@ -794,9 +787,9 @@ def test_the_torch_free_deepspeed_index_agrees_with_the_torch_reader(name):
         cut_rows = 0
         for name_, spec in specs.items():
             assert (indexed[name_].shape, str(indexed[name_].dtype)) == (spec.shape, str(spec.dtype)), name_
-            want = recipe(reader, spec)
-            assert want is not None and recipe(index, indexed[name_]) == want, name_
-            cut_rows += sum(1 for entry in want if entry[0] == "row")
+            want = _recipe(reader, name_, spec.dtype)  # the reader's rows of a master are file bytes
+            assert want is not None and _recipe(index, name_, indexed[name_].dtype) == want, name_
+            cut_rows += sum(1 for entry in want if entry[0] == "columns")
         if name.startswith("z3") or name in ("z2_bf16_align_ws3", "z1_bf16_tied_ws2"):
             assert cut_rows, "no row of this fixture is cut between partitions: the cut-row case is not tested"
     finally:

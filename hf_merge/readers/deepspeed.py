@@ -25,8 +25,8 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .formats import CliOption, SourceFormat
 from ..spec import TensorSpec
 from .deepspeed_files import (  # noqa: F401 - DEEPSPEED_GLOBALS, resolve_deepspeed_dir, probe: this reader's API
-    DEEPSPEED_FILE, DEEPSPEED_GLOBALS, MODEL_STATES, OPTIM_STATES, SOURCE_WEIGHTS, DeepSpeedLocation, ZeroLayout, TensorLayout,
-    deepspeed_files, find_config, numbered_files, pieces_of_range, probe, resolve_deepspeed_dir, row_segments, step_of,
+    DEEPSPEED_FILE, DEEPSPEED_GLOBALS, OPTIM_STATES, DeepSpeedLocation, TensorLayout, check_model_states,
+    find_config, pieces_of_range, probe, read_zero_layout, resolve_deepspeed_dir, row_segments, step_of, universal_model_states,
 )
 from .deepspeed_universal import UniversalCheckpoint, is_universal_tag_dir
 from . import contained, record_crc
@@ -56,20 +56,14 @@ class DeepSpeedCheckpoint(LazyCheckpoint):
     """One tag of a DeepSpeed ZeRO checkpoint as a lazy checkpoint with the training names."""
 
     def __init__(self, loc: DeepSpeedLocation, *, hf_dir: Path | None = None, source_weights: str = "master"):
-        if source_weights not in SOURCE_WEIGHTS:
-            raise UnsupportedCheckpointError(f"unknown source_weights {source_weights!r}; use master or module")
         self.loc = loc
         self._states: list[dict[str, Any]] = []  # keep the mapped files alive
         self._mapped: list[MappedFile] = []  # the files, open until close(): tensors copied through them
-        model_files, optim_files = deepspeed_files(loc.tag_dir)
-        optims = [self._load(optim_files[r]).get("optimizer_state_dict") for r in range(len(optim_files))]
-        models = [self._load(model_files[r]) for r in sorted(model_files)]
-        layout = ZeroLayout(loc.tag_dir, [model_files[r] for r in sorted(model_files)],
-                            [optim_files[r] for r in range(len(optim_files))], models, optims, source_weights, _tensor_meta)
+        layout = read_zero_layout(loc.tag_dir, lambda _kind, _rank, path: self._load(path), source_weights, _tensor_meta)
         self._layouts = layout.layouts
         self._files: dict[tuple, torch.Tensor] = {key: _flat(t) for key, t in layout.parts.items()}
         self.world_size, self.stage, self.bf16_optimizer = layout.world_size, layout.stage, layout.bf16_optimizer
-        ms = models[0]
+        ms = layout.model_states
         self.info = CheckpointInfo(
             format="deepspeed",
             path=loc.reopen,
@@ -196,13 +190,8 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def open_universal(loc: DeepSpeedLocation, *, hf_dir: Path | None = None) -> UniversalCheckpoint:
     """A ds_to_universal tag folder (see :mod:`.deepspeed_universal`): the fp32 masters."""
-    files = numbered_files(loc.tag_dir, MODEL_STATES, rank_group=1)
-    if not files:
-        raise CorruptCheckpointError(f"{loc.tag_dir} has zero/ but no *_model_states.pt; copy the whole universal checkpoint")
-    ms = load_deepspeed_file(files[min(files)])
-    for key in ("module", "param_shapes"):
-        if key not in ms:
-            raise CorruptCheckpointError(f"{files[min(files)].name} has no {key!r}; is it a DeepSpeed model_states file?")
+    path = universal_model_states(loc.tag_dir)
+    ms = check_model_states(load_deepspeed_file(path), path)
     zero = (ms.get("ds_config") or {}).get("zero_optimization") or {}
     stage = zero.get("stage") if isinstance(zero, dict) else None
     info = CheckpointInfo(

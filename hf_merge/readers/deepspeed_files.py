@@ -40,6 +40,7 @@ from . import contained
 from .deepspeed_universal import LATEST as LATEST_UNIVERSAL
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from .file_runs import ColumnGather, FileRun
+from .rank_records import named_policy, record_meta, record_span, tensor_record_builder, unpickle_records
 from .safe_pickle import TENSOR_FILE, Allowlist
 from ..spec import TensorSpec
 
@@ -200,6 +201,34 @@ def step_of(tag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def deepspeed_files(folder: Path) -> tuple[dict[int, Path], dict[int, Path]]:
+    """``(model_states by rank, optim_states by rank)`` of a tag folder, every rank present."""
+    model_files = numbered_files(folder, MODEL_STATES, rank_group=1)
+    optim_files = numbered_files(folder, OPTIM_STATES, rank_group=2)
+    if not optim_files:
+        raise CorruptCheckpointError(f"no *_optim_states.pt files in {folder}; copy every rank's files of the checkpoint")
+    return model_files, optim_files
+
+
+def universal_model_states(tag_dir: Path) -> Path:
+    """The model_states file a universal tag folder's layout is read from (its lowest rank's)."""
+    files = numbered_files(tag_dir, MODEL_STATES, rank_group=1)
+    if not files:
+        raise CorruptCheckpointError(f"{tag_dir} has zero/ but no *_model_states.pt; copy the whole universal checkpoint")
+    return files[min(files)]
+
+
+def check_model_states(state: Any, path: Path) -> dict[str, Any]:
+    """``state``, read from the model_states file ``path``, when it holds what every layout reads
+    (``module``, ``param_shapes``)."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{path.name} holds a {type(state).__name__}, not a DeepSpeed state dict")
+    for key in ("module", "param_shapes"):
+        if key not in state:
+            raise CorruptCheckpointError(f"{path.name} has no {key!r}; is it a DeepSpeed model_states file?")
+    return state
+
+
 def find_config(loc: DeepSpeedLocation) -> Path | None:
     """config.json beside the DeepSpeed folder (HF Trainer's checkpoint-N/), or in huggingface/."""
     for folder in (loc.save_dir, loc.save_dir / "huggingface"):
@@ -313,7 +342,7 @@ class ZeroLayout:
     model_states, one per rank at stage 3, else one; ``optims``: each rank's
     ``optimizer_state_dict``): ``layouts`` (name -> :class:`TensorLayout`), ``parts`` (flat partition
     key -> the state's value: a tensor as the caller loaded it, read through ``meta``), ``stage``,
-    ``bf16_optimizer``, ``world_size``. Every check that the files fit together is made here.
+    ``bf16_optimizer``, ``world_size``, ``model_states`` (the first model_states file's state). Every check that the files fit together is made here.
 
     Raises:
         CorruptCheckpointError / UnsupportedCheckpointError: naming the file and what is off.
@@ -321,8 +350,6 @@ class ZeroLayout:
 
     def __init__(self, folder: Path, model_files: list[Path], optim_files: list[Path], models: list[dict[str, Any]],
                  optims: list[Any], source_weights: str, meta: TensorMeta):
-        if source_weights not in SOURCE_WEIGHTS:
-            raise UnsupportedCheckpointError(f"unknown source_weights {source_weights!r}; use master or module")
         self._meta = meta
         self.parts: dict[tuple, Any] = {}
         self.layouts: dict[str, TensorLayout] = {}
@@ -347,10 +374,7 @@ class ZeroLayout:
                 f"{folder} holds {len(model_files)} model_states files, ZeRO stage {self.stage} at world size "
                 f"{self.world_size} writes {expected_models}; copy every rank's files"
             )
-        ms = models[0]
-        for key in ("module", "param_shapes"):
-            if key not in ms:
-                raise CorruptCheckpointError(f"{model_files[0].name} has no {key!r}; is it a DeepSpeed model_states file?")
+        ms = self.model_states = check_model_states(models[0], model_files[0])
         if source_weights == "module":
             if self.stage == 3:
                 raise UnsupportedCheckpointError(
@@ -524,6 +548,20 @@ class ZeroLayout:
                 self.layouts[alias] = TensorLayout(lay.spec.renamed(alias), lay.pieces, lay.kind, alias_of=source)
 
 
+def read_zero_layout(folder: Path, load: Callable[[str, int, Path], dict[str, Any]], source_weights: str,
+                     meta: TensorMeta) -> ZeroLayout:
+    """The :class:`ZeroLayout` of tag folder ``folder``, each file's state read by
+    ``load(kind, rank, path)`` (``kind``: ``"optim"`` or ``"model"``, as :func:`part_file` names
+    them): every rank's optim_states, then the model_states."""
+    if source_weights not in SOURCE_WEIGHTS:
+        raise UnsupportedCheckpointError(f"unknown source_weights {source_weights!r}; use master or module")
+    model_files, optim_files = deepspeed_files(folder)
+    optims = [load("optim", r, optim_files[r]).get("optimizer_state_dict") for r in range(len(optim_files))]
+    models = [load("model", r, model_files[r]) for r in sorted(model_files)]
+    return ZeroLayout(folder, [model_files[r] for r in sorted(model_files)], [optim_files[r] for r in range(len(optim_files))],
+                      models, optims, source_weights, meta)
+
+
 #: a band of rows of one tensor: ``(first row, end row, piece)`` where the rows lie whole in the
 #: piece, or ``(row, row + 1, None)`` for one row cut by a partition boundary
 Segment = tuple[int, int, "PartSlice | None"]
@@ -584,8 +622,6 @@ def _named_policy() -> tuple[Allowlist, Allowlist, dict]:
     rank-file index does, :func:`~hf_merge.readers.rank_records.named_policy`), DeepSpeed's to
     the inert stand-ins above, and ``_rebuild_from_type_v2`` to one that accepts only a plain
     tensor record given the type ``Tensor`` or ``Parameter`` (its attributes, e.g. ``ds_id``, dropped)."""
-    from .rank_records import named_policy, tensor_record_builder
-
     _allow, names, subs = named_policy()
     subs = dict(subs)
     rebuild = tensor_record_builder()
@@ -613,10 +649,7 @@ class DeepSpeedIndex:
     pieces), as the torch reader's are; None for what needs a cast or is not dense file bytes."""
 
     def __init__(self, loc: DeepSpeedLocation):
-        from .rank_records import record_meta, unpickle_records
-
         allow, names, subs = _named_policy()
-        model_files, optim_files = deepspeed_files(loc.tag_dir)
         self.fds: dict[tuple[str, int], int] = {}
         self._records: dict[tuple[str, int], tuple[dict, str]] = {}  # each file's zip records and their prefix
 
@@ -629,10 +662,7 @@ class DeepSpeedIndex:
             return state
 
         try:
-            optims = [load("optim", r, optim_files[r]).get("optimizer_state_dict") for r in range(len(optim_files))]
-            models = [load("model", r, model_files[r]) for r in sorted(model_files)]
-            self.layout = ZeroLayout(loc.tag_dir, [model_files[r] for r in sorted(model_files)],
-                                     [optim_files[r] for r in range(len(optim_files))], models, optims, "master", record_meta)
+            self.layout = read_zero_layout(loc.tag_dir, load, "master", record_meta)
         except BaseException:
             self.close()
             raise
@@ -643,8 +673,6 @@ class DeepSpeedIndex:
     def _run(self, key: tuple, first: int, numel: int) -> FileRun | None:
         """Elements ``first .. first + numel`` of flat partition ``key`` as a run of its file
         (None when the partition is not one dense span of it)."""
-        from .rank_records import record_span
-
         where, record = part_file(key), self.layout.parts[key]
         span = record_span(record, *self._records[where])
         if span is None:
@@ -684,15 +712,9 @@ class UniversalIndex:
 
     def __init__(self, loc: DeepSpeedLocation):
         from .deepspeed_universal import OPEN_FILES, universal_layout
-        from .rank_records import record_meta, record_span, unpickle_records
-
         allow, names, subs = _named_policy()
-        files = numbered_files(loc.tag_dir, MODEL_STATES, rank_group=1)
-        if not files:
-            raise CorruptCheckpointError(f"{loc.tag_dir} has zero/ but no *_model_states.pt; copy the whole universal checkpoint")
-        ms = unpickle_records(files[min(files)], allow, subs, names)[0]
-        if not isinstance(ms, dict) or "module" not in ms or "param_shapes" not in ms:
-            raise CorruptCheckpointError(f"{files[min(files)].name} is not a DeepSpeed model_states file")
+        path = universal_model_states(loc.tag_dir)
+        ms = check_model_states(unpickle_records(path, allow, subs, names)[0], path)
         records: dict[Path, tuple[dict, str]] = {}
 
         def master(path: Path, _name: str) -> Any:
@@ -730,15 +752,6 @@ class UniversalIndex:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
-
-
-def deepspeed_files(folder: Path) -> tuple[dict[int, Path], dict[int, Path]]:
-    """``(model_states by rank, optim_states by rank)`` of a tag folder, every rank present."""
-    model_files = numbered_files(folder, MODEL_STATES, rank_group=1)
-    optim_files = numbered_files(folder, OPTIM_STATES, rank_group=2)
-    if not optim_files:
-        raise CorruptCheckpointError(f"no *_optim_states.pt files in {folder}; copy every rank's files of the checkpoint")
-    return model_files, optim_files
 
 
 def open_index(source: Path, config: Path | None) -> "tuple[DeepSpeedIndex, Path] | None":  # the head start's
