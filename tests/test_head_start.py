@@ -864,3 +864,20 @@ def test_a_flipped_byte_in_a_row_cut_between_partitions_is_one_line_with_the_chi
     line = error_line(proc)
     assert proc.returncode != 0 and path.name in line and "CRC" in line, line
     assert forks == ["deepspeed"] and adoptions == [True] and not (tmp_path / "out").exists()
+
+
+def test_a_truncated_deepspeed_file_is_one_line_with_the_child_running(tmp_path, adoptions, forks):
+    """A ZeRO-3 optim_states file cut in half, merged with the head start on: the child is forked,
+    the merge fails with the reader's one error line naming the file, no target, no child left."""
+    import shutil
+
+    source = tmp_path / "run"
+    shutil.copytree(DEEPSPEED / "z3_fp32_ws3", source, ignore=shutil.ignore_patterns("reference"))
+    optim = source / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", *_deepspeed_flags("z3_fp32_ws3"))
+    line = error_line(proc)
+    assert proc.returncode != 0 and optim.name in line, line
+    assert forks == ["deepspeed"] and adoptions == []
+    assert not (tmp_path / "out").exists() and set(_children()) <= before
