@@ -36,7 +36,7 @@ import torch
 
 from .file_runs import MappedFile, Piece, read_into
 from . import contained, record_crc
-from ..checkpoint import CheckpointInfo, LazyCheckpoint, check_out
+from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from .formats import SourceFormat
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
@@ -341,6 +341,23 @@ class ColossalAICheckpoint(LazyCheckpoint):
         check_out(self._specs[name], out)
         for piece in self._pieces[name]:
             read_into(self._box(piece), out[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.lengths))])
+
+    def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
+        """Boxes of ``.bin`` files that split dim 0 only (a booster shard's whole tensor, the
+        ranks' row slices of a distributed save) are runs of whole rows of the mapped files."""
+        spec = self._specs[name]
+        pieces = sorted(self._pieces[name], key=lambda p: p.offsets[0])
+        if not spec.shape or not spec.shape[0] or any(p.file in self._safe or p.lengths[1:] != spec.shape[1:] for p in pieces):
+            return None
+
+        def runs():
+            for piece in pieces:
+                if math.prod(piece.lengths):
+                    tensor, source = self._bin(piece.file)[piece.key], self._mapped.get(piece.file)
+                    record_crc.check_tensor(tensor, source)
+                    yield from row_runs(tensor, piece.offsets[0], dtype, max_bytes, source)
+
+        return runs()
 
     def close(self) -> None:
         for source in self._mapped.values():
