@@ -118,11 +118,17 @@ def test_no_head_start_where_the_merge_is_not_a_plain_copy(case, checkpoint, tmp
 
 
 def test_no_child_is_forked_for_other_formats(tmp_path, monkeypatch):
-    """A ColossalAI folder (or any source of a format the child does not read) forks nothing."""
+    """A Hugging Face folder (or any source of a format the child does not read) forks nothing."""
+    import shutil
+
     forks: list[object] = []
     real = head_start.begin
     monkeypatch.setattr(head_start, "begin", lambda request: forks.append(request) or real(request))
-    data = ROOT / "tests" / "data" / "colossalai" / "ddp_safetensors_ws2"
+    reference = ROOT / "tests" / "data" / "colossalai" / "ddp_safetensors_ws2" / "reference"
+    data = tmp_path / "hf"
+    data.mkdir()
+    shutil.copy(reference / "config" / "config.json", data / "config.json")
+    shutil.copy(reference / "weights.safetensors", data / "model.safetensors")
     proc = run_cli("merge", data, tmp_path / "out", "--dtype", "auto", in_process=True)
     assert proc.returncode == 0, proc.stderr
     assert forks == []
@@ -395,25 +401,30 @@ def test_one_progress_bar_counts_every_byte_of_every_file(qwen2_fp32_ws2, tmp_pa
     assert [(b["desc"], b["total"], b["done"]) for b in bars] == [("Merging", weights, weights)]
 
 
-def test_a_rank_file_that_asks_for_code_is_one_line_and_nothing_runs(qwen2_fp32_ws2, tmp_path, adoptions):
-    """The child refuses it under its subset of the policy; the merge refuses it with the one
-    policy's error line; no target, no child left, the command never ran."""
-    import shutil
-
+def _ask_for_code(path: Path, key: str, marker: Path) -> None:
+    """Put under ``key`` of the ``torch.save`` file ``path`` an object whose unpickling would run
+    ``touch marker``."""
     import torch
-
-    source = tmp_path / "actor"
-    shutil.copytree(qwen2_fp32_ws2.actor, source)
-    marker = tmp_path / "ran"
 
     class Boom:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
+    state = torch.load(path, weights_only=False)
+    state[key] = Boom()
+    torch.save(state, path)
+
+
+def test_a_rank_file_that_asks_for_code_is_one_line_and_nothing_runs(qwen2_fp32_ws2, tmp_path, adoptions):
+    """The child refuses it under its subset of the policy; the merge refuses it with the one
+    policy's error line; no target, no child left, the command never ran."""
+    import shutil
+
+    source = tmp_path / "actor"
+    shutil.copytree(qwen2_fp32_ws2.actor, source)
+    marker = tmp_path / "ran"
     rank1 = source / "model_world_size_2_rank_1.pt"
-    state = torch.load(rank1, weights_only=False)
-    state["model.norm.weight"] = Boom()
-    torch.save(state, rank1)
+    _ask_for_code(rank1, "model.norm.weight", marker)
     from hf_merge.errors import UnsafeCheckpointError
 
     with pytest.raises(UnsafeCheckpointError, match="system"):  # the child's own reading
@@ -506,7 +517,7 @@ def test_a_tied_dcp_folder_is_written_by_the_merge(dcp_root, tmp_path, adoptions
     assert (forks, adoptions) == (["dcp"], [False])
 
 
-@pytest.mark.parametrize("case", ["accelerate", "torchtitan", "megatron", "deepspeed", "deepspeed universal"])
+@pytest.mark.parametrize("case", ["accelerate", "torchtitan", "megatron", "deepspeed", "deepspeed universal", "colossalai"])
 def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, request, tmp_path):
     """The CLI's choice of a head start and the child's plan and file, in a fresh interpreter:
     no torch (torchtitan's name table and q/k un-permutation included); the file is byte for byte
@@ -517,6 +528,8 @@ def test_the_dcp_child_imports_no_torch_and_writes_the_merges_file(case, request
         source, flags = DEEPSPEED / "z3_fp32_ws3", _deepspeed_flags("z3_fp32_ws3")
     elif case == "deepspeed universal":
         source, flags = UNIVERSAL / "z2_bf16_align_ws3", _deepspeed_flags("z2_bf16_align_ws3")
+    elif case == "colossalai":
+        source, flags = COLOSSALAI / "hybrid_tp2_pp2_ws4", ("--dtype", "auto")
     else:
         source, flags = _dcp_case(request.getfixturevalue("dcp_root"), case)
     config = str(flags[1]) if flags[0] == "--config" else None
@@ -813,20 +826,10 @@ def test_a_deepspeed_file_that_asks_for_code_is_one_line_with_the_child_running(
     the policy, the merge with the one policy's error line; no target, no child left, nothing ran."""
     import shutil
 
-    import torch
-
     source = tmp_path / "run"
     shutil.copytree(DEEPSPEED / "z3_fp32_ws3", source, ignore=shutil.ignore_patterns("reference"))
     marker = tmp_path / "ran"
-
-    class Boom:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    model = source / "global_step2" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
-    state = torch.load(model, weights_only=True)
-    state["boom"] = Boom()
-    torch.save(state, model)
+    _ask_for_code(source / "global_step2" / "zero_pp_rank_1_mp_rank_00_model_states.pt", "boom", marker)
     from hf_merge.errors import UnsafeCheckpointError
     from hf_merge.readers.deepspeed_files import DeepSpeedIndex, resolve_deepspeed_dir
 
@@ -881,3 +884,81 @@ def test_a_truncated_deepspeed_file_is_one_line_with_the_child_running(tmp_path,
     assert proc.returncode != 0 and optim.name in line, line
     assert forks == ["deepspeed"] and adoptions == []
     assert not (tmp_path / "out").exists() and set(_children()) <= before
+
+
+# ---- ColossalAI booster folders of .bin shards: the reader's index, the shards' pickles read without torch ----
+
+COLOSSALAI = ROOT / "tests" / "data" / "colossalai"
+COLOSSALAI_BIN = ["ddp_bin_tied_ws2", "hybrid_tp2_pp2_ws4"]
+
+
+def test_a_colossalai_folders_first_file_is_the_childs_and_the_folder_is_the_same(tmp_path, adoptions, finishes, forks):
+    """Real ColossalAI 0.5 hybrid TP2 x PP2 save (.bin stage shards): the child's file is linked
+    and kept, the folder is the merge's own."""
+    got, expected = _merge_both_ways(COLOSSALAI / "hybrid_tp2_pp2_ws4", tmp_path, "--dtype", "auto")
+    assert (forks, adoptions, finishes) == (["colossalai"], [True], [True])
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", ["ddp_bin_tied_ws2", "ddp_safetensors_ws2", "dist_tp2_ws2"])
+def test_colossalai_merges_the_child_does_not_serve_are_the_merges_own(name, tmp_path, adoptions, forks):
+    """A tied model, safetensors shards and a per-rank distributed save: the child is forked and
+    declines, the merge writes every file, and the folder is what it writes without the child."""
+    config = ("--config", COLOSSALAI / name / "reference" / "config") if name.startswith("dist") else ()
+    got, expected = _merge_both_ways(COLOSSALAI / name, tmp_path, *config, "--dtype", "auto")
+    assert (forks, adoptions) == (["colossalai"], [False])
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", COLOSSALAI_BIN)
+def test_the_torch_free_colossalai_index_agrees_with_the_torch_reader(name):
+    """Every tensor of every .bin booster fixture: the same names in the same order, shapes, dtypes
+    and file bytes as the reader hands the writer."""
+    from hf_merge.readers.colossalai import open_colossalai
+    from hf_merge.readers.colossalai_files import open_index
+
+    index, config = open_index(COLOSSALAI / name, None)
+    assert config == COLOSSALAI / name
+    with open_colossalai(COLOSSALAI / name) as reader:
+        specs, indexed = reader.specs(), index.specs()
+        assert list(indexed) == list(specs)
+        for key, spec in specs.items():
+            assert (indexed[key].shape, str(indexed[key].dtype)) == (spec.shape, str(spec.dtype)), key
+            want = _recipe(reader, key, spec.dtype)
+            assert want is not None and _recipe(index, key, indexed[key].dtype) == want, key
+    index.close()
+
+
+def test_the_colossalai_childs_pickle_policy_is_the_readers_with_no_torch_module_looked_up():
+    from hf_merge.readers import colossalai_files
+    from hf_merge.readers.safe_pickle import TENSOR_FILE
+
+    allow, names, subs = colossalai_files._named_tensor_policy()
+    assert allow.calls <= TENSOR_FILE.calls and allow.classes <= TENSOR_FILE.classes
+    assert ("torch._utils", "_rebuild_tensor_v2") in allow.calls
+    assert names.names <= torch_names().names
+    for pair in allow.pairs() | names.pairs():
+        assert pair in subs or pair[0] in ("builtins", "collections"), pair
+
+
+def test_a_colossalai_shard_that_asks_for_code_is_one_line_with_the_child_running(tmp_path, adoptions, forks):
+    """A stage shard whose pickle calls os.system: the child refuses it under its subset of the
+    policy, the merge with the one policy's error line; no target, no child left, nothing ran."""
+    import shutil
+
+    source = tmp_path / "run"
+    shutil.copytree(COLOSSALAI / "hybrid_tp2_pp2_ws4", source, ignore=shutil.ignore_patterns("reference"))
+    marker = tmp_path / "ran"
+    _ask_for_code(source / "pytorch_model-stage-00002-shard-00001.bin", "model.layers.1.self_attn.q_proj.weight", marker)
+    from hf_merge.errors import UnsafeCheckpointError
+    from hf_merge.readers.colossalai_files import open_index
+
+    with pytest.raises(UnsafeCheckpointError, match="system"):  # the child's own reading
+        open_index(source, None)
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", "--dtype", "auto")
+    line = error_line(proc)
+    assert "system" in line and "allowlist" in line, line
+    assert forks == ["colossalai"] and adoptions == []
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert set(_children()) <= before

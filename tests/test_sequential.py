@@ -226,16 +226,18 @@ def test_large_tensors_without_row_runs_are_read_into_the_mapped_output(shard1_d
 
 
 def test_colossalai_tp2_weights_go_through_mapped_regions(tmp_path, monkeypatch, small_buffers):
-    """ColossalAI's reader has no row runs (the TP=2 pieces are split on either dim): its larger
-    tensors are read into mapped regions, and the file is the bytes the real library's weights
-    make (checked against tests/test_colossalai.py's reference by that test's merge)."""
+    """A ColossalAI distributed TP=2 save: its row-parallel weights are cut along dim 1, so the
+    reader has no row runs of them; they are read into mapped regions, and the file is the bytes
+    the real library's weights make (checked against tests/test_colossalai.py's reference by that
+    test's merge)."""
     from pathlib import Path
 
-    source = Path(__file__).parent / "data" / "colossalai" / "hybrid_tp2_pp2_ws4"
-    reference, _ = _merge(source, tmp_path / "default", dtype="float32")
+    source = Path(__file__).parent / "data" / "colossalai" / "dist_tp2_ws2"
+    config = source / "reference" / "config"
+    reference, _ = _merge(source, tmp_path / "default", dtype="float32", config=config)
     assert small_buffers == []
     monkeypatch.setattr(shards, "WHOLE_TENSOR_LIMIT", 1024)
-    files, recorded = _merge(source, tmp_path / "out", dtype="float32")
+    files, recorded = _merge(source, tmp_path / "out", dtype="float32", config=config)
     assert len(small_buffers) > 1 and files == reference and recorded == _digests(files)
 
 

@@ -25,9 +25,7 @@ straight into the caller's buffer.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,16 +39,7 @@ from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedChe
 from .formats import SourceFormat
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
 from .safe_pickle import TENSOR_FILE, torch_load
-
-INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-# booster shard names: model-00001.safetensors, pytorch_model-00001.bin, model-stage-00001-shard-00001.safetensors
-SHARD = re.compile(r"^(?:pytorch_)?model(?:-stage-(\d{5})-shard)?-(\d{5})\.(safetensors|bin)$")
-DIST_META = re.compile(r"^pytorch_model-meta-dist-(\d{5})(?:\.index)?\.json$")
-DIST_FILE = re.compile(r"^(?:pytorch_)?model-dist-(\d{5})(?:-shard-\d{5})?\.(?:safetensors|bin)$")
-SMALL_JSON = 64 << 20  # an index / metadata file larger than this is not one
-# Colossal-LLaMA / ColossalChat: save_dir/epoch-{e}_step-{s}/modeling/ (optimizer/, lr_scheduler beside)
-MODEL_SUBDIR = "modeling"
-RUN_DIR = re.compile(r"^epoch-(\d+)_step-(\d+)$")
+from .colossalai_files import DIST_FILE, DIST_META, SHARD, booster_files, find_config, load_json, member, probe, resolve_folder
 
 
 @dataclass(frozen=True)
@@ -68,31 +57,6 @@ class _Piece:
 # ------------------------------------------------------------------------------------------
 
 
-def _load_json(path: Path) -> Any:
-    contained.check(path)
-    try:
-        if path.stat().st_size > SMALL_JSON:
-            raise CorruptCheckpointError(f"{path.name} is {path.stat().st_size} bytes, too large for a ColossalAI index; re-copy it")
-        return json.loads(path.read_bytes())
-    except ValueError as e:  # also UnicodeDecodeError
-        raise CorruptCheckpointError(f"{path.name} is not valid JSON ({str(e)[:80]}); re-copy it from the training run") from None
-
-
-def _member(folder: Path, name: Any, pattern: re.Pattern[str], where: str, *, written_path: bool = False) -> str:
-    """A file named by an index / metadata entry: a bare name of the expected pattern, in ``folder``.
-
-    ``written_path``: the entry may be the path the saving rank wrote to (DistributedCheckpointIO's
-    unsharded save records the checkpoint folder joined with the name); only its last part is used,
-    always inside ``folder`` (the path itself is never opened, so a moved folder still reads).
-    """
-    if not isinstance(name, str) or not name:
-        raise CorruptCheckpointError(f"{where} names the file {str(name)[:60]!r}, which is not a file name; re-copy it")
-    base = Path(name).name
-    if (base != name and not written_path) or ".." in Path(name).parts or not pattern.match(base):
-        raise CorruptCheckpointError(f"{where} names {name[:80]!r}, which is not a ColossalAI weight file inside {folder}; refusing")
-    return base
-
-
 def _ints(value: Any, rank: int | None, what: str, where: str) -> tuple[int, ...]:
     if (
         not isinstance(value, list)
@@ -101,77 +65,6 @@ def _ints(value: Any, rank: int | None, what: str, where: str) -> tuple[int, ...
     ):
         raise CorruptCheckpointError(f"{where}: {what} is {str(value)[:60]}, not a list of non-negative integers; re-copy it")
     return tuple(value)
-
-
-# ------------------------------------------------------------------------------------------
-# Probing
-# ------------------------------------------------------------------------------------------
-
-
-def _index(folder: Path) -> Path | None:
-    return next((folder / n for n in INDEX_NAMES if (folder / n).is_file()), None)
-
-
-def _looks_like_booster(index: Path) -> bool:
-    """ColossalAI's index: shard names without ``-of-N``, or ``total_size`` in MB as a float."""
-    if index.stat().st_size > SMALL_JSON:
-        return False
-    data = json.loads(index.read_bytes())
-    if not isinstance(data, dict):
-        return False
-    files = (data.get("weight_map") or {}).values() if isinstance(data.get("weight_map"), dict) else []
-    named = [f for f in files if isinstance(f, str)]
-    if named and all(SHARD.match(f) for f in named):
-        return True
-    total = (data.get("metadata") or {}).get("total_size") if isinstance(data.get("metadata"), dict) else None
-    return isinstance(total, float) and not any("-of-" in f for f in named)
-
-
-def _probe_folder(path: Path) -> bool:
-    try:
-        return _looks_like_colossalai(path)
-    except (OSError, ValueError):  # an unreadable / undecodable index: not recognisably ColossalAI
-        return False
-
-
-def _looks_like_colossalai(path: Path) -> bool:
-    if not path.is_dir():
-        return False
-    names = [p.name for p in path.iterdir()]
-    if any(DIST_META.match(n) for n in names):
-        return True
-    index = _index(path)
-    if index is not None:
-        return _looks_like_booster(index)
-    return any(SHARD.match(n) and "-stage-" in n for n in names)  # stage files without their index: open() says so
-
-
-def _runs(path: Path) -> dict[tuple[int, int], Path]:
-    return {(int(m.group(1)), int(m.group(2))): p for p in path.iterdir() if (m := RUN_DIR.match(p.name)) and p.is_dir()}
-
-
-def resolve_folder(path: Path) -> tuple[Path, list[str]]:
-    """The folder holding the weights: ``path`` itself, its ``modeling/`` (a Colossal-LLaMA /
-    ColossalChat ``epoch-E_step-S`` folder), or the newest ``epoch-E_step-S/modeling/`` of a save root."""
-    path = Path(path)
-    if _probe_folder(path) or not path.is_dir():
-        return path, []
-    if _probe_folder(path / MODEL_SUBDIR):
-        return path / MODEL_SUBDIR, [f"reading {path.name}/{MODEL_SUBDIR}/ (the model of this ColossalAI save)"]
-    runs = {k: p for k, p in _runs(path).items() if _probe_folder(p / MODEL_SUBDIR)}
-    if runs:
-        newest = max(runs)
-        return runs[newest] / MODEL_SUBDIR, [
-            f"using {runs[newest].name}/{MODEL_SUBDIR} (the newest of {len(runs)} ColossalAI saves; pass another epoch-E_step-S folder to choose)"
-        ]
-    return path, []
-
-
-def probe(path: Path) -> bool:
-    """A folder with ``pytorch_model-meta-dist-*.json`` or a ColossalAI-style index / shard files,
-    itself or as ``modeling/`` of a Colossal-LLaMA / ColossalChat save (or of its newest save)."""
-    folder, _ = resolve_folder(Path(path))
-    return _probe_folder(folder)
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,7 +91,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
         else:
             layout = "booster"
             details = self._add_booster()
-        hf_dir = config_dir or _find_config(self.folder)
+        hf_dir = config_dir or find_config(self.folder)
         self.info = CheckpointInfo(
             format="colossalai", path=self.folder, hf_dir=hf_dir, details={"layout": layout, **details}
         )
@@ -208,25 +101,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
     # ---- booster folders ----------------------------------------------------------------------
 
     def _add_booster(self) -> dict[str, Any]:
-        index = _index(self.folder)
-        if index is None:
-            stages = [p.name for p in self.folder.iterdir() if SHARD.match(p.name)]
-            if not stages:
-                raise SourceNotFoundError(
-                    f"{self.folder} holds no ColossalAI save (no model shard files, index or "
-                    "pytorch_model-meta-dist-*.json); pass the folder booster.save_model wrote"
-                )
-            raise SourceNotFoundError(
-                f"{self.folder} holds ColossalAI shard files ({', '.join(sorted(stages)[:3])}) but no "
-                f"{' or '.join(INDEX_NAMES)}; copy the index the save wrote beside them"
-            )
-        data = _load_json(index)
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CorruptCheckpointError(f"{index.name} has no \"weight_map\" object of tensor names to files; re-copy it")
-        files: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            files.setdefault(_member(self.folder, file, SHARD, index.name), []).append(name)
+        index, data, files = booster_files(self.folder)
         stages = set()
         for file, names in sorted(files.items()):
             m = SHARD.match(file)
@@ -247,7 +122,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
     def _add_distributed(self, metas: list[Path]) -> dict[str, Any]:
         boxes: dict[str, list[tuple[_Piece, tuple[int, ...]]]] = {}
         for meta in metas:
-            data = _load_json(meta)
+            data = load_json(meta)
             entries = data.get("metadata") if isinstance(data, dict) else None
             if not isinstance(entries, dict):
                 raise CorruptCheckpointError(f"{meta.name} has no \"metadata\" object; re-copy it")
@@ -260,7 +135,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
                 lengths = _ints(item.get("lengths"), len(shape), "lengths", where)
                 if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
                     raise CorruptCheckpointError(f"{where}: the box at {list(offsets)} of {list(lengths)} lies outside {list(shape)}; re-copy it")
-                file = _member(self.folder, item.get("file"), DIST_FILE, where, written_path=True)
+                file = member(self.folder, item.get("file"), DIST_FILE, where, written_path=True)
                 boxes.setdefault(name, []).append((_Piece(file, name, offsets, lengths), shape))
         specs_by_file: dict[str, dict[str, TensorSpec]] = {}
         for name, pieces in boxes.items():
@@ -385,14 +260,6 @@ def _check_tiling(name: str, shape: tuple[int, ...], pieces: list[_Piece]) -> No
                 raise CorruptCheckpointError(f"{name}: two ranks' boxes overlap ({list(a.offsets)} and {list(b.offsets)}); the files are from different saves")
     if sum(math.prod(p.lengths) for p in boxes) != math.prod(shape):
         raise CorruptCheckpointError(f"{name}: the ranks' boxes do not cover its {list(shape)} elements; a rank's files are missing")
-
-
-def _find_config(folder: Path) -> Path | None:
-    """config.json in the save folder (booster writes it there), or one folder up."""
-    for candidate in (folder, folder.parent):
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
 
 
 def open_colossalai(path: Path, *, config_dir: Path | None = None) -> ColossalAICheckpoint:

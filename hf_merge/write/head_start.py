@@ -3,12 +3,14 @@
 Importing torch takes ~1 s of a 3 s merge of a 3 GB checkpoint; copying source-file bytes into a
 safetensors file needs none. So once the CLI knows the source is verl FSDP rank files, a generic
 DCP folder, an accelerate ``save_state`` folder, a torchtitan step folder, a Megatron-Core
-``torch_dist`` folder or a DeepSpeed ZeRO folder (:data:`FORMATS`) and the merge a plain copy,
+``torch_dist`` folder, a DeepSpeed ZeRO folder or a ColossalAI booster folder of ``.bin`` shards
+(:data:`FORMATS`) and the merge a plain copy,
 it forks (before torch is imported) a child that runs the merge's own parts without torch: the
 reader's layout (:class:`~hf_merge.readers.fsdp_files.RankIndex`, the FSDP reader's layout and
 rank checks; :class:`~hf_merge.readers.dcp_index.DcpIndex`, the DCP reader's metadata and chunk
 parsing, under a name table for torchtitan and Megatron;
 :class:`~hf_merge.readers.deepspeed_files.DeepSpeedIndex`, the DeepSpeed reader's ``ZeroLayout``;
+:class:`~hf_merge.readers.colossalai_files.BoosterIndex`, the ColossalAI reader's index and shards;
 pickles read under a subset of the one policy), the planner
 (:func:`~hf_merge.write.plan.plan_shards`), the byte recipe
 (:func:`~hf_merge.write.engine.byte_recipe`) and the file writer
@@ -53,7 +55,7 @@ PLAN_WAIT_S = 120.0
 #: and ``open_index(source, config)`` (the source as the reader lays it out, and its config folder)
 #: import no torch
 FORMATS = {"fsdp": "fsdp_files", "dcp": "dcp_generic", "accelerate": "accelerate", "torchtitan": "torchtitan",
-           "megatron": "megatron", "deepspeed": "deepspeed_files"}
+           "megatron": "megatron", "deepspeed": "deepspeed_files", "colossalai": "colossalai_files"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ def begin(request: Request) -> "HeadStart | None":
         from ..readers import fsdp_files, rank_pool, rank_records  # noqa: F401
     elif request.format == "deepspeed":
         from ..readers import deepspeed_files, deepspeed_universal, rank_records  # noqa: F401
+    elif request.format == "colossalai":
+        from ..readers import colossalai_files, rank_records  # noqa: F401
     else:
         from ..readers import accelerate, dcp_generic, dcp_index, dcp_sources, megatron, torchtitan  # noqa: F401
     if request.format in ("torchtitan", "megatron"):
