@@ -497,6 +497,30 @@ def test_a_megatron_folders_first_file_is_the_childs_and_the_folder_is_the_same(
     assert got == expected
 
 
+def test_a_model_save_pretrained_may_rename_is_served_once_a_merge_stored_its_hub_layout(megatron_moe_root, hub_root,
+                                                                                         tmp_path, adoptions, finishes, forks,
+                                                                                         monkeypatch):
+    """Qwen3-MoE: transformers 5 fuses its experts in memory, so the child cannot tell the Hub layout
+    without transformers and declines the first merge. That merge stores the layout in the plan
+    cache; a Megatron folder's is the source's own names (stored as a passthrough), so the next
+    merge's child serves it, and the folder is the merge's own. A verl FSDP folder of the same model
+    holds the fused in-memory names: its stored plan renames them, and the child still declines."""
+    monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
+    source = megatron_moe_root / "qwen3_moe" / "actor"
+    first = run_cli("merge", source, tmp_path / "first", "--dtype", "auto")
+    assert first.returncode == 0, first.stderr
+    assert (forks, adoptions) == (["megatron"], [False])
+    got, expected = _merge_both_ways(source, tmp_path, "--dtype", "auto")
+    assert (forks[1:], adoptions[1:], finishes) == (["megatron"], [True], [True])
+    assert got == expected
+    fsdp = hub_root / "qwen3_moe"
+    for out in ("fsdp1", "fsdp2"):
+        proc = run_cli("merge", fsdp, tmp_path / out, "--dtype", "auto")
+        assert proc.returncode == 0, proc.stderr
+    assert (forks[2:], adoptions[2:]) == (["fsdp", "fsdp"], [False, False])
+    assert any((tmp_path / "cache").rglob("*.json"))
+
+
 @pytest.mark.parametrize("case", ["mistral_critic_v2", "qwen2_legacy_tied", "qwen2_mbridge_v2", "qwen3_tied_v2"])
 def test_megatron_folders_the_child_does_not_serve_are_the_merges_own(case, megatron_root, tmp_path, adoptions):
     """A critic, the legacy per-rank files, an mbridge folder, a tied model: the merge writes every

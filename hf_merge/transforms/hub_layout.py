@@ -465,10 +465,7 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     check_legacy_experts(specs, config)  # before the cache: a stored plan must not skip it
     key = None
     if layout_cache.cache_dir() is not None:
-        key = layout_cache.digest({
-            "plan": PLAN_FORMAT, "versions": layout_cache.runtime(), "config": config,
-            "specs": [[n, list(s.shape), dtype_name(s.dtype)] for n, s in specs.items()],
-        })
+        key = layout_cache.hub_layout_key(config, specs)
         stored = _decode_plan(layout_cache.get("hub_layout", key), specs)
         if stored is not None:
             return _view(base, *stored) if stored is not _PASSTHROUGH else (base, [])
@@ -496,7 +493,6 @@ def _view(base: LazyCheckpoint, arch: str, recipes: dict[str, Any], out_specs: d
 
 
 _PASSTHROUGH = "passthrough"  # the plan of a model save_pretrained writes as it holds it
-PLAN_FORMAT = 3  # bump when the meaning of a stored plan changes (2: checked entries, keys with runtime(); 3: storages)
 
 
 def _plan(specs: dict[str, TensorSpec], config: dict[str, Any]):

@@ -39,7 +39,7 @@ from .. import settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_dir", "digest", "get", "put", "runtime", "source_fingerprint"]
+__all__ = ["cache_dir", "digest", "get", "hub_layout_key", "put", "runtime", "source_fingerprint", "stored_passthrough"]
 
 ENV = settings.CACHE_VAR
 
@@ -159,3 +159,28 @@ def put(kind: str, key: str, value: Any) -> None:
         logger.debug("plan cache: not written to %s (%s)", path, e)
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+#: the meaning of a stored Hub-layout plan (:mod:`hf_merge.transforms.hub_layout`); bump when it
+#: changes (2: checked entries, keys with runtime(); 3: storages)
+HUB_LAYOUT_PLAN = 3
+_PASSTHROUGH = {"passthrough": True}
+
+
+def hub_layout_key(config: dict[str, Any], specs: dict[str, Any]) -> str:
+    """The key of a Hub-layout plan: the plan format, :func:`runtime`, config.json and the source's
+    tensor names, shapes and dtype names in order (``specs``: name -> a spec with ``shape`` and a
+    ``dtype``, a torch dtype or a :class:`~hf_merge.spec.DTypeName`; nothing is imported)."""
+    from ..spec import dtype_name
+
+    return digest({
+        "plan": HUB_LAYOUT_PLAN, "versions": runtime(), "config": config,
+        "specs": [[n, list(s.shape), dtype_name(s.dtype)] for n, s in specs.items()],
+    })
+
+
+def stored_passthrough(config: dict[str, Any], specs: dict[str, Any]) -> bool:
+    """Whether a merge of the same model stored its Hub layout as the source's own names: what the
+    head start's child (no torch, no transformers) asks before it writes a model whose tensors
+    ``save_pretrained`` might rename (a miss: it declines)."""
+    return cache_dir() is not None and get("hub_layout", hub_layout_key(config, specs)) == _PASSTHROUGH

@@ -23,8 +23,9 @@ The merge (torch, every check of the full reader and transforms) links the child
 the child and writes the file as always; it keeps the file only when the child's recipe is its
 own too. A child that fails, or that copied other bytes, is not trusted: the merge writes the file again. The child changes how fast a merge is,
 never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast,
-a tie, LoRA, a model ``save_pretrained`` renames (the Hub layout), bytes that are not source-file
-runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
+a tie, LoRA, a model ``save_pretrained`` may rename (the Hub layout) unless the plan cache holds a
+merge's finding that it writes this source's own names
+(:func:`~hf_merge.transforms.layout_cache.stored_passthrough`), bytes that are not source-file runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
 A sharded plan is in the order transformers 5 saves in (:func:`~hf_merge.write.save_order.natural_key`).
 """
 
@@ -79,7 +80,7 @@ def begin(request: Request) -> "HeadStart | None":
         return None
     if not hasattr(os, "fork") or not getattr(os, "O_TMPFILE", 0) or not getattr(os, "O_DIRECT", 0):
         return None
-    from ..transforms import conversion_keys  # noqa: F401 - imported before the fork: the child imports nothing
+    from ..transforms import conversion_keys, layout_cache  # noqa: F401 - imported before the fork: the child imports nothing
     from . import atomic, shards  # noqa: F401
     from .. import forks  # noqa: F401
     if request.format == "fsdp":
@@ -308,6 +309,7 @@ def _plan(request: Request) -> _Planned:
     the merge's planner and byte recipe."""
     from ..spec import output_dtype_name
     from ..transforms.conversion_keys import may_convert
+    from ..transforms.layout_cache import stored_passthrough
     from ..side_files import side_files_bytes
     from .atomic import check_free_space
     from ..forks import usable_cpus
@@ -323,13 +325,14 @@ def _plan(request: Request) -> _Planned:
         raise _Skip("config.json is not an object")
     if config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings")) is not False:
         raise _Skip("tied weights (or config.json leaves it to the config class's default)")
-    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
-    if architectures and may_convert(config, architectures[0], ask_transformers=False) is not False:
-        raise _Skip("save_pretrained may rename or split this model's tensors (the Hub layout)")
-    out_dtype = output_dtype_name(options.dtype, config)
     specs = index.specs()
     if not specs:
         raise _Skip("no model tensors")
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    if (architectures and may_convert(config, architectures[0], ask_transformers=False) is not False
+            and not stored_passthrough(config, specs)):  # a merge of this model found it writes the source's names
+        raise _Skip("save_pretrained may rename or split this model's tensors (the Hub layout)")
+    out_dtype = output_dtype_name(options.dtype, config)
     if any("lora_" in name for name in specs):
         raise _Skip("LoRA")
     if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
