@@ -87,10 +87,10 @@ def test_detected_and_byte_exact(name):
     assert_tensors_equal(got, want)
 
 
-@pytest.mark.parametrize("name", [v for v in VARIANTS if "safetensors" not in v and not variant(v).get("safetensors")])
-def test_bin_tensors_are_file_runs(name):
-    """A .bin shard's tensors (and a distributed save's row slices) come as runs of the mapped
-    files, so a merge copies file bytes and a load maps them; their values are read()'s."""
+@pytest.mark.parametrize("name", VARIANTS)
+def test_tensors_are_file_runs(name):
+    """A shard's tensors (.bin or safetensors; a distributed save's row slices) come as runs of
+    their files, so a merge copies file bytes and a load maps them; their values are read()'s."""
     from hf_merge.readers.file_runs import FileRun, values
 
     config = {"config": reference(name) / "config"} if name == DIST else {}

@@ -205,3 +205,36 @@ def test_a_wrong_backend_names_the_format_the_folder_has(backend, qwen2_fp32_ws2
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert f"{qwen2_fp32_ws2.root} is in the fsdp format, not {backend}: pass --backend fsdp or leave --backend out ({backend}: " in lines[0]
     assert "()" not in lines[0] and not (tmp_path / "o").exists()
+
+
+def test_a_hugging_face_folders_tensors_are_runs_of_its_files(tmp_path):
+    """Each tensor of a safetensors folder, in its own dtype, is one run of its file (placed by
+    the header: a merge copies it file to file, a load maps it), whatever its dtype and offset;
+    values, ``read_into`` and a cast's row runs are what ``safetensors`` reads."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hf_merge.readers.file_runs import FileRun, values
+    from hf_merge.readers.hf_dir import open_hf_dir
+
+    tensors = {"a.weight": torch.randn(3, 5).to(torch.bfloat16), "b.bias": torch.randn(7),
+               "c.weight": torch.randn(4, 3).to(torch.float16), "d.index": torch.arange(5), "e.x": torch.randn(2, 2)}
+    save_file(dict(list(tensors.items())[:3]), tmp_path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(dict(list(tensors.items())[3:]), tmp_path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {k: f"model-0000{1 + (i >= 3)}-of-00002.safetensors" for i, k in enumerate(tensors)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text("{}")
+    want = {**load_file(tmp_path / "model-00001-of-00002.safetensors"), **load_file(tmp_path / "model-00002-of-00002.safetensors")}
+    ckpt = open_hf_dir(tmp_path)
+    try:
+        for name, spec in ckpt.specs().items():
+            (first, run), = ckpt.read_rows(name, spec.dtype)
+            assert first == 0 and isinstance(run, FileRun) and torch.equal(values(run), want[name]), name
+            out = torch.empty(spec.shape, dtype=spec.dtype)
+            ckpt.read_into(name, out)
+            assert torch.equal(out, want[name]), name
+            if spec.dtype.is_floating_point:
+                cast = [values(p).clone() for _, p in ckpt.read_rows(name, torch.float64)]
+                assert torch.equal(torch.cat(cast), want[name].double()), name
+    finally:
+        ckpt.close()

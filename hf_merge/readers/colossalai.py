@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from .file_runs import MappedFile, Piece, read_into
+from .file_runs import FileRun, MappedFile, Piece, read_into
+from .safetensors_runs import SafetensorsRuns
 from . import contained, record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
@@ -84,6 +85,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
         self._safe: dict[str, Any] = {}  # file -> safe_open handle
         self._bins: dict[str, dict[str, torch.Tensor]] = {}  # file -> memory-mapped state dict
         self._mapped: dict[str, MappedFile | None] = {}  # .bin file -> its mapping, open until close()
+        self._safe_runs: dict[str, SafetensorsRuns] = {}  # safetensors file -> its tensors as file runs (made with its specs)
         metas = sorted(p for p in self.folder.iterdir() if DIST_META.match(p.name))
         if metas:
             layout = "distributed"
@@ -179,6 +181,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
         except Exception as e:  # safetensors raises its own SafetensorError
             raise CorruptCheckpointError(f"{file} is not a valid safetensors file ({str(e)[:100]}); re-copy it") from None
         self._safe[file] = handle
+        self._safe_runs[file] = SafetensorsRuns(path)
         out = {}
         for key in handle.keys():
             sl = handle.get_slice(key)
@@ -198,10 +201,15 @@ class ColossalAICheckpoint(LazyCheckpoint):
             self._mapped[file] = record_crc.mapped_file(path, state.values())  # open until close()
         return self._bins[file]
 
+    def _safe_run(self, piece: _Piece) -> FileRun | None:
+        """A safetensors box as a run of its file (None: read it with ``safe_open``)."""
+        return self._safe_runs[piece.file].run(piece.key, piece.lengths, self._specs[piece.key].dtype)
+
     def _box(self, piece: _Piece) -> Piece:
-        """The piece's own bytes: a run of its memory-mapped file, or read from the safetensors slice."""
+        """The piece's own bytes: a run of its memory-mapped or safetensors file, else read from
+        the safetensors slice."""
         if piece.file in self._safe:
-            return self._safe[piece.file].get_tensor(piece.key)
+            return self._safe_run(piece) or self._safe[piece.file].get_tensor(piece.key)
         tensor = self._bin(piece.file)[piece.key]
         source = self._mapped.get(piece.file)
         record_crc.check_tensor(tensor, source)
@@ -218,19 +226,25 @@ class ColossalAICheckpoint(LazyCheckpoint):
             read_into(self._box(piece), out[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.lengths))])
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        """Boxes of ``.bin`` files that split dim 0 only (a booster shard's whole tensor, the
-        ranks' row slices of a distributed save) are runs of whole rows of the mapped files."""
+        """Boxes that split dim 0 only (a booster shard's whole tensor, the ranks' row slices of a
+        distributed save) are runs of whole rows of their files: ``.bin`` files memory-mapped,
+        safetensors files placed by their header."""
         spec = self._specs[name]
-        pieces = sorted(self._pieces[name], key=lambda p: p.offsets[0])
-        if not spec.shape or not spec.shape[0] or any(p.file in self._safe or p.lengths[1:] != spec.shape[1:] for p in pieces):
+        pieces = [p for p in sorted(self._pieces[name], key=lambda p: p.offsets[0]) if math.prod(p.lengths)]
+        if not spec.shape or not spec.shape[0] or any(p.lengths[1:] != spec.shape[1:] for p in pieces):
+            return None
+        safe = {p: self._safe_run(p) for p in pieces if p.file in self._safe}
+        if None in safe.values():
             return None
 
         def runs():
             for piece in pieces:
-                if math.prod(piece.lengths):
-                    tensor, source = self._bin(piece.file)[piece.key], self._mapped.get(piece.file)
-                    record_crc.check_tensor(tensor, source)
-                    yield from row_runs(tensor, piece.offsets[0], dtype, max_bytes, source)
+                if piece in safe:
+                    yield from row_runs(safe[piece].tensor, piece.offsets[0], dtype, max_bytes, safe[piece])
+                    continue
+                tensor, source = self._bin(piece.file)[piece.key], self._mapped.get(piece.file)
+                record_crc.check_tensor(tensor, source)
+                yield from row_runs(tensor, piece.offsets[0], dtype, max_bytes, source)
 
         return runs()
 
@@ -239,6 +253,9 @@ class ColossalAICheckpoint(LazyCheckpoint):
             if source is not None:
                 source.close()
         self._mapped.clear()
+        for runs in self._safe_runs.values():
+            runs.close()
+        self._safe_runs.clear()
         self._bins.clear()
         self._safe.clear()
 

@@ -11,7 +11,9 @@ import torch
 from . import contained
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from .file_runs import FileRun, read_into
 from .formats import SourceFormat
+from .safetensors_runs import SafetensorsRuns
 from ..write.plan import INDEX_NAME
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
 
@@ -46,6 +48,8 @@ class HfDirCheckpoint(LazyCheckpoint):
             raise SourceNotFoundError(f"no *.safetensors files in {self.folder}; pass a Hugging Face model folder")
         self._handles = {}
         self._where: dict[str, object] = {}
+        self._file_of: dict[str, Path] = {}
+        self._runs: dict[Path, SafetensorsRuns] = {}  # one per file, made here: threads share them
         self._specs: dict[str, TensorSpec] = {}
         for path in [index] * index.is_file() + files:
             contained.check(path)
@@ -57,6 +61,7 @@ class HfDirCheckpoint(LazyCheckpoint):
             except Exception as e:  # safetensors raises its own SafetensorError
                 raise CorruptCheckpointError(f"{path.name} is not a valid safetensors file ({e})") from None
             self._handles[path.name] = handle
+            self._runs[path] = SafetensorsRuns(path)
             for name in handle.keys():
                 if name in self._where:
                     raise CorruptCheckpointError(
@@ -72,6 +77,7 @@ class HfDirCheckpoint(LazyCheckpoint):
                     )
                 self._specs[name] = TensorSpec(name, tuple(sl.get_shape()), dtype)
                 self._where[name] = handle
+                self._file_of[name] = path
         hf_dir = config_dir or (self.folder if (self.folder / "config.json").is_file() else None)
         self.info = CheckpointInfo(format="hf", path=self.folder, hf_dir=hf_dir, details={"files": len(files)})
 
@@ -86,17 +92,29 @@ class HfDirCheckpoint(LazyCheckpoint):
             by_file[names[id(handle)]].append(tensor)
         return by_file
 
+    def _run(self, name: str) -> FileRun | None:
+        """Tensor ``name`` as a run of its file (its bytes unchanged), or None."""
+        spec = self._specs[name]
+        return self._runs[self._file_of[name]].run(name, spec.shape, spec.dtype)
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
-        out.copy_(self._where[name].get_tensor(name))
+        run = self._run(name) if out.dtype == self._specs[name].dtype else None
+        if run is not None:
+            read_into(run, out)  # preadv straight into ``out``
+        else:
+            out.copy_(self._where[name].get_tensor(name))
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        """Runs of about ``max_bytes`` rows read with ``get_slice`` (only those rows leave the file),
-        so a consumer of row runs (the GGUF writer) never holds a whole embedding."""
+        """The tensor as one run of its file where it is wanted in its own dtype (a merge copies
+        it file to file, a load maps it), else runs of about ``max_bytes`` rows read with
+        ``get_slice`` (only those rows leave the file), so a consumer of row runs (the GGUF writer)
+        never holds a whole embedding."""
         spec = self._specs[name]
         if not spec.shape or spec.shape[0] == 0:
             return None
-        return self._row_slices(name, spec, dtype, max_bytes)
+        run = self._run(name) if dtype == spec.dtype else None
+        return iter([(0, run)]) if run is not None else self._row_slices(name, spec, dtype, max_bytes)
 
     def _row_slices(self, name: str, spec: TensorSpec, dtype: torch.dtype, max_bytes: int):
         rows = self._where[name].get_slice(name)
@@ -112,6 +130,9 @@ class HfDirCheckpoint(LazyCheckpoint):
             yield first, run
 
     def close(self) -> None:
+        for runs in self._runs.values():
+            runs.close()
+        self._runs.clear()
         self._handles.clear()
         self._where.clear()
 
