@@ -32,15 +32,15 @@ from typing import Any
 
 import torch
 
-from .file_runs import FileRun, MappedFile, Piece, read_into
+from .file_runs import FileRun, MappedFile, Piece, read_into, run_of, values
 from .safetensors_runs import SafetensorsRuns
-from . import contained, record_crc
+from . import record_crc
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
 from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from .formats import SourceFormat
 from ..spec import SAFETENSORS_TO_TORCH, TensorSpec
 from .safe_pickle import TENSOR_FILE, torch_load
-from .colossalai_files import DIST_FILE, DIST_META, SHARD, booster_files, find_config, load_json, member, probe, resolve_folder
+from .colossalai_files import DIST_FILE, DIST_META, SHARD, booster_files, find_config, load_json, member, probe, resolve_folder, shard_path
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,7 @@ class ColossalAICheckpoint(LazyCheckpoint):
     # ---- files -----------------------------------------------------------------------------
 
     def _file_specs(self, file: str) -> dict[str, TensorSpec]:
-        path = contained.check(self.folder / file)
-        if not path.is_file():
-            raise CorruptCheckpointError(f"{file} is named by the checkpoint's index but missing from {self.folder}; re-copy it")
+        path = shard_path(self.folder, file)
         if file.endswith(".safetensors"):
             return self._safetensors_specs(file, path)
         state = self._bin(file)
@@ -233,18 +231,13 @@ class ColossalAICheckpoint(LazyCheckpoint):
         pieces = [p for p in sorted(self._pieces[name], key=lambda p: p.offsets[0]) if math.prod(p.lengths)]
         if not spec.shape or not spec.shape[0] or any(p.lengths[1:] != spec.shape[1:] for p in pieces):
             return None
-        safe = {p: self._safe_run(p) for p in pieces if p.file in self._safe}
-        if None in safe.values():
+        if any(p.file in self._safe and self._safe_run(p) is None for p in pieces):
             return None
 
         def runs():
             for piece in pieces:
-                if piece in safe:
-                    yield from row_runs(safe[piece].tensor, piece.offsets[0], dtype, max_bytes, safe[piece])
-                    continue
-                tensor, source = self._bin(piece.file)[piece.key], self._mapped.get(piece.file)
-                record_crc.check_tensor(tensor, source)
-                yield from row_runs(tensor, piece.offsets[0], dtype, max_bytes, source)
+                box = self._box(piece)
+                yield from row_runs(values(box), piece.offsets[0], dtype, max_bytes, run_of(box))
 
         return runs()
 

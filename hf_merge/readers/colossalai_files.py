@@ -142,6 +142,14 @@ def find_config(folder: Path) -> Path | None:
 # ------------------------------------------------------------------------------------------
 
 
+def shard_path(folder: Path, file: str) -> Path:
+    """Shard ``file`` (a name an index or metadata file gave) in ``folder``, checked to be there."""
+    path = contained.check(Path(folder) / file)
+    if not path.is_file():
+        raise CorruptCheckpointError(f"{file} is named by the checkpoint's index but missing from {folder}; re-copy it")
+    return path
+
+
 def booster_files(folder: Path) -> tuple[Path, Any, dict[str, list[str]]]:
     """A booster folder's index: ``(its path, its JSON, file -> the tensor names it holds)``, every
     file a shard name of :data:`SHARD` inside ``folder``."""
@@ -193,10 +201,7 @@ class BoosterIndex:
         self._specs: dict[str, TensorSpec] = {}
         self._spans: dict[str, tuple[str, int, int] | None] = {}
         for file, wanted in files.items():
-            path = contained.check(Path(folder) / file)
-            if not path.is_file():
-                raise CorruptCheckpointError(f"{file} is named by the checkpoint's index but missing from {folder}; re-copy it")
-            state, records, prefix = unpickle_records(path, allow, subs, names)
+            state, records, prefix = unpickle_records(shard_path(folder, file), allow, subs, names)
             if not isinstance(state, dict):
                 raise CorruptCheckpointError(f"{file} holds a {type(state).__name__}, not a state dict of tensors; re-copy it")
             for name in wanted:

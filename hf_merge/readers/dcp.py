@@ -37,18 +37,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import mmap
 import os
 import re
 import threading
 from bisect import bisect_left
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
-from .file_runs import ColumnGather, FileRun, MappedFile
+from .file_runs import ColumnGather, FileRun, PrivateMapping, map_private
 from . import rank_pool, record_crc
 from ..forks import helper_cpus
 from ..checkpoint import ROW_CHUNK_BYTES, CheckpointInfo, LazyCheckpoint, check_out, row_runs
@@ -60,16 +58,6 @@ from .torch_zip import Record
 DEFAULT_MAX_READ_BYTES = 64 << 20
 
 __all__ = ["DcpCheckpoint", "is_dcp_dir", "load_dcp_metadata", "DEFAULT_MAX_READ_BYTES", "METADATA_FILE"]
-
-
-@dataclass(frozen=True)
-class _Mapped:
-    """A ``.distcp`` file mapped copy-on-write, as one uint8 tensor; ``source`` says where its views'
-    bytes are in the file (:class:`~hf_merge.readers.file_runs.MappedFile`, open until ``close()``)."""
-
-    buffer: mmap.mmap
-    whole: torch.Tensor
-    source: MappedFile
 
 
 def _read_file_chunks(job: tuple[str, list[tuple[str, _Chunk]]]) -> "tuple[tuple[int, ...], dict[int, tuple]] | None":
@@ -149,7 +137,7 @@ class DcpCheckpoint(LazyCheckpoint):
         self._folder = folder
         files = list(folder.file_sizes)
         self._fds: dict[str, int] = {}
-        self._maps: dict[str, _Mapped | None] = {}
+        self._maps: dict[str, PrivateMapping | None] = {}
         self._lock = threading.Lock()
         self._opened_by = os.getpid()  # forked writers parse their own chunks, as they need them
         self._prefetched: dict[tuple[str, int], tuple] | None = None  # chunk archives read by other processes
@@ -348,18 +336,10 @@ class DcpCheckpoint(LazyCheckpoint):
             chunk.view = view
         return chunk.view
 
-    def _map(self, rel: str) -> _Mapped | None:
+    def _map(self, rel: str) -> PrivateMapping | None:
         with self._lock:
             if rel not in self._maps:
-                self._maps[rel] = None
-                try:
-                    with open(self.path / rel, "rb") as f:
-                        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                    whole = torch.frombuffer(buffer, dtype=torch.uint8)
-                except (OSError, ValueError):  # an empty file, a file system without mmap
-                    return None
-                source = MappedFile(self.path / rel, whole.data_ptr(), whole.numel())
-                self._maps[rel] = _Mapped(buffer, whole, source)
+                self._maps[rel] = map_private(self.path / rel)
             return self._maps[rel]
 
     def _chunks_near(self, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> list[_Chunk]:

@@ -189,6 +189,30 @@ class MappedFile:
         self._closer()
 
 
+@dataclass(frozen=True)
+class PrivateMapping:
+    """A whole file mapped copy-on-write, as one uint8 tensor; ``source`` says where its views'
+    bytes are in the file (open until the reader closes it)."""
+
+    buffer: mmap.mmap
+    whole: "torch.Tensor"
+    source: MappedFile
+
+
+def map_private(path: "str | os.PathLike[str]") -> PrivateMapping | None:
+    """``path`` mapped copy-on-write (views of it are ``torch.frombuffer`` of ``buffer`` at any
+    byte offset); None for an empty file or a file system without ``mmap``."""
+    import torch
+
+    try:
+        with open(path, "rb") as f:
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        whole = torch.frombuffer(buffer, dtype=torch.uint8)
+    except (OSError, ValueError):  # an empty file, a file system without mmap
+        return None
+    return PrivateMapping(buffer, whole, MappedFile(path, whole.data_ptr(), whole.numel()))
+
+
 def source_of(tensor: "torch.Tensor", files: Iterable[MappedFile]) -> MappedFile | None:
     """The one of ``files`` whose mapping holds ``tensor``'s storage, or None."""
     return next((f for f in files if f.storage_span(tensor) is not None), None)

@@ -99,11 +99,8 @@ class HfDirCheckpoint(LazyCheckpoint):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         check_out(self._specs[name], out)
-        run = self._run(name) if out.dtype == self._specs[name].dtype else None
-        if run is not None:
-            read_into(run, out)  # preadv straight into ``out``
-        else:
-            out.copy_(self._where[name].get_tensor(name))
+        run = self._run(name)  # preadv straight into ``out`` where it can, else copied from the mapped view
+        read_into(run if run is not None else self._where[name].get_tensor(name), out)
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
         """The tensor as one run of its file where it is wanted in its own dtype (a merge copies

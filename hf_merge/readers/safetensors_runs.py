@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import threading
 from pathlib import Path
 
 import torch
 
-from .file_runs import FileRun, MappedFile
+from .file_runs import FileRun, PrivateMapping, map_private
 
 #: a header larger than this is not read (safetensors' own limit is 100 MB)
 MAX_HEADER = 100 << 20
@@ -40,7 +39,8 @@ class SafetensorsRuns:
             if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
         }
         self._lock = threading.Lock()
-        self._mapped: tuple[mmap.mmap, torch.Tensor, MappedFile] | None = None
+        self._mapped: PrivateMapping | None = None
+        self._tried = False
 
     def run(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> FileRun | None:
         """Tensor ``name`` (of ``shape`` and ``dtype``, as the reader's spec says) as a run of this
@@ -49,27 +49,17 @@ class SafetensorsRuns:
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes or not nbytes:
             return None
-        mapped = self._map()
-        if mapped is None or self._start + end > mapped[1].numel():
-            return None
-        buffer, _whole, source = mapped
-        view = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=self._start + begin).view(shape)
-        return source.run(view)
-
-    def _map(self) -> tuple[mmap.mmap, torch.Tensor, MappedFile] | None:
         with self._lock:
-            if self._mapped is None:
-                try:
-                    with open(self.path, "rb") as f:
-                        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                except (OSError, ValueError):  # a file system without mmap
-                    return None
-                whole = torch.frombuffer(buffer, dtype=torch.uint8)
-                self._mapped = (buffer, whole, MappedFile(self.path, whole.data_ptr(), whole.numel()))
-            return self._mapped
+            if not self._tried:
+                self._mapped, self._tried = map_private(self.path), True
+            mapped = self._mapped
+        if mapped is None or self._start + end > mapped.whole.numel():
+            return None
+        view = torch.frombuffer(mapped.buffer, dtype=dtype, count=math.prod(shape), offset=self._start + begin).view(shape)
+        return mapped.source.run(view)
 
     def close(self) -> None:
         with self._lock:
             if self._mapped is not None:
-                self._mapped[2].close()
+                self._mapped.source.close()
                 self._mapped = None  # the views handed out keep the buffer alive

@@ -36,6 +36,7 @@ import torch
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint, check_out, row_runs
 from ..readers.file_runs import read_into, run_of, values
 from ..errors import MappingError
+from . import layout_cache
 from .skeleton import model_class_for, skeleton
 from ..spec import TensorSpec, c_contiguous, dtype_name, parse_dtype
 from ..transformers_compat import has_weight_conversions, legacy_saved_names, reverse_conversions
@@ -459,8 +460,6 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     the plan cache (:mod:`hf_merge.transforms.layout_cache`): a cached plan needs neither transformers nor the
     model skeleton, and is used only if it passes :func:`_check_plan` on this model.
     """
-    from . import layout_cache
-
     specs = base.specs()
     check_legacy_experts(specs, config)  # before the cache: a stored plan must not skip it
     key = None
@@ -472,7 +471,7 @@ def hub_layout(base: LazyCheckpoint, config: dict[str, Any]) -> tuple[LazyCheckp
     plan = _plan(specs, config)
     if plan is _PASSTHROUGH:
         if key is not None:
-            layout_cache.put("hub_layout", key, {"passthrough": True})
+            layout_cache.put("hub_layout", key, layout_cache.PASSTHROUGH_PLAN)
         return base, []
     view, notes = _view(base, *plan)
     if key is not None:
@@ -693,7 +692,7 @@ def _decode_plan(stored: Any, specs: dict[str, TensorSpec]):
     :data:`_PASSTHROUGH`, or None (a miss)."""
     if not isinstance(stored, dict):
         return None
-    if stored.get("passthrough") is True:
+    if layout_cache.is_passthrough(stored):
         return _PASSTHROUGH
     try:
         arch = str(stored["architecture"])

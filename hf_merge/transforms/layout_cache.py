@@ -39,7 +39,7 @@ from .. import settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_dir", "digest", "get", "hub_layout_key", "put", "runtime", "source_fingerprint", "stored_passthrough"]
+__all__ = ["cache_dir", "digest", "get", "hub_layout_key", "is_passthrough", "put", "runtime", "source_fingerprint", "stored_passthrough"]
 
 ENV = settings.CACHE_VAR
 
@@ -164,7 +164,13 @@ def put(kind: str, key: str, value: Any) -> None:
 #: the meaning of a stored Hub-layout plan (:mod:`hf_merge.transforms.hub_layout`); bump when it
 #: changes (2: checked entries, keys with runtime(); 3: storages)
 HUB_LAYOUT_PLAN = 3
-_PASSTHROUGH = {"passthrough": True}
+#: the stored plan of a model ``save_pretrained`` writes under the source's own names
+PASSTHROUGH_PLAN = {"passthrough": True}
+
+
+def is_passthrough(stored: Any) -> bool:
+    """Whether a stored Hub-layout plan is :data:`PASSTHROUGH_PLAN`."""
+    return isinstance(stored, dict) and stored.get("passthrough") is True
 
 
 def hub_layout_key(config: dict[str, Any], specs: dict[str, Any]) -> str:
@@ -183,4 +189,4 @@ def stored_passthrough(config: dict[str, Any], specs: dict[str, Any]) -> bool:
     """Whether a merge of the same model stored its Hub layout as the source's own names: what the
     head start's child (no torch, no transformers) asks before it writes a model whose tensors
     ``save_pretrained`` might rename (a miss: it declines)."""
-    return cache_dir() is not None and get("hub_layout", hub_layout_key(config, specs)) == _PASSTHROUGH
+    return cache_dir() is not None and is_passthrough(get("hub_layout", hub_layout_key(config, specs)))
