@@ -986,3 +986,20 @@ def test_a_colossalai_shard_that_asks_for_code_is_one_line_with_the_child_runnin
     assert forks == ["colossalai"] and adoptions == []
     assert not marker.exists() and not (tmp_path / "out").exists()
     assert set(_children()) <= before
+
+
+def test_a_truncated_colossalai_shard_is_one_line_with_the_child_running(tmp_path, adoptions, forks):
+    """A stage shard cut in half, merged with the head start on: the child is forked, the merge
+    fails with the reader's one error line naming the file, no target, no child left."""
+    import shutil
+
+    source = tmp_path / "run"
+    shutil.copytree(COLOSSALAI / "hybrid_tp2_pp2_ws4", source, ignore=shutil.ignore_patterns("reference"))
+    shard = source / "pytorch_model-stage-00002-shard-00001.bin"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = set(_children())
+    proc = run_cli("merge", source, tmp_path / "out", "--dtype", "auto")
+    line = error_line(proc)
+    assert proc.returncode != 0 and shard.name in line, line
+    assert forks == ["colossalai"] and adoptions == []
+    assert not (tmp_path / "out").exists() and set(_children()) <= before
