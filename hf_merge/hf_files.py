@@ -224,6 +224,29 @@ def written_dtype(specs, *, skip=None) -> tuple[torch.dtype | None, dict[torch.d
     return max(counts, key=lambda d: (counts[d], d.itemsize)), counts
 
 
+def derive_generation_config(config: dict[str, Any], folder: Path) -> bool:
+    """Write the ``generation_config.json`` that ``save_pretrained`` writes for a model whose config
+    folder has none: transformers' ``from_model_config`` of the ``config.json`` already written in
+    ``folder`` (its bos / eos / pad tokens; no sampling settings), as ``PreTrainedModel.__init__``
+    builds it. False, and nothing written, when the class does not generate or transformers does
+    not know it (custom code)."""
+    from .transforms.skeleton import model_class_for
+
+    cls = model_class_for(config)
+    if cls is None or not cls.can_generate():
+        return False
+    from transformers import AutoConfig, GenerationConfig
+
+    kind = getattr(cls, "generation_config_class", GenerationConfig)
+    model_config = AutoConfig.from_pretrained(folder)
+    try:
+        generation_config = kind.from_model_config(model_config)
+    except NotImplementedError:  # as transformers 5 does for classes that cannot derive one
+        generation_config = kind()
+    generation_config.save_pretrained(folder)
+    return True
+
+
 def missing_side_files(config: dict[str, Any], files: list[str]) -> list[str]:
     """What a user loading the output would miss: ``tokenizer`` when no tokenizer file is among
     ``files``, ``generation_config.json`` when the architecture generates text and has none."""

@@ -21,8 +21,8 @@ from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
 from .readers.formats import find_format
 from .hf_files import (
-    GENERATION_CONFIG, checkpoint_config, copy_side_files, missing_side_files, without_stale_quantization, write_config,
-    written_dtype,
+    GENERATION_CONFIG, checkpoint_config, copy_side_files, derive_generation_config, missing_side_files,
+    without_stale_quantization, write_config, written_dtype,
 )
 from .side_files import side_files_bytes
 from .publish.card import write_card
@@ -268,6 +268,11 @@ class HfFolder:
             write_config(self.config, tmp, dtype=self.written)
             copy_side_files(self.config_dir, tmp)
             missing = missing_side_files(self.config, sorted(f.name for f in tmp.iterdir()))
+            if GENERATION_CONFIG in missing and derive_generation_config(self.config, tmp):
+                missing.remove(GENERATION_CONFIG)
+                provenance["derived_files"] = [GENERATION_CONFIG]
+                self.warnings.append(_derived_message(self.config_dir))
+                logger.warning(self.warnings[-1])
             if missing:
                 provenance["missing_files"] = missing
                 self.warnings.append(_missing_message(missing, self.config_dir))
@@ -415,6 +420,13 @@ _LOST = {
     GENERATION_CONFIG: (f"no {GENERATION_CONFIG}", "generate() would fall back to config.json's defaults, losing the "
                         "base model's eos tokens and sampling settings", GENERATION_CONFIG),
 }
+
+
+def _derived_message(config_dir: Path) -> str:
+    return (
+        f"{config_dir} has no {GENERATION_CONFIG}: wrote the one save_pretrained derives from config.json (its bos/eos "
+        f"tokens, no sampling settings); pass --config DIR with the base model's files to keep its own"
+    )
 
 
 def _missing_message(missing: list[str], config_dir: Path) -> str:

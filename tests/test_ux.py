@@ -401,28 +401,38 @@ def test_plain_progress_is_periodic():
 # --- 7, 8: missing tokenizer, failed push ------------------------------------------------------
 
 
-def test_missing_tokenizer_and_generation_config_warn(actor_copy, tmp_path, capsys):
+def test_missing_tokenizer_warns_and_generation_config_is_derived(actor_copy, tmp_path, capsys):
     hf = actor_copy / "huggingface"
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"):
         (hf / name).unlink(missing_ok=True)
     rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "m")
     assert rc == 0
     warning = [ln for ln in err.splitlines() if ln.startswith("warning:")]
-    assert len(warning) == 1 and "no tokenizer and no generation_config.json" in warning[0]
-    assert "pass --config DIR" in warning[0]
-    assert read_json(tmp_path / "m" / "hf_merge.json")["missing_files"] == ["tokenizer", "generation_config.json"]
+    assert len(warning) == 2 and "has no tokenizer, so" in warning[1] and "pass --config DIR" in warning[1], warning
+    assert "no generation_config.json: wrote the one save_pretrained derives" in warning[0], warning
+    record = read_json(tmp_path / "m" / "hf_merge.json")
+    assert record["missing_files"] == ["tokenizer"] and record["derived_files"] == ["generation_config.json"]
     assert "Not included | no tokenizer" in (tmp_path / "m" / "README.md").read_text()
+    assert (tmp_path / "m" / "generation_config.json").is_file()
 
 
-def test_missing_generation_config_alone_says_what_generate_loses(actor_copy, tmp_path, capsys):
-    """The tokenizer is there: the warning speaks of the generation config (eos tokens, sampling
-    settings), not of AutoTokenizer."""
+@pytest.mark.compat
+def test_missing_generation_config_is_save_pretrained_s(actor_copy, tmp_path, capsys):
+    """No generation_config.json beside the checkpoint: the output gets the one ``save_pretrained``
+    of the trained model writes (derived from config.json: its eos/bos tokens), as verl's merger
+    does, and one warning says it has no sampling settings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     (actor_copy / "huggingface" / "generation_config.json").unlink()
     rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "m")
     assert rc == 0
     (warning,) = [ln for ln in err.splitlines() if ln.startswith("warning:")]
-    assert "has no generation_config.json" in warning and "tokenizer" not in warning, warning
-    assert "eos" in warning and "pass --config DIR" in warning, warning
+    assert "no sampling settings" in warning and "pass --config DIR" in warning, warning
+    config = AutoConfig.from_pretrained(actor_copy / "huggingface")
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "reference")
+    derived = read_json(tmp_path / "m" / "generation_config.json")
+    assert derived == read_json(tmp_path / "reference" / "generation_config.json")
+    assert derived["eos_token_id"] == config.eos_token_id
 
 
 def test_failed_push_says_the_folder_was_written_and_how_to_retry(inproc, qwen2_fp32_ws2, tmp_path, capsys):  # noqa: F811
