@@ -229,22 +229,37 @@ def derive_generation_config(config: dict[str, Any], folder: Path) -> bool:
     folder has none: transformers' ``from_model_config`` of the ``config.json`` already written in
     ``folder`` (its bos / eos / pad tokens; no sampling settings), as ``PreTrainedModel.__init__``
     builds it. False, and nothing written, when the class does not generate or transformers does
-    not know it (custom code)."""
+    not know it (custom code). Deriving it imports transformers' modeling code (about 2 s), so the
+    file is kept in the plan cache, keyed by the written config.json and the library versions, as
+    the Hub layout is: a merge that found its Hub layout there imports no transformers for this."""
+    from .transforms import layout_cache
+
+    key = layout_cache.digest({"versions": layout_cache.runtime(), "config": (folder / "config.json").read_text()})
+    stored = layout_cache.get("generation_config", key)
+    if not (isinstance(stored, dict) and isinstance(stored.get("file"), (str, type(None)))):
+        stored = {"file": _generation_config_text(config, folder)}
+        layout_cache.put("generation_config", key, stored)
+    if stored["file"] is None:
+        return False
+    (folder / GENERATION_CONFIG).write_text(stored["file"])
+    return True
+
+
+def _generation_config_text(config: dict[str, Any], folder: Path) -> str | None:
     from .transforms.skeleton import model_class_for
 
     cls = model_class_for(config)
     if cls is None or not cls.can_generate():
-        return False
+        return None
     from transformers import AutoConfig, GenerationConfig
 
     kind = getattr(cls, "generation_config_class", GenerationConfig)
-    model_config = AutoConfig.from_pretrained(folder)
     try:
-        generation_config = kind.from_model_config(model_config)
+        generation_config = kind.from_model_config(AutoConfig.from_pretrained(folder))
     except NotImplementedError:  # as transformers 5 does for classes that cannot derive one
         generation_config = kind()
     generation_config.save_pretrained(folder)
-    return True
+    return (folder / GENERATION_CONFIG).read_text()
 
 
 def missing_side_files(config: dict[str, Any], files: list[str]) -> list[str]:

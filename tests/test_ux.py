@@ -435,6 +435,27 @@ def test_missing_generation_config_is_save_pretrained_s(actor_copy, tmp_path, ca
     assert derived["eos_token_id"] == config.eos_token_id
 
 
+def test_derived_generation_config_is_cached_like_the_hub_layout(actor_copy, tmp_path):
+    """Deriving the file imports transformers' modeling code (seconds): a second merge of the same
+    model takes it, byte for byte, from the plan cache and imports no transformers at all."""
+    import subprocess
+    import sys
+
+    (actor_copy / "huggingface" / "generation_config.json").unlink()
+    script = ("import sys, hf_merge; hf_merge.merge(sys.argv[1], sys.argv[2]); "
+              "print(sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
+    env = {**__import__("os").environ, "HF_MERGE_CACHE": str(tmp_path / "cache")}
+    imported = []
+    for name in ("first", "second"):
+        done = subprocess.run([sys.executable, "-c", script, str(actor_copy), str(tmp_path / name)], env=env,
+                              capture_output=True, text=True, check=True)
+        imported.append(done.stdout.strip().splitlines()[-1])
+    assert imported[0] != "[]" and imported[1] == "[]", imported
+    assert (tmp_path / "second" / "generation_config.json").read_bytes() == \
+        (tmp_path / "first" / "generation_config.json").read_bytes()
+    assert list((tmp_path / "cache" / "generation_config").glob("*.json"))
+
+
 def test_failed_push_says_the_folder_was_written_and_how_to_retry(inproc, qwen2_fp32_ws2, tmp_path, capsys):  # noqa: F811
     inproc.fail(500, path_contains="/commit/")
     target = tmp_path / "m"
