@@ -237,7 +237,11 @@ def derive_generation_config(config: dict[str, Any], folder: Path) -> bool:
     key = layout_cache.digest({"versions": layout_cache.runtime(), "config": (folder / "config.json").read_text()})
     stored = layout_cache.get("generation_config", key)
     if not (isinstance(stored, dict) and isinstance(stored.get("file"), (str, type(None)))):
-        stored = {"file": _generation_config_text(config, folder)}
+        try:
+            stored = {"file": _generation_config_text(config, folder)}
+        except Exception as e:  # noqa: BLE001 - the weights are written: a config transformers rejects is a warning
+            logger.debug("generation_config.json not derived: %s", e)
+            return False
         layout_cache.put("generation_config", key, stored)
     if stored["file"] is None:
         return False

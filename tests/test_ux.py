@@ -435,6 +435,24 @@ def test_missing_generation_config_is_save_pretrained_s(actor_copy, tmp_path, ca
     assert derived["eos_token_id"] == config.eos_token_id
 
 
+def test_generation_config_that_cannot_be_derived_is_reported_missing(actor_copy, tmp_path, capsys, monkeypatch):
+    """transformers failing to derive the file (a config it rejects) does not fail a merge whose
+    weights are written: the output is complete but for it, and the warning says so."""
+    from hf_merge import hf_files
+
+    def rejects(config, folder):
+        raise ValueError("a config transformers rejects")
+
+    monkeypatch.setattr(hf_files, "_generation_config_text", rejects)
+    (actor_copy / "huggingface" / "generation_config.json").unlink()
+    rc, _, err = cli(capsys, "merge", actor_copy, tmp_path / "m")
+    assert rc == 0, err
+    (warning,) = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert "has no generation_config.json, so the output has none either" in warning, warning
+    assert read_json(tmp_path / "m" / "hf_merge.json")["missing_files"] == ["generation_config.json"]
+    assert not (tmp_path / "m" / "generation_config.json").exists()
+
+
 def test_derived_generation_config_is_cached_like_the_hub_layout(actor_copy, tmp_path):
     """Deriving the file imports transformers' modeling code (seconds): a second merge of the same
     model takes it, byte for byte, from the plan cache and imports no transformers at all."""
