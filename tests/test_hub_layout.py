@@ -71,6 +71,21 @@ def test_merge_equals_save_pretrained(hub_root, tmp_path, name):
     assert read_json(target / "config.json")["architectures"] == saved["architectures"]
 
 
+@pytest.mark.compat
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3", "deepseek_v3"])
+def test_missing_generation_config_is_derived_as_save_pretrained_does(hub_root, tmp_path, name):
+    """A VLM (tokens in its text_config) and a MoE whose folder lost generation_config.json: the
+    merge writes the one save_pretrained of the trained model wrote into the reference folder."""
+    import shutil
+
+    src = Path(shutil.copytree(hub_root / name, tmp_path / "src", ignore=shutil.ignore_patterns("reference")))
+    (src / "global_step_1" / "actor" / "huggingface" / "generation_config.json").unlink()
+    result = hf_merge.merge(src, tmp_path / "out")
+    assert result.provenance["derived_files"] == ["generation_config.json"]
+    assert read_json(tmp_path / "out" / "generation_config.json") == \
+        read_json(hub_root / name / "reference" / "generation_config.json")
+
+
 @needs_conversions
 def test_expert_splits_are_file_ranges_of_the_rank_files(hub_root):
     """A per-expert tensor is a run of rows of the fused rank-file tensor: zero-copy, file-backed."""
