@@ -9,8 +9,9 @@ left here is what a user sets for every run, or what a program that launches the
 - ``HF_MERGE_DIST_TIMEOUT``: seconds a distributed merge waits for the other ranks (default 1800).
 - ``HF_MERGE_DISTRIBUTED``: ``1`` / ``0`` stand for ``distributed=True`` / ``False`` when the
   option is not given (for the CLI run inside a program that already runs torch.distributed).
-- ``HF_MERGE_HEAD_START``: ``0`` (or ``off``, ``false``, ``no``): the CLI forks no head start for a
-  plain FSDP, DCP or accelerate merge (:mod:`hf_merge.write.head_start`).
+- ``HF_MERGE_HEAD_START``: ``0`` (or ``off``, ``false``, ``no``): the CLI forks no head start for
+  the merges it serves (verl FSDP, DCP, accelerate, torchtitan, Megatron-Core, DeepSpeed, ColossalAI
+  booster folders: :mod:`hf_merge.write.head_start`, docs/head-start.md).
 
 Each is read when asked for (not at import), so a test or a program may set it at any time.
 """
