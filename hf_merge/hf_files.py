@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from .errors import MissingConfigError, UnsafeCheckpointError
 from .side_files import side_files
@@ -184,12 +184,17 @@ def without_stale_quantization(config: dict[str, Any], specs) -> tuple[dict[str,
     return {k: v for k, v in config.items() if k != "quantization_config"}, note
 
 
-def write_config(config: dict[str, Any], folder: Path, *, dtype: torch.dtype | None) -> None:
+def config_text(config: dict[str, Any], dtype: "torch.dtype | None") -> str:
+    """The output's config.json: ``config`` naming ``dtype`` as the weights' dtype."""
     out = dict(config)
     if dtype is not None:  # under the key the installed transformers writes, and any other already there
         for key in {dtype_key()} | ({"dtype", "torch_dtype"} & set(out)):
             out[key] = dtype_name(dtype)
-    (Path(folder) / "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    return json.dumps(out, indent=2, sort_keys=True) + "\n"
+
+
+def write_config(config: dict[str, Any], folder: Path, *, dtype: torch.dtype | None) -> None:
+    (Path(folder) / "config.json").write_text(config_text(config, dtype))
 
 
 def copy_side_files(config_dir: Path, folder: Path, *, skip: tuple[str, ...] = ()) -> list[str]:
@@ -229,19 +234,20 @@ def derive_generation_config(config: dict[str, Any], folder: Path) -> bool:
     folder has none: transformers' ``from_model_config`` of the ``config.json`` already written in
     ``folder`` (its bos / eos / pad tokens; no sampling settings), as ``PreTrainedModel.__init__``
     builds it. False, and nothing written, when the class does not generate or transformers does
-    not know it (custom code). Deriving it imports transformers' modeling code (about 2 s), so the
-    file is kept in the plan cache, keyed by the written config.json and the library versions, as
-    the Hub layout is: a merge that found its Hub layout there imports no transformers for this."""
-    from .transforms import layout_cache
-
-    key = layout_cache.digest({"versions": layout_cache.runtime(), "config": (folder / "config.json").read_text()})
-    stored = layout_cache.get("generation_config", key)
-    if not (isinstance(stored, dict) and isinstance(stored.get("file"), (str, type(None)))):
+    not know it (custom code). Deriving it imports transformers (about 0.8 s after torch): the
+    merge starts that import while the weights are written (:func:`generation_config_warm_up`),
+    and the file is kept in the plan cache, keyed by the written config.json and the library
+    versions, as the Hub layout is."""
+    key = _generation_config_key((folder / "config.json").read_text())
+    stored = _stored_generation_config(key)
+    if stored is None:
         try:
             stored = {"file": _generation_config_text(config, folder)}
         except Exception as e:  # noqa: BLE001 - the weights are written: a config transformers rejects is a warning
             logger.debug("generation_config.json not derived: %s", e)
             return False
+        from .transforms import layout_cache
+
         layout_cache.put("generation_config", key, stored)
     if stored["file"] is None:
         return False
@@ -249,19 +255,47 @@ def derive_generation_config(config: dict[str, Any], folder: Path) -> bool:
     return True
 
 
-def _generation_config_text(config: dict[str, Any], folder: Path) -> str | None:
-    from .transforms.skeleton import model_class_for
+def generation_config_warm_up(config: dict[str, Any], written: str) -> "Callable[[], None] | None":
+    """What :func:`derive_generation_config` will import for the output's config.json ``written``,
+    as a function to run while the weights are written; None when the plan cache holds the file."""
+    if _stored_generation_config(_generation_config_key(written)) is not None:
+        return None
 
-    cls = model_class_for(config)
-    if cls is None or not cls.can_generate():
+    def warm_up() -> None:
+        import transformers
+
+        for name in ("AutoConfig", "GenerationConfig"):  # transformers' lazy module imports them
+            getattr(transformers, name)
+
+    return warm_up
+
+
+def _generation_config_key(written: str) -> str:
+    from .transforms import layout_cache
+
+    return layout_cache.digest({"versions": layout_cache.runtime(), "config": written})
+
+
+def _stored_generation_config(key: str) -> "dict[str, str | None] | None":
+    from .transforms import layout_cache
+
+    stored = layout_cache.get("generation_config", key)
+    return stored if isinstance(stored, dict) and isinstance(stored.get("file"), (str, type(None))) else None
+
+
+def _generation_config_text(config: dict[str, Any], folder: Path) -> str | None:
+    """What ``save_pretrained`` writes as ``generation_config.json`` for the config.json in ``folder``.
+
+    The model's class is not imported to ask ``can_generate()`` (its modeling code costs ~1.3 s
+    more than the config's): the class generates when its name says so (:data:`_GENERATIVE_SUFFIXES`,
+    which also decides that the file is missing). Checked on every such class transformers exports:
+    4.51.1, 219 of 219; 5.25.0, 336 of 340 (not PI0 / PI05 ``ForConditionalGeneration`` and two
+    abstract Omni bases). None of them sets its own ``generation_config_class``."""
+    if not any(str(a).endswith(_GENERATIVE_SUFFIXES) for a in config.get("architectures") or []):
         return None
     from transformers import AutoConfig, GenerationConfig
 
-    kind = getattr(cls, "generation_config_class", GenerationConfig)
-    try:
-        generation_config = kind.from_model_config(AutoConfig.from_pretrained(folder))
-    except NotImplementedError:  # as transformers 5 does for classes that cannot derive one
-        generation_config = kind()
+    generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder))
     generation_config.save_pretrained(folder)
     return (folder / GENERATION_CONFIG).read_text()
 

@@ -13,7 +13,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -21,8 +21,8 @@ from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
 from .readers.formats import find_format
 from .hf_files import (
-    GENERATION_CONFIG, checkpoint_config, copy_side_files, derive_generation_config, missing_side_files,
-    without_stale_quantization, write_config, written_dtype,
+    GENERATION_CONFIG, checkpoint_config, config_text, copy_side_files, derive_generation_config,
+    generation_config_warm_up, missing_side_files, without_stale_quantization, write_config, written_dtype,
 )
 from .side_files import side_files_bytes
 from .publish.card import write_card
@@ -244,6 +244,18 @@ class HfFolder:
     @classmethod
     def prepare(cls, source: "str | Path", target: Path, options: MergeOptions, *, overwrite: bool) -> "HfFolder":
         return _prepare(source, target, options, into_side_files=overwrite and not options.overwrite)
+
+    def warm_up(self) -> "Callable[[], None] | None":
+        """What :meth:`finish` will import, to run while the weights are written
+        (:func:`hf_merge.publish.preload.preload`): transformers' config code when a
+        ``generation_config.json`` must be derived and the plan cache does not hold it."""
+        if self.model_plan is None:
+            return None
+        names = [p.name for p in self.config_dir.iterdir()] + ([p.name for p in self.target.iterdir()]
+                                                               if self.into_side_files else [])
+        if GENERATION_CONFIG not in missing_side_files(self.config, names):
+            return None
+        return generation_config_warm_up(self.config, config_text(self.config, self.written))
 
     # -- the Output protocol --------------------------------------------------------------------
     def plan(self) -> list:

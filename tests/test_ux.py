@@ -23,6 +23,7 @@ from test_hub import TOKEN, hub, inproc  # noqa: F401 - the Hub stand-in fixture
 
 import hf_merge
 from hf_merge.cli import app
+from hf_merge.transformers_compat import has_weight_conversions
 
 
 @pytest.fixture(autouse=True)
@@ -453,9 +454,10 @@ def test_generation_config_that_cannot_be_derived_is_reported_missing(actor_copy
     assert not (tmp_path / "m" / "generation_config.json").exists()
 
 
+@pytest.mark.skipif(not has_weight_conversions(), reason="a transformers 4.x merge imports transformers for more than this")
 def test_derived_generation_config_is_cached_like_the_hub_layout(actor_copy, tmp_path):
-    """Deriving the file imports transformers' modeling code (seconds): a second merge of the same
-    model takes it, byte for byte, from the plan cache and imports no transformers at all."""
+    """Deriving the file imports transformers (0.8 s after torch): a second merge of the same model
+    takes it, byte for byte, from the plan cache and imports no transformers at all."""
     import subprocess
     import sys
 
