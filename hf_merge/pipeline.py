@@ -94,7 +94,7 @@ def run_staged(prepare: Callable[[], Any], target: Path, options: MergeOptions, 
 
     with atomic_folder(target, overwrite=overwrite) as tmp:
         output = prepare()
-        card_imports = preload(first=_warm_up(output))  # the card's imports and the output's, while the weights are written
+        card_imports = preload(first=warm_up(output))  # the card's imports and the output's, while the weights are written
         try:
             digests = output.write(tmp, list(output.plan()), how)
             card_imports.join()
@@ -104,10 +104,10 @@ def run_staged(prepare: Callable[[], Any], target: Path, options: MergeOptions, 
     return output
 
 
-def _warm_up(output: Any) -> "Callable[[], None] | None":
+def warm_up(output: Any) -> "Callable[[], None] | None":
     """The output's own imports for its finish (``warm_up()``, where it has one), or None."""
-    warm_up = getattr(output, "warm_up", None)
-    return warm_up() if warm_up is not None else None
+    method = getattr(output, "warm_up", None)
+    return method() if method is not None else None
 
 
 def pushed(result: MergeResult, push_to_hub: str | None, private: bool | None) -> MergeResult:

@@ -408,7 +408,8 @@ class Job:
         and commit; ``result(output, main)`` on every rank. ``options``: the merge's
         :class:`~hf_merge.options.MergeOptions` (workers, checksums, dist_writers). See the module docstring."""
         from .atomic import stage
-        from ..pipeline import Writing
+        from ..pipeline import Writing, warm_up
+        from ..publish.preload import preload
 
         writers = options.dist_writers
         if writers == "rank":  # every rank on a node reads the source: their reader processes share its CPUs
@@ -440,6 +441,7 @@ class Job:
                 shares = assign_by_bytes([f.data_size for f in files], len(chosen))
                 share = [files[i] for i in shares[chosen.index(self.rank)]]
             here = sum(1 for r in chosen if self.hosts[r] == self.host)
+            finishing = preload(first=warm_up(output)) if main else None  # rank 0's finish imports, meanwhile
             digests: dict[str, str | None] = {}
             error = None
             with self._progress(sum(f.data_size for f in files), str(tmp)) as progress:
@@ -455,6 +457,7 @@ class Job:
             error = None
             if main:
                 try:
+                    finishing.join()
                     every = {k: v for d in gathered for k, v in d.items()}
                     output.provenance["distributed"] = {
                         "world_size": self.world_size,
