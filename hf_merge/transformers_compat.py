@@ -139,28 +139,34 @@ def rope_unread(config: dict[str, Any]) -> str | None:
     top-level ``rope_theta`` / ``rope_scaling`` and builds the class's defaults otherwise (a Llama 3.2
     gets rope_theta 10000 and no llama3 scaling). The config is built as 4.x builds it and compared.
     """
-    if has_weight_conversions() or not isinstance(config.get("rope_parameters"), dict):
+    text = config.get("text_config")
+    where = {"": config, "text_config.": text if isinstance(text, dict) else {}}  # a VLM's language model: its own
+    where = {at: sub for at, sub in where.items() if isinstance(sub.get("rope_parameters"), dict)}
+    if has_weight_conversions() or not where:
         return None
     from transformers import AutoConfig, __version__
 
     from .config_fields import rope_settings
 
-    want = rope_settings(config)
     try:
         built = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     except Exception:  # noqa: BLE001 - a config 4.x cannot build fails where it is loaded, with its own error
         return None
-    read_theta, read_scaling = getattr(built, "rope_theta", None), getattr(built, "rope_scaling", None)
-    rope_type = str(want.get("rope_type", "default"))
     unread = []
-    if want.get("rope_theta") is not None and read_theta is not None and float(read_theta) != float(want["rope_theta"]):
-        unread.append(f"rope_theta {want['rope_theta']} (read as {read_theta})")
-    if rope_type != "default" and not read_scaling:
-        unread.append(f"{rope_type} scaling (read as none)")
+    for at, sub in where.items():
+        want, read = rope_settings(sub), getattr(built, at.rstrip("."), None) if at else built
+        read_theta, read_scaling = getattr(read, "rope_theta", None), getattr(read, "rope_scaling", None)
+        rope_type = str(want.get("rope_type", "default"))
+        if want.get("rope_theta") is not None and read_theta is not None and float(read_theta) != float(want["rope_theta"]):
+            unread.append(f"{at}rope_theta {want['rope_theta']} (read as {read_theta})")
+        if rope_type != "default" and not read_scaling:
+            unread.append(f"{at}{rope_type} scaling (read as none)")
+        if "mrope_section" in want and not (read_scaling or {}).get("mrope_section"):  # Qwen2-VL's multimodal RoPE
+            unread.append(f"{at}mrope_section {want['mrope_section']} (read as none)")
     if not unread:
         return None
     return (f"config.json keeps RoPE in rope_parameters (transformers 5's field): {', '.join(unread)}; transformers "
-            f"{__version__} does not read that field, so its model computes other logits")
+            f"{__version__} does not read that field, so its model does not compute the trained logits")
 
 
 def legacy_saved_names(model_class: Any, names: list[str]) -> dict[str, str]:

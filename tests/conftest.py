@@ -16,7 +16,7 @@ returns a :class:`make_fsdp_checkpoint.FsdpCheckpoint`::
     ck.options     what was asked for (arch, dtypes, world size, mesh, LoRA settings ...)
 
 Set ``HF_MERGE_FIXTURE_CACHE=/some/dir`` to keep the checkpoints between sessions (keyed by a hash
-of the generator's source); by default they live in pytest's tmp dir. ``-v`` prints build times.
+of the generator's source and the torch / transformers / peft versions); by default they live in pytest's tmp dir. ``-v`` prints build times.
 """
 
 from __future__ import annotations
@@ -92,8 +92,22 @@ CHECKPOINTS: dict[str, tuple] = {
 }
 
 
+def _stack() -> bytes:
+    """The libraries a fixture generator's output depends on, for the HF_MERGE_FIXTURE_CACHE keys
+    (one cache shared by the main and the compatibility venvs must not hand one stack's fixtures to another)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    return " ".join(f"{n}={of(n)}" for n in ("torch", "transformers", "peft")).encode()
+
+
 def _source_hash() -> str:
-    return hashlib.sha256(Path(mk.__file__).read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(Path(mk.__file__).read_bytes() + _stack()).hexdigest()[:12]
 
 
 def build_checkpoint(name: str, tmp_path_factory) -> FsdpCheckpoint:
@@ -267,7 +281,7 @@ def _hub_checkpoints(tmp_path_factory, name: str, models: list[str] | None) -> P
     unbuilt = mh.unbuildable(models) if version_tuple() < (4, 57) else {}
     key = hashlib.sha256(
         (EXAMPLES / "make_hub_checkpoints.py").read_bytes() + (EXAMPLES / "make_fsdp_checkpoint.py").read_bytes()
-        + ",".join(sorted(unbuilt)).encode()
+        + ",".join(sorted(unbuilt)).encode() + _stack()
     ).hexdigest()[:12]
     cache = os.environ.get("HF_MERGE_FIXTURE_CACHE")
     root = Path(cache) / f"{name}-{key}" if cache else tmp_path_factory.mktemp(name)

@@ -525,6 +525,34 @@ def test_a_transformers_5_llama3_rope_checkpoint_loads_under_5():
     torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
 
 
+# A Qwen2.5-VL written under transformers 5.25: its multimodal RoPE (mrope_section) sits in
+# text_config.rope_parameters; 4.x reads it from rope_scaling only and fails at the first forward.
+TF5_QWEN2_5_VL = Path(__file__).parent / "data" / "transformers_5" / "qwen2_5_vl"
+
+
+@pytest.mark.compat
+@needs_conversions
+def test_a_transformers_5_vlm_rope_checkpoint_loads_under_5():
+    model = hf_merge.from_sharded_pretrained(TF5_QWEN2_5_VL, dtype="float32")
+    ref = torch.load(TF5_QWEN2_5_VL / "reference" / "logits.pt", weights_only=True)
+    torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.compat
+@needs_4x
+def test_transformers_4_says_it_cannot_read_a_transformers_5_vlm_rope_config(tmp_path):
+    """The VLM's RoPE lives in text_config: from_sharded_pretrained refuses with the one line naming
+    the field (it used to load, then raise a TypeError at the first forward), the merge warns."""
+    from helpers import run_cli
+
+    with pytest.raises(UnsupportedCheckpointError, match=r"rope_parameters.*text_config\.mrope_section.*transformers>=5"):
+        hf_merge.from_sharded_pretrained(TF5_QWEN2_5_VL, dtype="float32")
+    r = run_cli("merge", TF5_QWEN2_5_VL, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    (warning,) = [ln for ln in r.stderr.splitlines() if "rope_parameters" in ln]
+    assert warning.startswith("warning:") and "mrope_section" in warning and "transformers>=5" in warning, warning
+
+
 @pytest.mark.compat
 @needs_4x
 def test_transformers_4_says_it_cannot_read_a_transformers_5_rope_config(tmp_path):
