@@ -512,58 +512,41 @@ def test_transformers_4_refuses_the_fused_experts_of_a_transformers_5_checkpoint
         hf_merge.from_sharded_pretrained(TF5_QWEN3_MOE, dtype="float32")
 
 
-# A Llama 3.2-style tied model (llama3 RoPE, rope_theta 500000) written under transformers 5.25: its
-# config.json keeps RoPE in rope_parameters, a field transformers 4.x does not read.
-TF5_LLAMA3 = Path(__file__).parent / "data" / "transformers_5" / "llama3_tied"
+# Checkpoints written under transformers 5.25 whose config.json keeps RoPE in rope_parameters, a field
+# transformers 4.x does not read: a Llama 3.2-style tied model (llama3 RoPE, rope_theta 500000; 4.57 builds it
+# with rope_theta 10000 and no scaling, logits off by 0.014), and a Qwen2.5-VL whose multimodal RoPE
+# (mrope_section) sits in text_config.rope_parameters (4.x reads it from rope_scaling only, and its first
+# forward raised a TypeError). name -> (folder, the error 4.x gives, a word of the merge's warning)
+TF5_ROPE = {
+    "llama3_tied": (Path(__file__).parent / "data" / "transformers_5" / "llama3_tied",
+                    r"rope_parameters.*rope_theta 500000.0.*10000.*transformers>=5", "llama3"),
+    "qwen2_5_vl": (Path(__file__).parent / "data" / "transformers_5" / "qwen2_5_vl",
+                   r"rope_parameters.*text_config\.mrope_section.*transformers>=5", "mrope_section"),
+}
 
 
 @pytest.mark.compat
 @needs_conversions
-def test_a_transformers_5_llama3_rope_checkpoint_loads_under_5():
-    model = hf_merge.from_sharded_pretrained(TF5_LLAMA3, dtype="float32")
-    ref = torch.load(TF5_LLAMA3 / "reference" / "logits.pt", weights_only=True)
-    torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
-
-
-# A Qwen2.5-VL written under transformers 5.25: its multimodal RoPE (mrope_section) sits in
-# text_config.rope_parameters; 4.x reads it from rope_scaling only and fails at the first forward.
-TF5_QWEN2_5_VL = Path(__file__).parent / "data" / "transformers_5" / "qwen2_5_vl"
-
-
-@pytest.mark.compat
-@needs_conversions
-def test_a_transformers_5_vlm_rope_checkpoint_loads_under_5():
-    model = hf_merge.from_sharded_pretrained(TF5_QWEN2_5_VL, dtype="float32")
-    ref = torch.load(TF5_QWEN2_5_VL / "reference" / "logits.pt", weights_only=True)
+@pytest.mark.parametrize("name", sorted(TF5_ROPE))
+def test_a_transformers_5_rope_checkpoint_loads_under_5(name):
+    folder = TF5_ROPE[name][0]
+    model = hf_merge.from_sharded_pretrained(folder, dtype="float32")
+    ref = torch.load(folder / "reference" / "logits.pt", weights_only=True)
     torch.testing.assert_close(_logits(model, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-6)
 
 
 @pytest.mark.compat
 @needs_4x
-def test_transformers_4_says_it_cannot_read_a_transformers_5_vlm_rope_config(tmp_path):
-    """The VLM's RoPE lives in text_config: from_sharded_pretrained refuses with the one line naming
-    the field (it used to load, then raise a TypeError at the first forward), the merge warns."""
+@pytest.mark.parametrize("name", sorted(TF5_ROPE))
+def test_transformers_4_says_it_cannot_read_a_transformers_5_rope_config(tmp_path, name):
+    """from_sharded_pretrained refuses, naming the field; the merge (bytes as transformers 5's
+    save_pretrained writes them) warns that 4.x would not load the output as trained."""
     from helpers import run_cli
 
-    with pytest.raises(UnsupportedCheckpointError, match=r"rope_parameters.*text_config\.mrope_section.*transformers>=5"):
-        hf_merge.from_sharded_pretrained(TF5_QWEN2_5_VL, dtype="float32")
-    r = run_cli("merge", TF5_QWEN2_5_VL, tmp_path / "out")
+    folder, error, word = TF5_ROPE[name]
+    with pytest.raises(UnsupportedCheckpointError, match=error):
+        hf_merge.from_sharded_pretrained(folder, dtype="float32")
+    r = run_cli("merge", folder, tmp_path / "out")
     assert r.returncode == 0, r.stderr
     (warning,) = [ln for ln in r.stderr.splitlines() if "rope_parameters" in ln]
-    assert warning.startswith("warning:") and "mrope_section" in warning and "transformers>=5" in warning, warning
-
-
-@pytest.mark.compat
-@needs_4x
-def test_transformers_4_says_it_cannot_read_a_transformers_5_rope_config(tmp_path):
-    """transformers 4.57 builds this model with rope_theta 10000 and no llama3 scaling (logits off by
-    0.014 here): from_sharded_pretrained refuses, naming the field; the merge (bytes as transformers
-    5's save_pretrained writes them) warns that 4.x would load the output so."""
-    from helpers import run_cli
-
-    with pytest.raises(UnsupportedCheckpointError, match=r"rope_parameters.*rope_theta 500000.0.*10000.*transformers>=5"):
-        hf_merge.from_sharded_pretrained(TF5_LLAMA3, dtype="float32")
-    r = run_cli("merge", TF5_LLAMA3, tmp_path / "out")
-    assert r.returncode == 0, r.stderr
-    (warning,) = [ln for ln in r.stderr.splitlines() if "rope_parameters" in ln]
-    assert warning.startswith("warning:") and "llama3" in warning and "transformers>=5" in warning, warning
+    assert warning.startswith("warning:") and word in warning and "transformers>=5" in warning, warning
