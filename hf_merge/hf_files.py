@@ -291,7 +291,7 @@ def _generation_config_text(config: dict[str, Any], folder: Path) -> str | None:
     which also decides that the file is missing). Checked on every such class transformers exports:
     4.51.1, 219 of 219; 5.25.0, 336 of 340 (not PI0 / PI05 ``ForConditionalGeneration`` and two
     abstract Omni bases). None of them sets its own ``generation_config_class``."""
-    if not any(str(a).endswith(_GENERATIVE_SUFFIXES) for a in config.get("architectures") or []):
+    if not _generates(config):
         return None
     from transformers import AutoConfig, GenerationConfig
 
@@ -306,9 +306,15 @@ def missing_side_files(config: dict[str, Any], files: list[str]) -> list[str]:
     missing = []
     if not any(name in files for name in TOKENIZER_FILES):
         missing.append("tokenizer")
-    archs = config.get("architectures") or []
-    if GENERATION_CONFIG not in files and any(str(a).endswith(_GENERATIVE_SUFFIXES) for a in archs):
+    if GENERATION_CONFIG not in files and _generates(config):
         missing.append(GENERATION_CONFIG)
     return missing
+
+
+def _generates(config: dict[str, Any]) -> bool:
+    """Whether config.json's architecture generates text, read from its class name
+    (:data:`_GENERATIVE_SUFFIXES`; see :func:`_generation_config_text` for how well that agrees
+    with transformers' ``can_generate()``)."""
+    return any(str(a).endswith(_GENERATIVE_SUFFIXES) for a in config.get("architectures") or [])
 
 
