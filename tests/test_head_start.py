@@ -415,6 +415,16 @@ def _ask_for_code(path: Path, key: str, marker: Path) -> None:
     torch.save(state, path)
 
 
+def _merge_refuses_code(source: Path, tmp_path: Path, marker: Path, *flags: str) -> None:
+    """``hf-merge merge source`` (head start on) ends with the one pickle policy's error line: the
+    command never ran, no target, no child left."""
+    before = set(_children())
+    line = error_line(run_cli("merge", source, tmp_path / "out", *flags))
+    assert "system" in line and "allowlist" in line, line
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert set(_children()) <= before
+
+
 def test_a_rank_file_that_asks_for_code_is_one_line_and_nothing_runs(qwen2_fp32_ws2, tmp_path, adoptions):
     """The child refuses it under its subset of the policy; the merge refuses it with the one
     policy's error line; no target, no child left, the command never ran."""
@@ -429,13 +439,8 @@ def test_a_rank_file_that_asks_for_code_is_one_line_and_nothing_runs(qwen2_fp32_
 
     with pytest.raises(UnsafeCheckpointError, match="system"):  # the child's own reading
         rank_records.index_rank_file(rank1)
-    before = set(_children())
-    proc = run_cli("merge", source, tmp_path / "out", "--dtype", "auto")
-    line = error_line(proc)
-    assert "system" in line and "allowlist" in line, line
+    _merge_refuses_code(source, tmp_path, marker, "--dtype", "auto")
     assert adoptions == []  # refused while the merge opened the source, before any weight was planned
-    assert not marker.exists() and not (tmp_path / "out").exists()
-    assert set(_children()) <= before
 
 
 # ---- DCP folders (generic DCP, accelerate): the same child, their torch-free index ---------------
@@ -859,13 +864,8 @@ def test_a_deepspeed_file_that_asks_for_code_is_one_line_with_the_child_running(
 
     with pytest.raises(UnsafeCheckpointError, match="system"):  # the child's own reading
         DeepSpeedIndex(resolve_deepspeed_dir(source))
-    before = set(_children())
-    proc = run_cli("merge", source, tmp_path / "out", *_deepspeed_flags("z3_fp32_ws3"))
-    line = error_line(proc)
-    assert "system" in line and "allowlist" in line, line
+    _merge_refuses_code(source, tmp_path, marker, *_deepspeed_flags("z3_fp32_ws3"))
     assert forks == ["deepspeed"] and adoptions == []
-    assert not marker.exists() and not (tmp_path / "out").exists()
-    assert set(_children()) <= before
 
 
 def test_a_flipped_byte_in_a_row_cut_between_partitions_is_one_line_with_the_child_running(tmp_path, adoptions, forks):
@@ -979,13 +979,8 @@ def test_a_colossalai_shard_that_asks_for_code_is_one_line_with_the_child_runnin
 
     with pytest.raises(UnsafeCheckpointError, match="system"):  # the child's own reading
         open_index(source, None)
-    before = set(_children())
-    proc = run_cli("merge", source, tmp_path / "out", "--dtype", "auto")
-    line = error_line(proc)
-    assert "system" in line and "allowlist" in line, line
+    _merge_refuses_code(source, tmp_path, marker, "--dtype", "auto")
     assert forks == ["colossalai"] and adoptions == []
-    assert not marker.exists() and not (tmp_path / "out").exists()
-    assert set(_children()) <= before
 
 
 def test_a_truncated_colossalai_shard_is_one_line_with_the_child_running(tmp_path, adoptions, forks):
