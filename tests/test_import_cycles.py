@@ -64,3 +64,14 @@ def test_the_package_has_no_import_cycle():
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as e:
         raise AssertionError(f"import cycle: {' imports '.join(reversed(e.args[1]))}") from None
+
+
+def test_every_module_compiles_without_a_warning():
+    """An invalid escape in a docstring (``\\ s``) is a SyntaxWarning at byte-compile time from Python 3.12
+    on, printed to users when pip or the first import compiles the module."""
+    import warnings
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_bytes(), str(path), "exec")

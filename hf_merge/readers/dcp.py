@@ -262,7 +262,7 @@ class DcpCheckpoint(LazyCheckpoint):
         instead of reading them into a buffer and writing it out. Other layouts (a chunk cut along
         another dimension, a file that cannot be mapped) are read box by box (the default), except
         chunks cut along the columns only (a TP>1 row-parallel weight), whose rows are
-        :class:`~hf_merge.readers.file_runs.ColumnGather`\ s (:meth:`file_rows`)."""
+        :class:`~hf_merge.readers.file_runs.ColumnGather`\\ s (:meth:`file_rows`)."""
         spec = self._spec(name)
         views = self._row_views(name) if spec.shape and spec.shape[0] else None
         if views is None:
