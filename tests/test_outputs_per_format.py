@@ -116,7 +116,8 @@ def test_bitsandbytes_of_every_format_equals_quantizing_its_merge(fmt, routes, t
 def test_torchrun_merge_of_every_format_equals_one_process(request, tmp_path):
     """One `torchrun --nproc-per-node 2` job merges every format (and a Hugging Face folder) with
     `--dist-writers rank`, each rank writing its share of the files: byte-identical to the
-    one-process merge of the same source."""
+    one-process merge of the same source, the generation_config.json derived where the source has
+    none included."""
     from test_distributed import _run_jobs, assert_same_folder
 
     sources = {fmt: SOURCES[fmt](_Fixtures(request)) for fmt in FORMATS}
@@ -136,3 +137,5 @@ def test_torchrun_merge_of_every_format_equals_one_process(request, tmp_path):
         assert_same_folder(tmp_path / "dist" / fmt, singles[fmt])
         shared = json.loads((tmp_path / "dist" / fmt / "hf_merge.json").read_text())["distributed"]
         assert shared["writers"] == "rank" and all(n > 0 for n in shared["files_per_rank"]), (fmt, shared)
+    derived = [fmt for fmt in sources if json.loads((singles[fmt] / "hf_merge.json").read_text()).get("derived_files")]
+    assert "accelerate" in derived, derived  # its config folder has no generation_config.json
