@@ -248,6 +248,49 @@ def test_a_piece_the_kernel_refuses_to_map_is_read(qwen2_vocab2k_ws2, monkeypatc
     assert all(ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
 
 
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, total) whole pages of ``t``'s memory, from mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    lo = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    n = (t.data_ptr() + t.numel() * t.element_size() - lo) // mmap.PAGESIZE
+    flags = ctypes.create_string_buffer(n)
+    assert libc.mincore(lo, n * mmap.PAGESIZE, flags) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in flags.raw), n
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="MADV_POPULATE_WRITE is Linux's")
+def test_buffers_read_into_have_their_pages_before_the_read(monkeypatch):
+    """A tensor the load reads into (a TP column piece per row) is allocated with its pages faulted
+    in, in chunks of at most POPULATE_CHUNK (each call holds the process's mmap lock)."""
+    import hf_merge.load.page_mapper as page_mapper
+
+    calls = []
+    real = page_mapper._LIBC.madvise
+
+    class Libc:
+        def __getattr__(self, name):
+            return getattr(page_mapper._LIBC, name)
+
+        def madvise(self, addr, length, advice):
+            calls.append(length)
+            return real(addr, length, advice)
+
+    monkeypatch.setattr(page_mapper, "_LIBC", Libc())
+    plain = torch.empty((64 << 20) // 2, dtype=torch.bfloat16)  # above glibc's mmap threshold: fresh pages
+    resident, total = _resident_pages(plain)
+    assert resident < total // 2
+    out = page_mapper.empty(((64 << 20) // 4096, 2048), torch.bfloat16)
+    assert out.shape == ((64 << 20) // 4096, 2048) and out.dtype == torch.bfloat16
+    if not page_mapper._populates:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert _resident_pages(out)[0] == _resident_pages(out)[1]
+    assert calls and max(calls) <= page_mapper.POPULATE_CHUNK and sum(calls) >= (64 << 20) - 4096
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="mapping rank files needs Linux")
 @pytest.mark.parametrize("kwargs", [dict(dtype="keep", disable_mmap=True), dict(dtype="bfloat16")])
 def test_weights_read_into_own_memory_when_disabled_or_cast(qwen2_vocab2k_ws2, kwargs):

@@ -47,6 +47,7 @@ import torch
 from ..checkpoint import LazyCheckpoint, open_checkpoint
 from ..errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
 from ..hf_files import find_config_dir, load_config, without_stale_quantization
+from . import page_mapper
 from .page_mapper import Mapper
 from .device_fill import StagerPool, stages
 from .prefetch import Prefetch
@@ -732,7 +733,7 @@ def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype
             return key, built
         if maps(key, name, specs[name].nbytes):
             return key, mapper.tensor(shape, dtype, view.read_rows(name, dtype), placed.place)
-        out = torch.empty(shape, dtype=dtype, device=devices[key])
+        out = page_mapper.empty(shape, dtype) if str(devices[key]) == "cpu" else torch.empty(shape, dtype=dtype, device=devices[key])
         if stages(out.device):
             stagers.fill(view, name, out, placed.place)  # pinned buffers, transfers overlapped with reads
         else:

@@ -49,7 +49,11 @@ _MAP_FIXED = 0x10  # Linux; the mmap module does not export it
 _FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module exports it only from Python 3.13 (a constant there too)
 POPULATE_MIN_BYTES = 1 << 20  # smaller reads fault their few pages in as they go
-POPULATE_CHUNK = 32 << 20  # per call: the process's other threads' mmap()s wait at most one chunk
+# Per call. The call holds the process's mmap lock for reading, so another thread's mmap() (the
+# import beside the prefetch: every new pymalloc arena and shared library is one) waits for the
+# whole chunk, and the page faults queued behind that writer wait too. meg-L8 with the prefetch
+# (docs/loading.md): 32 MiB slowed the import beside it from 1.3 s to 1.8-2.3 s; 1 MiB does not.
+POPULATE_CHUNK = 1 << 20
 _populates = True  # until the kernel says it has no MADV_POPULATE_WRITE
 
 
@@ -93,6 +97,16 @@ def populate(addr: int, length: int) -> bool:
                 _populates = False
             return False
     return True
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU with its pages faulted in first (:func:`populate`),
+    for a tensor that is read into right after: a scattered read (a TP column piece per row)
+    otherwise takes a page fault in the middle of its copies for every page."""
+    out = torch.empty(shape, dtype=dtype)
+    if _LIBC is not None:
+        populate(out.data_ptr(), out.numel() * out.element_size())
+    return out
 
 
 def _map_count() -> int:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..readers import record_crc
+from . import page_mapper
 from .page_mapper import Mapper
 from ..readers.file_runs import run_of
 from .stacked import first_piece
@@ -116,7 +117,7 @@ class Prefetch:
         if self._closed.is_set():
             return None
         if runs is None:  # not file bytes throughout (a Megatron row-parallel weight): read, as the fill would
-            out = torch.empty(shape, dtype=self.dtype)
+            out = page_mapper.empty(shape, self.dtype)
             with record_crc.deferred(check_at_end=False, pending=self.placed.pending):
                 self.view.read_into(name, out)
             self.read += 1
