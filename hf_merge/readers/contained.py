@@ -90,8 +90,3 @@ def check(path: "str | Path", root: "str | Path | None" = None) -> Path:
             f"{path} is a symlink (to {target}) beside the checkpoint {given}; copy the file in, or pass its folder"
         )
     return path
-
-
-def check_all(paths) -> None:
-    for p in paths:
-        check(p)

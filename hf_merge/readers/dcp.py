@@ -42,7 +42,7 @@ import re
 import threading
 from bisect import bisect_left
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -486,9 +486,3 @@ def _writable_bytes(t: torch.Tensor) -> memoryview | None:
         return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
     except Exception:  # no numpy, or a tensor numpy cannot view
         return None
-
-
-def iter_regions(shape: Sequence[int], axis: int = 0) -> Iterable[tuple[int, ...]]:
-    """Starts of the unit slices of ``shape`` along ``axis`` (helper for layer-by-layer reads)."""
-    for i in range(shape[axis]):
-        yield tuple(i if d == axis else 0 for d in range(len(shape)))

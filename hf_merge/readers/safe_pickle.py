@@ -473,10 +473,12 @@ class _CScan(pickle.Unpickler):
     persistent_load = _refused
 
 
-def _fast_scan(data: bytes, allow: Allowlist, persistent_load: Callable[[Any], Any]) -> None:
-    """:func:`scan_pickle`'s work done by C pickle over stand-ins (after the same walk); raises
-    :class:`_Refused` (or anything) where the policy may refuse, and the pure machine decides."""
-    _walk(data, allow, "pickle", persistent=True)
+def _fast_scan(data: bytes, allow: Allowlist, persistent_load: Callable[[Any], Any] | None, *, walked: bool = False) -> None:
+    """:func:`scan_pickle`'s work done by C pickle over stand-ins (after the same walk; ``walked``:
+    the caller did it); raises :class:`_Refused` (or anything) where the policy may refuse, and the
+    pure machine decides."""
+    if not walked:
+        _walk(data, allow, "pickle", persistent=persistent_load is not None)
     _CScan(io.BytesIO(data), allow, persistent_load).load()
 
 
@@ -497,64 +499,6 @@ class _CLoad(pickle.Unpickler):
         return obj
 
     persistent_load = _refused
-
-
-_NEVER = frozenset({"INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"})
-
-
-@functools.cache
-def _arg_sizes() -> dict[int, tuple[int, bool]]:
-    """Opcode -> (argument size, or -1 for one text line / -2 two lines / -(width + 10) for a
-    length prefix of that many bytes, and whether it is signed), for the opcodes the fast path
-    lets through (from :mod:`pickletools`' own table)."""
-    import pickletools
-
-    widths = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
-              pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
-    out = {}
-    for op in pickletools.opcodes:
-        if op.name in _NEVER:
-            continue
-        arg = op.arg
-        if arg is None:
-            out[ord(op.code)] = (0, False)
-        elif arg.n >= 0:
-            out[ord(op.code)] = (arg.n, False)
-        elif arg.n == pickletools.UP_TO_NEWLINE:
-            out[ord(op.code)] = (-2 if op.name == "GLOBAL" else -1, False)
-        else:
-            out[ord(op.code)] = (-(widths[arg.n] + 10), arg.n == pickletools.TAKEN_FROM_ARGUMENT4)
-    return out
-
-
-def _only_allowed_opcodes(data: bytes) -> bool:
-    """Walk the opcodes up to ``STOP`` as the unpickler reads them; False at any opcode outside
-    :func:`_arg_sizes` (``INST``, ``OBJ``, ``EXT*``, persistent ids, unknown) or a cut argument."""
-    sizes, pos, end, stop = _arg_sizes(), 0, len(data), pickle.STOP[0]
-    while pos < end:
-        code = data[pos]
-        pos += 1
-        if code == stop:
-            return True
-        spec = sizes.get(code)
-        if spec is None:
-            return False
-        n, signed = spec
-        if n >= 0:
-            pos += n
-        elif n >= -2:
-            for _ in range(-n):
-                nl = data.find(b"\n", pos)
-                if nl < 0:
-                    return False
-                pos = nl + 1
-        else:
-            width = -n - 10
-            length = int.from_bytes(data[pos : pos + width], "little", signed=signed)
-            if length < 0:
-                return False
-            pos += width + length
-    return False
 
 
 def _fast_load(data: bytes, allow: Allowlist, substitutes: Mapping[Pair, Any] | None = None, *, walked: bool = False) -> Any:
@@ -623,7 +567,7 @@ def scan_pickle(data: bytes, allow: Allowlist, where: str, *, persistent_load: C
     allow = allow | _names()
     _walk(data, allow, where, persistent=persistent_load is not None)
     try:  # C pickle over the same stand-ins first (after the same walk); the pure machine decides otherwise
-        _CScan(io.BytesIO(data), allow, persistent_load).load()
+        _fast_scan(data, allow, persistent_load, walked=True)
         return
     except Exception:  # noqa: BLE001 - refused, malformed or failing: the pure machine decides and says why
         pass
