@@ -97,10 +97,6 @@ def _key(st: os.stat_result) -> tuple[int, ...]:
 file_version = _key  # a file's version as the records found good are remembered by
 
 
-def enabled() -> bool:
-    return _skip == 0
-
-
 @contextlib.contextmanager
 def skipping(skip: bool = True) -> Iterator[None]:
     """Within the block (when ``skip``), no record's CRC-32 is checked."""
