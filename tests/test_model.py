@@ -442,6 +442,24 @@ def test_attn_implementation_and_config_object(qwen2_fp32_ws2):
     assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
 
 
+@pytest.mark.parametrize("with_config_object", [False, True])
+def test_from_pretrained_file_loading_arguments_are_accepted(qwen2_fp32_ws2, with_config_object, tmp_path):
+    """What a user passes to from_pretrained by habit (low_cpu_mem_usage, use_safetensors, a revision...)
+    changes nothing here; it used to reach the model's __init__ and raise TypeError."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(qwen2_fp32_ws2.hf_dir) if with_config_object else None
+    override = {} if with_config_object else {"use_cache": False}  # as from_pretrained: with a config object, none
+    model = AutoModelForCausalLM.from_sharded_pretrained(
+        qwen2_fp32_ws2.actor, config=config, dtype="float32", low_cpu_mem_usage=True, use_safetensors=True,
+        weights_only=True, revision="main", cache_dir=str(tmp_path), token=None, local_files_only=True,
+        force_download=False, **override,
+    )
+    assert model.config.use_cache is not bool(override)  # a config override among them still applies
+    ref = torch.load(qwen2_fp32_ws2.logits)
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
 def test_load_tokenizer(qwen2_fp32_ws2):
     tok = hf_merge.load.model.load_tokenizer(qwen2_fp32_ws2.actor)
     ref = load_tokenizer(qwen2_fp32_ws2.root, config=qwen2_fp32_ws2.reference)

@@ -69,6 +69,14 @@ LORA_MODES = ("fuse", "adapter")
 LOAD_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 _LIST_LIMIT = 8  # names listed in an error message
+#: ``from_pretrained`` arguments that say how it finds and reads a model folder's files (the Hub,
+#: safetensors or pickles, a low-memory load): the shards are read here, on the meta device first,
+#: so they are accepted and change nothing (``from_pretrained`` drops the first six itself)
+_FILE_LOADING_KWARGS = frozenset({
+    "low_cpu_mem_usage", "_fast_init", "mirror", "offload_state_dict", "from_tf", "from_flax",
+    "use_safetensors", "weights_only", "cache_dir", "force_download", "resume_download", "proxies", "token",
+    "use_auth_token", "revision", "local_files_only",
+})
 
 
 @dataclass
@@ -158,6 +166,8 @@ def from_sharded_pretrained(
             (as ``merge`` does; see docs/integrity.md); ``False`` skips it.
         **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
             config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
+            ``from_pretrained``'s file-loading arguments (``low_cpu_mem_usage``, ``use_safetensors``,
+            ``weights_only``, ``revision``, ``cache_dir``, ``token``...) are accepted and change nothing.
 
     Returns:
         The model in eval mode (a ``peft.PeftModel`` with ``lora="adapter"``).
@@ -178,6 +188,8 @@ def from_sharded_pretrained(
     if "torch_dtype" in kwargs:
         torch_dtype = kwargs.pop("torch_dtype")
         dtype = dtype if dtype is not None else torch_dtype
+    for name in _FILE_LOADING_KWARGS & kwargs.keys():
+        del kwargs[name]  # not config overrides: the model's __init__ would raise TypeError on them
     config_obj = config if isinstance(config, transformers.PretrainedConfig) else None
     config_dir_arg = None if config_obj is not None or config is None else Path(config)
 
