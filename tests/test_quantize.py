@@ -535,7 +535,9 @@ def test_cli_quantize_flags(qwen2_fp32_ws2, tmp_path):
 def test_odd_shapes_int8_works_and_4bit_refuses_in_one_line(uneven_ckpt, tmp_path):
     """hidden 6, one KV head of size 2 (world size 4, uneven / empty shards)."""
     proc = run_cli("merge", uneven_ckpt.actor, tmp_path / "nf4", "--quantize", "nf4")
-    assert "no layer of this model can be quantized" in error_line(proc) and not (tmp_path / "nf4").exists()
+    line = error_line(proc)
+    assert "no layer of this model can be quantized" in line and not (tmp_path / "nf4").exists()
+    assert line.endswith("merge with --quantize int8 (no such shape limit) or without --quantize"), line
 
     plain_dir, out = tmp_path / "plain", tmp_path / "int8"
     merge(uneven_ckpt.actor, plain_dir)

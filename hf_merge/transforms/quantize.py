@@ -441,7 +441,9 @@ class Quantized(LazyCheckpoint):
         if not final:
             first = sorted(extra.items())[:1]
             why = f" ({first[0][0]}: {first[0][1]}, ...)" if first else ""
-            raise QuantizationError(f"no layer of this model can be quantized with bitsandbytes{why}; merge without --quantize")
+            shapes = opts.is_4bit and any(kernel_problem(opts, info["shape"]) for info in candidates.values())
+            fix = "merge with --quantize int8 (no such shape limit) or without --quantize" if shapes else "merge without --quantize"
+            raise QuantizationError(f"no layer of this model can be quantized with bitsandbytes{why}; {fix}")
 
         self.quantized = sorted(final)
         self.skipped = sorted(linear - set(final))
