@@ -460,6 +460,22 @@ def test_from_pretrained_file_loading_arguments_are_accepted(qwen2_fp32_ws2, wit
     assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
 
 
+@pytest.mark.parametrize("auto_class", ["AutoModelForCausalLM", "AutoModelForSequenceClassification"])
+def test_output_loading_info_is_from_pretrained_s(qwen2_fp32_ws2, auto_class):
+    """output_loading_info=True: (model, info), the same lists as from_pretrained of the unsharded model
+    (a new classification head: score.weight missing, lm_head.weight unused)."""
+    import transformers
+
+    cls = getattr(transformers, auto_class)
+    kwargs = {"num_labels": 3} if auto_class.endswith("Classification") else {}
+    model, info = cls.from_sharded_pretrained(qwen2_fp32_ws2.actor, strict=False, output_loading_info=True, **kwargs)
+    ref, want = cls.from_pretrained(qwen2_fp32_ws2.reference, output_loading_info=True, **kwargs)
+    assert type(model) is type(ref)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert sorted(info[key]) == sorted(want[key]), key
+    assert bool(info["missing_keys"]) == bool(kwargs)
+
+
 def test_load_tokenizer(qwen2_fp32_ws2):
     tok = hf_merge.load.model.load_tokenizer(qwen2_fp32_ws2.actor)
     ref = load_tokenizer(qwen2_fp32_ws2.root, config=qwen2_fp32_ws2.reference)

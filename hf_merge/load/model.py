@@ -170,7 +170,9 @@ def from_sharded_pretrained(
             ``weights_only``, ``revision``, ``cache_dir``, ``token``...) are accepted and change nothing.
 
     Returns:
-        The model in eval mode (a ``peft.PeftModel`` with ``lora="adapter"``).
+        The model in eval mode (a ``peft.PeftModel`` with ``lora="adapter"``); with
+        ``output_loading_info=True``, ``(model, info)`` as ``from_pretrained`` gives them
+        (``missing_keys``, ``unexpected_keys``, ``mismatched_keys``, ``error_msgs``).
 
     Raises:
         HfMergeError: a subclass naming what is wrong with the source and what to do, as the CLI does.
@@ -190,6 +192,7 @@ def from_sharded_pretrained(
         dtype = dtype if dtype is not None else torch_dtype
     for name in _FILE_LOADING_KWARGS & kwargs.keys():
         del kwargs[name]  # not config overrides: the model's __init__ would raise TypeError on them
+    output_loading_info = bool(kwargs.pop("output_loading_info", False))
     config_obj = config if isinstance(config, transformers.PretrainedConfig) else None
     config_dir_arg = None if config_obj is not None or config is None else Path(config)
 
@@ -250,7 +253,7 @@ def from_sharded_pretrained(
         if attn_implementation is not None:
             compat.set_attn_implementation(config_obj, attn_implementation)
 
-        model = _load_model(
+        model, loading_info = _load_model(
             model_class,
             config_obj,
             view,
@@ -271,7 +274,7 @@ def from_sharded_pretrained(
         _set_generation_config(model, hf_dir, generation_config)
         if adapter is not None:
             model = _attach_adapter(model, adapter)
-        return model
+        return (model, loading_info) if output_loading_info else model
     finally:
         if prefetch is not None:
             prefetch.close()  # an error before the fill: the threads are joined, their tensors dropped
@@ -558,8 +561,10 @@ def plan_load(model, view: LazyCheckpoint) -> tuple[LoadPlan, list]:
     return plan, weight_mapping
 
 
-def _check_plan(model, plan: LoadPlan, *, strict: bool) -> None:
-    """Raise MappingError naming what does not fit (before any tensor is read)."""
+def _check_plan(model, plan: LoadPlan, *, strict: bool) -> dict[str, list]:
+    """Raise MappingError naming what does not fit (before any tensor is read); else
+    ``from_pretrained``'s loading info: the model's weights not in the checkpoint, the checkpoint's
+    tensors not used."""
     if plan.skipped_heads:
         logger.info(
             "%s has no place for %s; skipped (as from_pretrained does for a base model)",
@@ -584,8 +589,9 @@ def _check_plan(model, plan: LoadPlan, *, strict: bool) -> None:
     missing, unexpected_keys = compat.model_ignores(model, missing, set(plan.unexpected))
     unexpected = sorted(plan.unexpected[k] for k in unexpected_keys)
     missing = sorted(missing)
+    info = _loading_info(missing, unexpected, [])
     if not (missing or unexpected):
-        return
+        return info
     if strict:
         parts = []
         if missing:
@@ -600,6 +606,12 @@ def _check_plan(model, plan: LoadPlan, *, strict: bool) -> None:
         logger.warning("not in the checkpoint, initialised: %s", _names(missing))
     if unexpected:
         logger.warning("not used by %s: %s", type(model).__name__, _names(unexpected))
+    return info
+
+
+def _loading_info(missing: list[str], unexpected: list[str], mismatched: list[str]) -> dict[str, list]:
+    """What ``from_pretrained(..., output_loading_info=True)`` returns beside the model."""
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched, "error_msgs": []}
 
 
 def _load_model(
@@ -628,8 +640,7 @@ def _load_model(
         )
     model = _meta_model(model_class, config, load_dtype, model_kwargs)
     plan, weight_mapping = plan_load(model, view)
-    if not plan.needs_converters:
-        _check_plan(model, plan, strict=strict)
+    info = _check_plan(model, plan, strict=strict) if not plan.needs_converters else None  # else transformers' loop
 
     requested_map = device_map
     device_map = compat.check_device_map(device_map)
@@ -662,7 +673,7 @@ def _load_model(
     _finalize(model, plan, weight_mapping, resolved_map, load_dtype, name=name)
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
         compat.dispatch(model, resolved_map, offload_folder, offload_buffers)
-    return model
+    return model, info
 
 
 def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool,
@@ -872,7 +883,7 @@ def _load_with_transformers(
             f"{_names(unexpected)}, other shape {_names(mismatched)}; check config.json and auto_class, "
             "or pass strict=False"
         )
-    return model
+    return model, _loading_info(missing, unexpected, mismatched)
 
 
 def _load_legacy(model_class, config, view: LazyCheckpoint, *, offload_folder, **options):
