@@ -65,7 +65,8 @@ def routes(request, tiny_tokenizer, tmp_path):
 
 
 def _gguf(folder: Path):
-    gguf = pytest.importorskip("gguf", reason="GGUF output needs pip install 'hf-merge[gguf]'")
+    import gguf
+
     (path,) = folder.glob("*.gguf")
     return gguf.GGUFReader(path)
 
@@ -81,6 +82,7 @@ def _gguf_contents(folder: Path) -> tuple[dict, dict]:
 @pytest.mark.compat  # GGUF from every format under transformers 4.x too (there: no torchtitan, the DCP family skips)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gguf_of_every_format_equals_gguf_of_its_merge(fmt, routes, tmp_path):
+    pytest.importorskip("gguf", reason="GGUF output needs pip install 'hf-merge[gguf]'")
     source, cfg, merged = routes(fmt)
     merge(source, tmp_path / "direct", config=cfg, gguf="q8_0", gguf_pre_tokenizer="gpt-2")
     merge(merged, tmp_path / "via-hf", backend="hf", gguf="q8_0", gguf_pre_tokenizer="gpt-2")
