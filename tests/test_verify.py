@@ -113,3 +113,32 @@ def test_swapped_arguments_say_which_goes_where(merged, qwen2_fp32_ws2):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert f"{qwen2_fp32_ws2.actor} is a fsdp checkpoint, not a merged folder" in lines[0], lines[0]
     assert "hf-merge verify MERGED --against CHECKPOINT" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("flip_row", [None, 0, -1])
+def test_large_tensors_are_compared_band_by_band(merged, qwen2_fp32_ws2, tmp_path, monkeypatch, flip_row):
+    """Above BAND_BYTES both sides stream their rows (memory flat with the model): the same verdicts,
+    a bit flipped in the first or the last row of a tensor included."""
+    import hf_merge.verification as verification
+
+    monkeypatch.setattr(verification, "BAND_BYTES", 256)  # every 2-D weight of the tiny model, in bands of a few rows
+    bands = []
+    real = verification._aligned
+    monkeypatch.setattr(verification, "_aligned", lambda *a: (bands.append(1), (yield from real(*a)))[1])
+    target = merged
+    name = "model.layers.1.mlp.down_proj.weight"
+    if flip_row is not None:
+        target = _copy(merged, tmp_path)
+        tensors = load_file(target / "model.safetensors")
+        raw = tensors[name].view(torch.int16).clone()
+        raw[flip_row, 0] ^= 1
+        tensors[name] = raw.view(torch.bfloat16)
+        save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    report = verify(target, qwen2_fp32_ws2.actor)
+    assert len(bands) > 10
+    assert report.ok == (flip_row is None), report.table()
+    if flip_row is not None:
+        assert any(m.startswith(f"{name}: not bit-identical") for m in report.mismatches), report.mismatches
+    if flip_row is None:  # with tolerances: bf16 against the fp32 reference, within one rounding
+        tolerant = verify(target, qwen2_fp32_ws2.reference, atol=0, rtol=2**-8)
+        assert tolerant.ok, tolerant.table()
