@@ -139,6 +139,11 @@ def test_large_tensors_are_compared_band_by_band(merged, qwen2_fp32_ws2, tmp_pat
     assert report.ok == (flip_row is None), report.table()
     if flip_row is not None:
         assert any(m.startswith(f"{name}: not bit-identical") for m in report.mismatches), report.mismatches
+        # against the unflipped folder, same dtype, with tolerances: one ulp of bf16 is within 2**-6, not within 0
+        within = verify(target, merged, atol=0, rtol=2**-6)  # fails on the recorded file checksum only
+        assert within.mismatches == ["model.safetensors: crc32 differs from the one recorded at merge time"], within.mismatches
+        strict = verify(target, merged, atol=0, rtol=0)
+        assert any(m.startswith(f"{name}: max abs diff") for m in strict.mismatches), strict.mismatches
     if flip_row is None:  # with tolerances: bf16 against the fp32 reference, within one rounding
         tolerant = verify(target, qwen2_fp32_ws2.reference, atol=0, rtol=2**-8)
         assert tolerant.ok, tolerant.table()
