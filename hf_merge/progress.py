@@ -69,7 +69,12 @@ class PlainProgress:
     def _amount(self, n: int) -> str:
         if self.unit == "B":
             return human_bytes(n)
-        return f"{n} {self.unit}{'s' if n != 1 else ''}"
+        return count(n, self.unit)
+
+
+def count(n: int, noun: str) -> str:
+    """``1 file``, ``3 files``: ``n`` and ``noun``, plural unless ``n`` is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def human_bytes(n: int) -> str:

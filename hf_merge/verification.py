@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint import LazyCheckpoint, detect_backend, open_checkpoint
 from .errors import HfMergeError, UnsupportedCheckpointError, VerificationError
+from .progress import count
 from .readers.file_runs import values
 from .readers.formats import is_hf_folder
 from .transformers_compat import dtype_kwargs
@@ -482,7 +483,7 @@ def _check_source_crcs(report: VerifyReport, source: LazyCheckpoint, sharer: Any
     parts = sharer.share(sizes, lambda mine: archive_crc_mismatches([archives[i] for i in mine]))
     checked, bad = sum(c for c, _ in parts), [b for _, part in parts for b in part]
     report.mismatches += bad
-    report.add("source CRC-32", not bad, f"{_count(checked, 'record')} in {_count(len(archives), 'archive')}" + (f", {len(bad)} bad" if bad else ""))
+    report.add("source CRC-32", not bad, f"{count(checked, 'record')} in {count(len(archives), 'archive')}" + (f", {len(bad)} bad" if bad else ""))
 
 
 def _requantized(view: LazyCheckpoint, config: dict[str, Any], recorded: dict[str, Any]) -> LazyCheckpoint:
@@ -530,7 +531,7 @@ def _check_checksums(report: VerifyReport, target: Path, provenance: dict[str, A
     bad = [n for n, h in actual.items() if h != recorded[n]]
     report.mismatches += [f"{n}: {digest.kind_of(recorded[n])} differs from the one recorded at merge time" for n in bad]
     report.mismatches += [f"{n}: recorded at merge time but missing" for n in missing]
-    report.add("file checksums", not bad and not missing, _count(len(recorded), "file") if not bad else f"{len(bad)} changed")
+    report.add("file checksums", not bad and not missing, count(len(recorded), "file") if not bad else f"{len(bad)} changed")
 
 
 def _check_logits(target: Path, reference: Path | None, atol: float) -> list[tuple[str, bool, str]]:
@@ -556,7 +557,3 @@ def _check_logits(target: Path, reference: Path | None, atol: float) -> list[tup
         hint = "" if diff <= atol else "; a larger --logits-atol allows it"
         checks.append(("logits vs reference", diff <= atol, f"max abs diff {diff:.3g} (limit {atol}{hint})"))
     return checks
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"

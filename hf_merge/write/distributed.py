@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .. import forks
 from ..errors import DistributedError, HfMergeError
+from ..progress import count
 from ..settings import DIST_TIMEOUT_VAR as TIMEOUT_VAR
 from ..settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
 from ..settings import dist_timeout_s, distributed as distributed_from_environment
@@ -96,7 +97,7 @@ class Launch(NamedTuple):
 
     def describe(self, cpus: int) -> str:
         """One line for rank 0: what was chosen (``alone`` or ``leader``; ``every`` rank's job says it itself)."""
-        where = f"torchrun: {self.world_size} ranks on {self.nodes} node{'s' if self.nodes > 1 else ''}"
+        where = f"torchrun: {self.world_size} ranks on {count(self.nodes, 'node')}"
         others = self.world_size - self.nodes
         if self.nodes == 1:
             return (f"{where}: rank 0 merges alone, with forked writers on its {cpus} CPUs; "
@@ -488,7 +489,7 @@ class Job:
 
 def _writers_note(world_size: int, hosts: list[str], chosen: list[int], writers: str) -> str:
     nodes = len(set(hosts))
-    where = f"{world_size} ranks on {nodes} node{'s' if nodes > 1 else ''}"
+    where = f"{world_size} ranks on {count(nodes, 'node')}"
     if writers == "node":
         ranks = ", ".join(map(str, chosen))
         return (f"{where}: files written by rank{'s' if len(chosen) > 1 else ''} {ranks}, one process per node with "
