@@ -49,16 +49,15 @@ def routes(request, tiny_tokenizer, tmp_path):
 
     def make(fmt: str) -> tuple[Path, Path, Path]:
         source, config = SOURCES[fmt](_Fixtures(request))
-        plain = tmp_path / "plain"
-        merge(source, plain, config=config, dtype="float32")
+        merged = tmp_path / "merged"
+        merge(source, merged, config=config, dtype="float32")
         cfg = tmp_path / "config"
         cfg.mkdir()
         for name in ("config.json", "generation_config.json"):
-            shutil.copy2(plain / name, cfg / name)
-        for path in tiny_tokenizer.glob("tokenizer*"):
+            shutil.copy2(merged / name, cfg / name)
+        for path in tiny_tokenizer.glob("tokenizer*"):  # into both: what a merge with cfg would copy
             shutil.copy2(path, cfg / path.name)
-        merged = tmp_path / "merged"
-        merge(source, merged, config=cfg, dtype="float32")
+            shutil.copy2(path, merged / path.name)
         return source, cfg, merged
 
     return make
