@@ -119,6 +119,14 @@ def test_a_target_under_a_file_is_refused_in_words(qwen2_fp32_ws2, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_target_in_a_folder_that_takes_no_files_is_refused_in_words(qwen2_fp32_ws2):
+    """Before: `error: No such file or directory (/proc/.merged.hf-merge-lock)`, the lock file's
+    raw OSError: /proc exists but creating a file in it fails with ENOENT."""
+    line = error_line(run_cli("merge", qwen2_fp32_ws2.actor, "/proc/merged"))
+    assert "no file can be created in /proc (No such file or directory); choose another target folder" in line, line
+
+
 @pytest.mark.parametrize("where", ["source itself", "its parent", "a symlink to it", "the step it reads"])
 def test_a_target_holding_the_source_is_refused_even_with_overwrite(where, qwen2_fp32_ws2, tmp_path):
     """Before: `hf-merge merge ckpts ckpts --overwrite` (or a TARGET that is the global_step_N above

@@ -165,7 +165,14 @@ def target_lock(target: Path) -> Iterator[Path]:
 
     path = target.parent / f".{target.name}{_LOCK_TAG}"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # permissions, a read-only or full disk have their own lines (cli/_errors.py)
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+                raise
+            # e.g. /proc or /sys: a folder that exists but takes no new files
+            raise TargetExistsError(f"no file can be created in {target.parent} ({e.strerror}); "
+                                    "choose another target folder") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
