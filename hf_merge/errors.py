@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 
-_CREDENTIALS = re.compile(r"(?i)(://)[^/\s@]*@|\b(hf_[A-Za-z0-9]{8,})|((?:token|api_key|access_token)=)[^&\s]+")
+# A Hub token is ``hf_`` and 34 letters; 30 or more letters and digits after a lower-case ``hf_`` is one,
+# while ``hf_checkpoints/`` or ``HF_ENDPOINT`` in a path or message is not.
+_CREDENTIALS = re.compile(r"(://)[^/\s@]*@|\b(hf_[A-Za-z0-9]{30,})\b|((?i:token|api_key|access_token)=)[^&\s]+")
 
 
 def redact_credentials(text: str) -> str:

@@ -108,11 +108,23 @@ def test_a_latest_file_that_names_no_tag_is_not_echoed(tmp_path, capsys):
 
 def test_paths_are_redacted_in_notes_and_json(tmp_path, capsys):
     """A token in a path (a folder named after it) is redacted in every line and in --json."""
-    ckpt = _copy(DEEPSPEED / "z1_fp32_ws1", tmp_path / "hf_SeCrEtToKeN0123456789" / "run")
+    ckpt = _copy(DEEPSPEED / "z1_fp32_ws1", tmp_path / "hf_SeCrEtToKeNabcdefghijklmnopqrstuvw" / "run")
     code, out, err = _run(capsys, "inspect", ckpt, "--json")
     assert code == 0, err
     assert "SeCrEt" not in out + err and "hf_***" in out
     assert json.loads(out)["path"].endswith("run")
+
+
+def test_folder_names_that_start_like_a_token_are_shown(tmp_path, capsys):
+    """Before: ``hf_checkpoints/run`` was printed as ``hf_***/run`` (any ``hf_`` and 8 letters, any
+    case, was taken for a token; ``HF_ENDPOINT`` too). A token is ``hf_`` and 34 letters."""
+    from hf_merge.errors import redact_credentials
+
+    ckpt = _copy(DEEPSPEED / "z1_fp32_ws1", tmp_path / "hf_checkpoints" / "run")
+    code, out, err = _run(capsys, "inspect", ckpt, "--json")
+    assert code == 0, err
+    assert json.loads(out)["path"] == str(ckpt)
+    assert redact_credentials("check HF_ENDPOINT") == "check HF_ENDPOINT"
 
 
 @pytest.fixture
