@@ -21,6 +21,61 @@ def redact_credentials(text: str) -> str:
     )
 
 
+# The CLI's options that messages name, as the Python API's keyword arguments (hf_merge.merge,
+# from_sharded_pretrained): the same error raised to Python code names what that caller passes.
+_PYTHON_SPELLING = {
+    "--no-source-crc": "source_crc=False", "--no-checksums": "checksums=False", "--checksum": "checksums=",
+    "--no-private": "private=False", "--tag": 'source_options={"tag": ...}',
+    "--source-weights": 'source_options={"source_weights": ...}',
+    **{f"--{flag}": f"{flag.replace('-', '_')}=True" for flag in ("overwrite", "verify", "use-rslora", "is-value-model",
+                                                                   "private")},
+}
+_PYTHON_FIELDS = ("backend", "dtype", "max_shard_size", "workers", "config", "lora", "lora_alpha", "base_model",
+                  "base_model_name", "quantize", "push_to_hub", "gguf", "gguf_pre_tokenizer", "dist_writers")
+_PYTHON_SPELLING.update({"--" + f.replace("_", "-"): f + "=" for f in _PYTHON_FIELDS})
+#: options whose value words are choices (``--lora fuse`` is ``lora="fuse"``)
+_CHOICES = ("--lora", "--quantize", "--dtype", "--gguf", "--backend", "--dist-writers")
+_CLI_ALIAS = re.compile(r" \(alias --[\w-]+\)")  # "--config DIR (alias --hf_model_path)": verl's spelling
+_CLI_OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?: ([A-Z]+\b|[a-z0-9_]+\b))?")
+
+
+def python_spelling(text: str) -> str:
+    """``text`` with the CLI options it names spelled as keyword arguments (``--config DIR`` as
+    ``config=DIR``, ``--lora fuse`` as ``lora="fuse"``, ``--no-source-crc`` as
+    ``source_crc=False``); other text as it is."""
+    def spelled(m: "re.Match[str]") -> str:
+        option, value = m.group(1), m.group(2)
+        keyword = _PYTHON_SPELLING.get(option)
+        if keyword is None:
+            return m.group(0)
+        if value and value.isupper() and keyword.endswith("="):  # a placeholder: config=DIR
+            return keyword + value
+        if value and option in _CHOICES:
+            return f'{keyword}"{value}"'
+        if value and value.isupper():  # a placeholder the keyword already stands for: --tag TAG
+            value = None
+        return keyword + (f" {value}" if value else "")
+
+    return _CLI_OPTION.sub(spelled, _CLI_ALIAS.sub("", text))
+
+
+def for_python(function):
+    """Decorator of a Python API function: an :class:`HfMergeError` it raises names keyword
+    arguments instead of the CLI's options (:func:`python_spelling`)."""
+    import functools
+
+    @functools.wraps(function)
+    def called(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except HfMergeError as e:
+            if e.args and isinstance(e.args[0], str):
+                e.args = (python_spelling(e.args[0]), *e.args[1:])
+            raise
+
+    return called
+
+
 def folded(text: "str | BaseException") -> str:
     """``text`` on one line: each run of whitespace, newlines included, as one space."""
     return " ".join(str(text).split())

@@ -26,6 +26,7 @@ from .hf_files import (
 )
 from .side_files import side_files_bytes
 from .publish.card import write_card
+from .errors import for_python
 from .options import MergeOptions
 from .write.atomic import check_apart, check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 ADAPTER_PATTERN = "adapter_model{suffix}.safetensors"
 
 
+@for_python
 def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None, **options: Any) -> MergeResult:
     """Merge a sharded training checkpoint into a Hugging Face model folder.
 

@@ -365,8 +365,11 @@ def test_a_flipped_byte_in_a_rank_file_stops_the_merge(fsdp_copy, tmp_path, caps
     _flip(rank1, record.encode())
     line = _merge_refused(capsys, fsdp_copy, tmp_path, rank1.name, record, "CRC-32", "--no-source-crc")
     assert "re-copy" in line
-    with pytest.raises(record_crc.SourceCrcError, match=rank1.name):
+    # the Python API names its own keyword, not the CLI's option (before: "--no-source-crc merges it anyway")
+    with pytest.raises(record_crc.SourceCrcError, match=rf"{rank1.name}.*\(source_crc=False merges it anyway\)"):
         AutoModelForCausalLM.from_sharded_pretrained(fsdp_copy, dtype="float32")
+    with pytest.raises(record_crc.SourceCrcError, match=r"\(source_crc=False merges it anyway\)"):
+        hf_merge.merge(str(fsdp_copy), str(tmp_path / "py"), dtype="float32")
     model = AutoModelForCausalLM.from_sharded_pretrained(fsdp_copy, dtype="float32", source_crc=False)
     assert model.model.embed_tokens.weight.shape[0] > 0
     target = tmp_path / "out"

@@ -360,8 +360,15 @@ def test_tied_embeddings_follow_the_checkpoint(tmp_path):
 
 
 def test_config_problems_are_named(tmp_path):
-    with pytest.raises(MissingConfigError, match="config_dir"):
+    """Before: "pass config_dir= (CLI: --hf_model_config_path)", an option no command has and a
+    keyword no function takes. The CLI's message names --config; hf_merge.merge's names config=."""
+    import hf_merge
+
+    with pytest.raises(MissingConfigError, match=r"pass --config DIR \(alias --hf_model_path\)"):
         open_megatron(synthetic(tmp_path / "a", _tensors(), None))
+    with pytest.raises(MissingConfigError, match=r"pass config=DIR with the base model's config.json"):
+        hf_merge.merge(tmp_path / "a", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
     cfg_dir = tmp_path / "cfg"
     cfg_dir.mkdir()
     (cfg_dir / "config.json").write_text(json.dumps(_config()))

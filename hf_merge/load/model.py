@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint import LazyCheckpoint, open_checkpoint
-from ..errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError
+from ..errors import LoraError, MappingError, MissingConfigError, QuantizationError, UnsupportedCheckpointError, for_python
 from ..hf_files import find_config_dir, load_config, without_stale_quantization
 from . import page_mapper
 from .page_mapper import Mapper
@@ -97,6 +97,7 @@ class LoadPlan:
 # --------------------------------------------------------------------------------------------
 
 
+@for_python
 def from_sharded_pretrained(
     source: "str | os.PathLike",
     *,

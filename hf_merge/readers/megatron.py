@@ -272,16 +272,16 @@ def _load_hf_config(hf_dir: Path | None, config_dir: Path | None, where: Path) -
     if cdir is None or not (cdir / "config.json").is_file():
         looked = f" (looked in {cdir})" if cdir is not None else ""
         raise MissingConfigError(
-            f"{where}: no Hugging Face config.json for this Megatron checkpoint{looked}; pass config_dir= "
-            "(CLI: --hf_model_config_path) pointing at the base model's folder"
+            f"{where}: no Hugging Face config.json for this Megatron checkpoint{looked}; pass --config DIR "
+            "(alias --hf_model_path) with the base model's config.json"
         )
     config = load_config(cdir)  # a JSON object, with architectures / text_config shapes checked
     for key in _INT_FIELDS:  # the sizes the name mapping and the QKV split compute with
         value = config_fields.get(config, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise MissingConfigError(
-                f"{cdir / 'config.json'}: {key} is {str(value)[:40]!r}, not a positive integer; fix it or pass config_dir= "
-                "(CLI: --hf_model_config_path) with the base model's config"
+                f"{cdir / 'config.json'}: {key} is {str(value)[:40]!r}, not a positive integer; fix it or pass --config DIR "
+                "with the base model's config"
             )
     return cdir, config
 
@@ -302,7 +302,7 @@ def _check_heads(config: Mapping[str, Any], tconf: Mapping[str, Any] | None, cfg
         if isinstance(t, int) and t != val:
             raise MappingError(
                 f"config.json {ours}={val} but the Megatron {TRANSFORMER_CONFIG} has {theirs}={t}; "
-                "the HF config does not describe this checkpoint (pass the right config_dir)"
+                "the HF config does not describe this checkpoint (pass --config DIR with the right one)"
             )
 
 

@@ -191,7 +191,7 @@ class NameTableView(LazyCheckpoint):
         if size is None:
             raise MissingConfigError(
                 f"{self._where}{source} needs config.json {self.table.sizes[p]} (the number of {p}s, a positive integer); "
-                "pass the right config_dir (--config)"
+                "pass --config DIR with the right one"
             )
         return size
 
@@ -311,7 +311,7 @@ class NameTableView(LazyCheckpoint):
                 if config_fields.get(config, ckey) != want:
                     raise MappingError(
                         f"{self._where}the checkpoint has {src} but config.json has {ckey}={config_fields.get(config, ckey)!r}; "
-                        f"set {ckey}: {json.dumps(want)} in config.json (or pass the right config_dir)"
+                        f"set {ckey}: {json.dumps(want)} in config.json (or pass --config DIR with the right one)"
                     )
 
     # ---- what it resolved -------------------------------------------------------------------
