@@ -524,6 +524,16 @@ def test_legacy_rank_files_tp_vpp_and_value_head(tmp_path):
     (role / "model" / "mp_rank_01_001").rmdir()
     with pytest.raises(CorruptCheckpointError, match="mp_rank_01_001"):
         open_megatron(role)
+    # The last pipeline stage gone, then the last TP rank: the names alone cannot tell, so the shape
+    # or layer-count error says which folders were found (before: only "check config.json").
+    (role / "model" / "mp_rank_00_001" / "model.pt").unlink()
+    (role / "model" / "mp_rank_00_001").rmdir()
+    with pytest.raises(MappingError, match=r"hold 2 layers but .*num_hidden_layers=4.* \(or rank folders are missing: "
+                                           r".* holds mp_rank_00_000, mp_rank_01_000 only, TP=2 x PP=1\)"):
+        open_megatron(role)
+    shutil.rmtree(role / "model" / "mp_rank_01_000")
+    with pytest.raises(MappingError, match=r"\(or rank folders are missing: .* holds mp_rank_00_000 only, TP=1 x PP=1\)"):
+        open_megatron(role)
 
 
 # --------------------------------------------------------------------------------------------

@@ -680,8 +680,13 @@ def _open_legacy(
         raise MissingConfigError(f"{cdir / 'config.json'}: no model_type")
     table = _table_for(config, cdir, lay.transformer_config)
     info = CheckpointInfo(format="megatron", path=path, hf_dir=cdir, world_size=grid.tp * grid.pp, step=_step_from(path))
-    ranks = megatron_legacy.assemble(grid, table, config, info)
-    named = hf_names(ranks.tensors, table, config, is_value_model=is_value_model, where=str(lay.legacy_dir))
+    try:
+        ranks = megatron_legacy.assemble(grid, table, config, info)
+        named = hf_names(ranks.tensors, table, config, is_value_model=is_value_model, where=str(lay.legacy_dir))
+    except MappingError as e:  # shapes or layers short of the config: the last TP ranks or PP stages may be gone
+        found = ", ".join(sorted(p.parent.name for p in grid.files.values()))
+        raise MappingError(f"{e} (or rank folders are missing: {lay.legacy_dir} holds {found} only, "
+                           f"TP={grid.tp} x PP={grid.pp})") from None
     details = {
         "layout": "legacy",
         "tp": grid.tp,
