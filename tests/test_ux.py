@@ -96,6 +96,26 @@ def test_default_downcast_is_announced_and_float32_config_stays_exact(actor_copy
     assert "one rounding per weight); --dtype auto" not in err
 
 
+def test_float16_overflow_is_warned_once_per_tensor(qwen2_fp32_ws2, tmp_path, capsys):
+    """Before: ``--dtype float16`` of weights beyond +-65504 wrote inf without a word (as
+    ``save_pretrained`` of a ``.half()`` model does); only ``verify`` said ``finite FAIL``."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(qwen2_fp32_ws2.reference, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1e6)  # an HF folder saved by transformers, one weight out of float16's range
+    model.save_pretrained(tmp_path / "big")
+    rc, _, err = cli(capsys, "merge", tmp_path / "big", tmp_path / "fp16", "--dtype", "float16")
+    assert rc == 0, err
+    warned = [line for line in err.splitlines() if "beyond float16's range" in line]
+    assert warned == ["warning: model.norm.weight has values beyond float16's range (+-65504), written as inf; merge "
+                      "with --dtype bfloat16 or float32 to keep them"], err
+    assert torch.isinf(load_file(tmp_path / "fp16" / "model.safetensors")["model.norm.weight"]).any()
+    rc, _, err = cli(capsys, "merge", tmp_path / "big", tmp_path / "bf16", "--dtype", "bfloat16")
+    assert rc == 0 and "float16's range" not in err
+
+
 def test_written_dtype_is_the_majority_of_floating_elements():
     from hf_merge.hf_files import written_dtype
     from hf_merge.spec import TensorSpec

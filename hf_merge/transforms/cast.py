@@ -7,10 +7,14 @@ temporary.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint
 from ..spec import TensorSpec
+
+logger = logging.getLogger(__name__)
 
 
 def cast_policy(spec: TensorSpec, dtype: torch.dtype | None) -> torch.dtype:
@@ -26,15 +30,34 @@ class Cast(LazyCheckpoint):
         self.info = base.info
         self.dtype = dtype
         self._specs = {n: s.with_dtype(cast_policy(s, dtype)) for n, s in base.specs().items()}
+        self._warned: set[str] = set()
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         self.base.read_into(name, out)
+        self._check_range(name, out)
 
     def read_rows(self, name: str, dtype: torch.dtype, max_bytes: int = ROW_CHUNK_BYTES):
-        return self.base.read_rows(name, dtype, max_bytes)
+        rows = self.base.read_rows(name, dtype, max_bytes)
+        if rows is None or not self._narrows(name, dtype):
+            return rows
+        return ((first, self._check_range(name, piece)) for first, piece in rows)
+
+    def _narrows(self, name: str, dtype: torch.dtype) -> bool:
+        """Whether ``name`` is cast to float16 from a dtype with a wider range (values may overflow)."""
+        return dtype == torch.float16 and self.base.specs()[name].dtype in (torch.float32, torch.bfloat16, torch.float64)
+
+    def _check_range(self, name: str, piece):
+        """``piece``; a warning, once per tensor, when its cast to float16 made infinities (a value
+        beyond float16's +-65504): ``save_pretrained`` of a ``.half()`` model writes them silently."""
+        if (isinstance(piece, torch.Tensor) and name not in self._warned and self._narrows(name, piece.dtype)
+                and bool(torch.isinf(piece).any())):
+            self._warned.add(name)
+            logger.warning(f"{name} has values beyond float16's range (+-65504), written as inf; merge with "
+                           "--dtype bfloat16 or float32 to keep them")
+        return piece
 
     def close(self) -> None:
         self.base.close()
