@@ -52,6 +52,13 @@ def describe(
             report["architecture"] = (cfg.get("architectures") or [None])[0]
             report["config_dtype"] = config_fields.get(cfg, "dtype")
             report["tied_embeddings"] = bool(tied_pairs(cfg))
+            # a tied weight the checkpoint stores twice is one parameter, written once (model.num_parameters())
+            copies = sorted(a for a, src in tied_pairs(cfg, specs).items() if a in specs and src in specs)
+            if copies:
+                report["tied_copies"] = copies
+                report["tensors_count"] -= len(copies)
+                report["parameters"] -= sum(specs[a].numel for a in copies)
+                report["size_bytes"] -= sum(specs[a].nbytes for a in copies)
             report["model_kind"] = model_family(cfg, specs)  # dense / MoE / VLM (a reader may set "family" itself)
             report["output_layout"] = _output_layout(ckpt, cfg)
         else:

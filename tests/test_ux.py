@@ -543,6 +543,23 @@ def test_inspect_table_and_json(hsdp_ckpt, capsys):
 # --- 13: HSDP replicas ----------------------------------------------------------------------------
 
 
+def test_inspect_counts_a_tied_weight_once(capsys):
+    """Before: a DeepSpeed tied model showed 27 tensors and 14,280 parameters: lm_head.weight, stored
+    again beside the embedding, was counted twice. The merge writes 26 and the model has 11,856."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = Path(__file__).parent / "data" / "deepspeed" / "z1_bf16_tied_ws2"
+    config = ckpt / "reference" / "step2" / "config"
+    rc, out, err = cli(capsys, "inspect", ckpt, "--config", config, "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
+    assert report["parameters"] == model.num_parameters() and report["tied_copies"] == ["lm_head.weight"]
+    assert report["tensors_count"] == len(model.state_dict()) - 1  # the tied lm_head.weight written once
+    rc, out, _ = cli(capsys, "inspect", ckpt, "--config", config)
+    assert f"{model.num_parameters():,} parameters" in out and "lm_head.weight stored again as a tied copy" in out
+
+
 def test_verify_checks_hsdp_replicas(hsdp_ckpt, tmp_path, capsys):
     target = tmp_path / "m"
     hf_merge.merge(hsdp_ckpt.actor, target)

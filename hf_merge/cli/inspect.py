@@ -123,7 +123,9 @@ def render(report: dict[str, Any]) -> str:
     if report.get("ranks_read") and report.get("world_size") and len(report["ranks_read"]) < report["world_size"]:
         rows.append(("ranks read", f"{', '.join(map(str, report['ranks_read']))} (the others are replicas)"))
     size = human_bytes(report.get("size_bytes") or 0)
-    rows.append(("tensors", f"{report.get('tensors_count')} ({report.get('parameters', 0):,} parameters, {size})"))
+    copies = report.get("tied_copies") or []
+    tied = f"; {', '.join(copies)} stored again as a tied copy, not counted" if copies else ""
+    rows.append(("tensors", f"{report.get('tensors_count')} ({report.get('parameters', 0):,} parameters, {size}{tied})"))
     dtypes = report.get("dtypes") or {}
     if isinstance(dtypes, dict) and dtypes:
         total = sum(dtypes.values()) or 1
