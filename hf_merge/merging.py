@@ -19,7 +19,6 @@ import torch
 
 from .checkpoint import LazyCheckpoint, open_checkpoint
 from .config_fit import check_config_fits
-from .readers.formats import find_format
 from .hf_files import (
     GENERATION_CONFIG, checkpoint_config, config_text, copy_side_files, derive_generation_config,
     generation_config_warm_up, missing_side_files, without_stale_quantization, write_config, written_dtype,
@@ -368,8 +367,6 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
                             "transformers>=5")
         if into_side_files:
             views.notes.append(f"{target} holds config/tokenizer files only: merging into it, its files kept")
-        if options.is_value_model and "is_value_model" not in getattr(find_format(ckpt.info.format), "options", ()):
-            views.notes.append("--is-value-model changes nothing here: FSDP critics are saved under their HF names already")
         written = None
         if views.model is not None:
             written, counts = written_dtype(views.model.specs(), skip=qview.group if qview is not None else None)

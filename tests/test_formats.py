@@ -147,8 +147,13 @@ def test_is_value_model_note_follows_the_format_options(qwen2_fp32_ws2, tmp_path
     import logging
 
     with caplog.at_level(logging.INFO, logger="hf_merge"):
-        hf_merge.merge(qwen2_fp32_ws2.root, tmp_path / "m", is_value_model=True)
-    assert "--is-value-model changes nothing here" in caplog.text
+        hf_merge.merge(qwen2_fp32_ws2.root, tmp_path / "m", is_value_model=True,
+                       source_options={"tag": "global_step2", "source_weights": "module"})
+    # before: "FSDP critics are saved ..." whatever the format, and DeepSpeed's options ignored without a word
+    assert "--is-value-model changes nothing here: fsdp checkpoints hold a critic's tensors under their Hugging " \
+           "Face names already" in caplog.text
+    assert "--tag changes nothing here: the fsdp reader takes no such option (deepspeed does)" in caplog.text
+    assert "--source-weights changes nothing here: the fsdp reader takes no such option (deepspeed does)" in caplog.text
 
 
 def test_marks_hide_no_format_in_any_fixture_folder(qwen2_fp32_ws2, tmp_path):

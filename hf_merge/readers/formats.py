@@ -376,8 +376,25 @@ def open_source(path: Path, name: str, config_dir: Path | None, options: dict[st
                 raise
             raise hinted from e
     ckpt.info.reader = fmt.name
-    ckpt.info.notes[:0] = notes
+    ckpt.info.notes[:0] = notes + _unused_option_notes(fmt, given)
     return ckpt
+
+
+def _unused_option_notes(fmt: SourceFormat, given: dict[str, Any]) -> list[str]:
+    """One note per reader option given that ``fmt`` does not take (``--tag`` on a DCP folder)."""
+    notes = []
+    for option in sorted(set(given) - set(fmt.options)):
+        if option == "is_value_model" and given[option] is False:
+            continue
+        flag = "--" + option.replace("_", "-")
+        if option == "is_value_model":
+            notes.append(f"{flag} changes nothing here: {fmt.name} checkpoints hold a critic's tensors under their "
+                         "Hugging Face names already")
+            continue
+        owners = [d.name for d in declared() if any(o.dest == option for o in d.cli)]
+        notes.append(f"{flag} changes nothing here: the {fmt.name} reader takes no such option"
+                     + (f" ({', '.join(owners)} does)" if owners else ""))
+    return notes
 
 
 def _with_detected(error: "HfMergeError", path: Path, asked: str) -> "HfMergeError":
