@@ -255,6 +255,29 @@ def test_truncated_and_missing_rank_files(tmp_path):
         open_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("name, lacking", [
+    ("z2_bf16_align_ws3", "mp_rank_00_model_states.pt"),
+    ("z3_fp32_ws3", "zero_pp_rank_0_mp_rank_00_model_states.pt, zero_pp_rank_1_mp_rank_00_model_states.pt, "
+                    "zero_pp_rank_2_mp_rank_00_model_states.pt"),
+])
+@pytest.mark.parametrize("backend", ["auto", "deepspeed"])
+def test_a_step_folder_without_its_model_states_names_them(name, lacking, backend, tmp_path, capsys):
+    """Before, a tag folder whose *model_states.pt were gone was no DeepSpeed folder at all: `not a
+    checkpoint hf-merge recognises`, or with --backend deepspeed `pass the folder
+    engine.save_checkpoint wrote (it holds latest and global_stepN/)`, though it held both."""
+    ckpt = _copy_tag(name, tmp_path)
+    for f in (ckpt / "global_step2").glob("*model_states.pt"):
+        f.unlink()
+    with pytest.raises(CorruptCheckpointError, match=f"global_step2 lacks {lacking} "):
+        open_checkpoint(ckpt, backend=backend)
+    code = main(["merge", str(ckpt), str(tmp_path / "o"), "--backend", backend, *config_args(name)])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"lacks {lacking} " in lines[0] and "without its model_states is incomplete" in lines[0], lines[0]
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("name", ["z3_fp32_ws3", "z2_bf16_align_ws3"])
 def test_row_runs_equal_full_reads(name):
     """The writer's fast path (runs of rows, zero-copy per rank piece) gives what read_into gives."""

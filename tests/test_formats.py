@@ -212,6 +212,51 @@ def test_a_wrong_backend_names_the_format_the_folder_has(backend, qwen2_fp32_ws2
     assert "()" not in lines[0] and not (tmp_path / "o").exists()
 
 
+def _wrong_backend_sources(dcp_root, megatron_root):
+    tt, meg = dcp_root / "torchtitan", megatron_root / "qwen2_v1" / "actor"
+    return {
+        "torchtitan": (tt / "dump" / "checkpoint" / "step-1", ["--config", str(tt / "config")]),
+        "megatron": (meg / "dist_ckpt", ["--config", str(meg / "huggingface")]),
+        "dcp": (dcp_root / "dcp_plain" / "ckpt", []),
+    }
+
+
+@pytest.mark.parametrize("found, backend", [("torchtitan", "dcp"), ("megatron", "dcp"), ("dcp", "accelerate"), ("dcp", "torchtitan")])
+def test_a_wrong_backend_on_a_dcp_folder_is_refused_in_one_short_line(found, backend, dcp_root, megatron_root, tmp_path, capsys):
+    """Before, `--backend dcp` on a torchtitan step folder or a Megatron dist_ckpt wrote that
+    framework's names (`layers.0.attention.qkv_linear.wk.weight`, `decoder.layers.mlp.linear_fc1.weight`),
+    which from_pretrained left unloaded (random weights); `--backend accelerate` on a plain DCP folder
+    stripped the state dict's own `model.` (`embed_tokens.weight`); `--backend torchtitan` on it listed
+    12 names and was cut at 600 characters. Now each is one short line naming the format and the flag."""
+    from hf_merge.cli.app import main
+
+    source, extra = _wrong_backend_sources(dcp_root, megatron_root)[found]
+    code = main(["merge", str(source), str(tmp_path / "o"), "--backend", backend, *extra])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"{source} is in the {found} format, not {backend}: pass --backend {found} or leave --backend out" in lines[0]
+    assert "message cut" not in lines[0] and len(lines[0]) < 420 + len(str(source)), lines[0]
+    assert not (tmp_path / "o").exists()
+    if backend == "torchtitan":  # a few names, the rest counted, and what the table expected
+        assert "and 17 more" in lines[0] and "torchtitan names look like layers.0." in lines[0], lines[0]
+
+
+def test_a_generic_backend_still_reads_a_folder_the_specific_one_cannot(dcp_root, tmp_path, capsys):
+    """A plain DCP folder saved as ``step-5`` is a torchtitan step to detection, and the torchtitan
+    reader refuses its names: ``--backend dcp`` reads it, as it reads the folder under its own name."""
+    import shutil
+
+    from helpers import assert_tensors_equal, folder_tensors
+    from hf_merge.cli.app import main
+
+    step = shutil.copytree(dcp_root / "dcp_plain" / "ckpt", tmp_path / "run" / "step-5")
+    assert formats.detect(step).chosen.name == "torchtitan"
+    assert main(["merge", str(step), str(tmp_path / "o"), "--backend", "dcp"]) == 0, capsys.readouterr().err
+    assert main(["merge", str(dcp_root / "dcp_plain" / "ckpt"), str(tmp_path / "plain")]) == 0
+    assert_tensors_equal(folder_tensors(tmp_path / "o"), folder_tensors(tmp_path / "plain"))
+
+
 def test_a_hugging_face_folders_tensors_are_runs_of_its_files(tmp_path):
     """Each tensor of a safetensors folder, in its own dtype, is one run of its file (placed by
     the header: a merge copies it file to file, a load maps it), whatever its dtype and offset;

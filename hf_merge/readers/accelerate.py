@@ -62,6 +62,9 @@ def resolve(path: Path) -> tuple[Path, list[str], int | None]:
 
 def open_accelerate(path: Path, *, config_dir: Path | None = None) -> LazyCheckpoint:
     from ..checkpoint import CheckpointInfo
+    from .dcp import DcpCheckpoint
+    from .dcp_generic import wrapped_in_model_key
+
     model_dir, notes, index = resolve(Path(path))
     if not is_dcp_dir(model_dir):
         from ..errors import SourceNotFoundError
@@ -72,7 +75,18 @@ def open_accelerate(path: Path, *, config_dir: Path | None = None) -> LazyCheckp
         )
     hf_dir = config_beside(model_dir, config_dir)
     info = CheckpointInfo(format="accelerate", path=model_dir, hf_dir=hf_dir, step=index, notes=notes)
-    return open_dcp_model(model_dir, info, strip=WRAPPER)
+    dcp = DcpCheckpoint(model_dir)
+    if not _MODEL_DIR.match(model_dir.name) and not wrapped_in_model_key(list(dcp.specs())):
+        # a DCP folder by another name: save_state's only if its names sit under the "model" key
+        # (stripping "model." off a plain state dict would drop the HF names' own "model.")
+        dcp.close()
+        from ..errors import UnsupportedCheckpointError
+
+        raise UnsupportedCheckpointError(
+            "not an accelerate save_state folder: no pytorch_model_fsdp_<k>/, and its tensors are not "
+            "under the 'model' key save_state writes"
+        )
+    return open_dcp_model(model_dir, info, strip=WRAPPER, opened=dcp)
 
 
 def open_index(path: Path, config: Path | None):

@@ -74,4 +74,5 @@ FORMAT = SourceFormat(
     priority=60,  # accelerate / torchtitan folders are DCP folders too: their own format wins
     framework="pytorch",
     marks=(".metadata",),
+    generic=True,  # names kept as they are: a torchtitan or Megatron folder is refused (formats.open_source)
 )

@@ -244,6 +244,8 @@ FORMAT = SourceFormat(
     ),
     priority=30,
     # model states in the tag folder, the save folder's tags or an HF Trainer folder's checkpoint-N/ tags
-    marks=("*mp_rank_*_model_states.pt", "*/*mp_rank_*_model_states.pt", "*/*/*mp_rank_*_model_states.pt"),
+    # (optim_states alone: a tag folder missing its model_states, which opening names)
+    marks=("*mp_rank_*_model_states.pt", "*/*mp_rank_*_model_states.pt", "*/*/*mp_rank_*_model_states.pt",
+           "*_optim_states.pt", "*/*_optim_states.pt", "*/*/*_optim_states.pt"),
     framework="deepspeed",
 )

@@ -98,7 +98,8 @@ DEEPSPEED_FILE = TENSOR_FILE | Allowlist.of(
 
 
 def _is_tag_dir(folder: Path) -> bool:
-    return folder.is_dir() and any(MODEL_STATES.match(p.name) for p in folder.iterdir())
+    # optim_states alone is a tag too: an incomplete one, which opening names (ZeroLayout)
+    return folder.is_dir() and any(MODEL_STATES.match(p.name) or OPTIM_STATES.match(p.name) for p in folder.iterdir())
 
 
 @dataclass(frozen=True)
@@ -369,6 +370,15 @@ class ZeroLayout:
                 "copy every rank's files"
             )
         expected_models = self.world_size if self.stage == 3 else 1
+        names = {p.name for p in model_files}
+        lacking = [n for n in ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world_size)]
+                               if self.stage == 3 else ["mp_rank_00_model_states.pt"]) if n not in names]
+        if lacking and len(model_files) < expected_models:
+            more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+            raise CorruptCheckpointError(
+                f"{folder} lacks {', '.join(lacking[:3])}{more} (ZeRO stage {self.stage} at world size {self.world_size}): "
+                "a DeepSpeed step folder without its model_states is incomplete; copy every file of the checkpoint"
+            )
         if len(model_files) != expected_models:
             raise CorruptCheckpointError(
                 f"{folder} holds {len(model_files)} model_states files, ZeRO stage {self.stage} at world size "

@@ -26,7 +26,9 @@ Contract of a format:
 - ``open(path, *, config_dir=None, **options) -> LazyCheckpoint`` opens it; ``options`` are the
   names listed in ``SourceFormat.options`` (others are not passed).
 - ``priority`` breaks ties when several probes match (lower wins); the others are reported in a
-  note so the user can pick one with ``--backend``.
+  note so the user can pick one with ``--backend``. A ``generic`` format is the exception: named
+  by ``--backend``, it still refuses a folder that a more specific format opens (it would keep
+  that framework's names, which no Hugging Face model loads).
 - ``cli`` declares the command-line options of the format's reader options (:class:`CliOption`);
   merge and inspect add them (:mod:`hf_merge.cli._formats`), so a format's options are written
   in its own module only.
@@ -53,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from ..checkpoint import LazyCheckpoint
+    from ..errors import HfMergeError
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class SourceFormat:
     cli: tuple[CliOption, ...] = ()  # the CLI options of some of ``options``
     hf_folder: bool = False  # the source is a Hugging Face model folder already: nothing is un-sharded
     marks: tuple[str, ...] = ()  # what makes a folder a candidate for the probe (see the module docstring)
+    # reads any folder of its container format under the names it holds (generic DCP): named by
+    # --backend, it refuses a folder that a more specific format reads (see open_source)
+    generic: bool = False
 
     def __post_init__(self) -> None:
         stray = [o.dest for o in self.cli if o.dest not in self.options]
@@ -375,6 +381,8 @@ def open_source(path: Path, name: str, config_dir: Path | None, options: dict[st
             if hinted is e:
                 raise
             raise hinted from e
+        if name != "auto" and fmt.generic:
+            _refuse_claimed(ckpt, path, fmt, config_dir, given)
     ckpt.info.reader = fmt.name
     ckpt.info.notes[:0] = notes + _unused_option_notes(fmt, given)
     return ckpt
@@ -397,6 +405,29 @@ def _unused_option_notes(fmt: SourceFormat, given: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _refuse_claimed(ckpt: "LazyCheckpoint", path: Path, asked: SourceFormat, config_dir: Path | None,
+                    options: dict[str, Any]) -> None:
+    """Close ``ckpt`` and refuse when a more specific format than the generic ``asked`` reads ``path``
+    (as ``--backend auto`` would: its probe matches first, or ``asked``'s does not match at all) and
+    opens it: that format's names are not Hugging Face names. One that fails to open (a plain DCP
+    folder in a ``step-N`` folder is no torchtitan step) leaves ``asked`` to read it."""
+    from ..errors import UnsupportedCheckpointError
+
+    own = _probe(asked, path)
+    for other in map(load, candidates(path)):
+        if other.generic or (own and other.priority >= asked.priority) or not _probe(other, path):
+            continue
+        try:
+            other.open(path, config_dir=config_dir, **{k: v for k, v in options.items() if k in other.options}).close()
+        except Exception:  # noqa: BLE001 - it does not read this folder, whatever the reason: asked reads it
+            continue
+        ckpt.close()
+        raise UnsupportedCheckpointError(
+            f"{path} is in the {other.name} format, not {asked.name}: pass --backend {other.name} or leave --backend out "
+            f"({asked.name} would keep its {other.name} tensor names, which no Hugging Face model loads)"
+        )
+
+
 def _with_detected(error: "HfMergeError", path: Path, asked: str) -> "HfMergeError":
     """``error`` of a format named by ``--backend``; where detection finds another format in ``path``,
     the same error with what to pass instead (a reader knows only what it missed)."""
@@ -408,7 +439,8 @@ def _with_detected(error: "HfMergeError", path: Path, asked: str) -> "HfMergeErr
         return error
     if found == asked:
         return error
-    hint = f"{path} is in the {found} format, not {asked}: pass --backend {found} or leave --backend out ({asked}: {error})"
+    said = re.split(r"\. (?=[A-Z])", str(error), maxsplit=1)[0]  # what it missed; not its advice, which is for its own format
+    hint = f"{path} is in the {found} format, not {asked}: pass --backend {found} or leave --backend out ({asked}: {said})"
     try:
         return type(error)(hint)
     except TypeError:  # an error class that takes other arguments: left as it is

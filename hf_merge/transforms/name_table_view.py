@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -27,7 +28,13 @@ from .name_table import NameRule, NameTable, Split, pattern_key, placeholders
 if TYPE_CHECKING:  # planning and file runs need no torch (the head start plans with a view over a DcpIndex)
     import torch
 
-_MAX_NAMED = 12
+_MAX_NAMED = 3  # names an error lists; the rest are counted
+
+
+def _few(names: Sequence[str]) -> str:
+    """The first :data:`_MAX_NAMED` names, and how many more there are: a line, not a listing."""
+    more = f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else ""
+    return ", ".join(names[:_MAX_NAMED]) + more
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,13 +166,13 @@ class NameTableView(LazyCheckpoint):
             values = {k: int(v) for k, v in named.items()}
             for key, target, shape in self._expand(name, spec, rule, values, config):
                 found.append((key, target.rule.source, target, shape))
-        if unknown:
-            more = f" (and {len(unknown) - _MAX_NAMED} more)" if len(unknown) > _MAX_NAMED else ""
+        if unknown:  # the table's own example names what was expected: many unknown names are another format's
+            example = re.sub(r"\{\w+\}", "0", table.rules[0].source)
             raise MappingError(
-                f"{self._where}{', '.join(unknown[:_MAX_NAMED])}{more}: no rule of name table {table.name!r} "
-                f"(model_type {config.get('model_type')!r}) maps {'it' if len(unknown) == 1 else 'them'} to a Hugging Face "
-                "name. Nothing was dropped; is the config's model_type right (pass --config), or does the table in "
-                "hf_merge/transforms/name_tables/ need a rule?"
+                f"{self._where}{_few(unknown)}: no rule of name table {table.name!r} (model_type {config.get('model_type')!r}) "
+                f"maps {'it' if len(unknown) == 1 else 'them'} to a Hugging Face name ({len(unknown)} of {len(base_specs)} "
+                f"tensors; {table.source} names look like {example}). Nothing was dropped; is the config's model_type right "
+                "(pass --config), or does a table in hf_merge/transforms/name_tables/ need a rule?"
             )
         if table.order == "table":
             found.sort(key=lambda f: f[0])
