@@ -666,6 +666,7 @@ def _load_model(
             offload_folder=offload_folder,
             offload_buffers=offload_buffers,
             name=name,
+            aliases=_disk_tied_aliases(model, plan, resolved_map) if offloads_to_disk else None,
         )
     fill = Fill(lambda: _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype,
                               map_weights=map_weights, prefetch=prefetch))
@@ -674,6 +675,22 @@ def _load_model(
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
         compat.dispatch(model, resolved_map, offload_folder, offload_buffers)
     return model, info
+
+
+def _disk_tied_aliases(model, plan: LoadPlan, device_map: dict) -> dict[str, str]:
+    """``{tied alias: view name}`` for aliases offloaded to disk with their source.
+
+    ``from_pretrained`` of a folder points such an alias's offload index entry at its source's
+    weights; its ``state_dict=`` loop indexes only the tensors it is given, so accelerate's hook
+    would find no ``lm_head.weight`` on disk. The alias is given as a second name of its source."""
+    tied = compat.tied_weights(model)
+    devices = compat.expand_device_map(device_map, list(tied) + list(tied.values()))
+    return {
+        target: plan.assign[source]
+        for target, source in tied.items()
+        if target not in plan.assign and source in plan.assign
+        and str(devices[target]) == "disk" and str(devices[source]) == "disk"
+    }
 
 
 def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool,
@@ -850,10 +867,14 @@ def _load_with_transformers(
     offload_folder,
     offload_buffers: bool,
     name: str,
+    aliases: dict[str, str] | None = None,
 ):
-    """transformers' own weight loop over lazy values, for what only it implements (quantization...)."""
+    """transformers' own weight loop over lazy values, for what only it implements (quantization...).
+    ``aliases``: ``{model key: view name}`` given as extra lazy values (:func:`_disk_tied_aliases`)."""
     skipped = set(plan.skipped_heads)
     state = {n: _LazyTensor(view, n) for n in view.specs() if n not in skipped}
+    for key, source in (aliases or {}).items():
+        state.setdefault(key, _LazyTensor(view, source))
     kwargs: dict[str, Any] = dict(model_kwargs)
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
