@@ -37,6 +37,7 @@ import contextlib
 import copy
 import logging
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,12 +197,19 @@ def from_sharded_pretrained(
     config_obj = config if isinstance(config, transformers.PretrainedConfig) else None
     config_dir_arg = None if config_obj is not None or config is None else Path(config)
 
-    ckpt = open_checkpoint(source, backend=backend, config=config_dir_arg, is_value_model=is_value_model)
+    scratch = contextlib.ExitStack()
+    try:
+        ckpt, written = _open_source(source, backend=backend, config_dir=config_dir_arg, config_obj=config_obj,
+                                     is_value_model=is_value_model, scratch=scratch)
+    except BaseException:
+        scratch.close()
+        raise
     opened: list[LazyCheckpoint] = [ckpt]
     prefetch: Prefetch | None = None
     try:
         if config_obj is not None:
             hf_dir = ckpt.info.hf_dir if ckpt.info.hf_dir and (Path(ckpt.info.hf_dir) / "config.json").is_file() else None
+            hf_dir = None if hf_dir is not None and written is not None and Path(hf_dir) == written else hf_dir
             config_dict = config_obj.to_dict()
             config_obj = copy.deepcopy(config_obj)
             model_kwargs = kwargs
@@ -280,6 +288,24 @@ def from_sharded_pretrained(
             prefetch.close()  # an error before the fill: the threads are joined, their tensors dropped
         for item in reversed(opened):
             item.close()
+        scratch.close()
+
+
+def _open_source(source, *, backend: str, config_dir: Path | None, config_obj, is_value_model: bool | None,
+                 scratch: contextlib.ExitStack) -> tuple[LazyCheckpoint, Path | None]:
+    """The checkpoint, and the folder holding ``config_obj``'s config.json where its reader needed one.
+
+    A reader that takes the config from a folder (DCP, accelerate, torchtitan and Megatron find
+    none beside the checkpoint) is given the object's config.json, written into a temporary folder
+    that ``scratch`` removes when the load is done (readers may look at it while they read)."""
+    try:
+        return open_checkpoint(source, backend=backend, config=config_dir, is_value_model=is_value_model), None
+    except MissingConfigError:
+        if config_obj is None:
+            raise
+    folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-merge-config-")))
+    config_obj.to_json_file(str(folder / "config.json"), use_diff=False)
+    return open_checkpoint(source, backend=backend, config=folder, is_value_model=is_value_model), folder
 
 
 def _prefetches(device_map, quantization_config, config, *, map_weights: bool) -> bool:
