@@ -178,6 +178,21 @@ def test_merge_module_weights(tmp_path, capsys):
         open_checkpoint(DATA / "z3_fp32_ws3", source_weights="module")
 
 
+@pytest.mark.parametrize("how", ["keywords", "source_options"])
+def test_from_sharded_pretrained_takes_tag_and_source_weights(how):
+    """merge's --tag / --source-weights as from_sharded_pretrained's keyword arguments (or its
+    source_options, as merge's), not config overrides the model's __init__ refuses."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge  # noqa: F401 - installs from_sharded_pretrained
+
+    root = DATA / "z2_bf16_trainer_ws2"
+    options = dict(tag="global_step1", source_weights="module")
+    given = options if how == "keywords" else {"source_options": options}
+    model = AutoModelForCausalLM.from_sharded_pretrained(root, dtype="keep", **given)
+    assert_tensors_equal(model.state_dict(), load_file(reference("z2_bf16_trainer_ws2", 1) / "module.safetensors"))
+
+
 def test_lora_trainer_adapter_and_base_model(tmp_path, capsys):
     """PEFT + exclude_frozen_parameters: only LoRA tensors in the DeepSpeed files; --base-model fuses them."""
     name = "z2_bf16_lora_trainer_ws2"

@@ -54,6 +54,7 @@ from .device_fill import StagerPool, stages
 from .prefetch import Prefetch
 from .stacked import Slot, first_piece, flat_runs, read_slot, slots, tiling
 from ..readers import contained, record_crc
+from ..readers.formats import reader_options
 from ..pipeline import Fill, run_in_process
 from ..transforms.views import build_views, model_view
 from .. import transformers_compat as compat
@@ -121,6 +122,7 @@ def from_sharded_pretrained(
     offload_buffers: bool = False,
     disable_mmap: bool | None = None,
     source_crc: bool = True,
+    source_options: "dict[str, Any] | None" = None,
     **kwargs: Any,
 ) -> "PreTrainedModel":
     """Load a sharded training checkpoint as a transformers model, without merging it to disk first.
@@ -131,7 +133,9 @@ def from_sharded_pretrained(
         auto_class: the transformers class to build: an Auto class (``AutoModel`` gives the base
             model, ``AutoModelForCausalLM`` the LM...), its name, or a concrete model class. Default:
             the class named by ``architectures`` in config.json (what the checkpoint was trained as).
-        backend: ``auto``, ``fsdp``, ``megatron`` or ``hf`` (see :func:`hf_merge.open_checkpoint`).
+        backend: ``auto`` (detected from the files) or a format name: ``fsdp``, ``megatron``,
+            ``deepspeed``, ``accelerate``, ``colossalai``, ``torchtitan``, ``dcp`` or ``hf`` (as
+            ``merge --backend``; see :func:`hf_merge.open_checkpoint`).
         config: a ``PretrainedConfig`` to build the model from, or a folder with config.json (and
             tokenizer / generation config) to use instead of the checkpoint's ``huggingface/``.
         dtype: ``None`` or ``"auto"``: the config's dtype, as ``merge`` writes it and as
@@ -165,6 +169,10 @@ def from_sharded_pretrained(
             rank files must not be rewritten in place while the model lives (deleting them is fine).
         source_crc: check the CRC-32 of every zip record of the source before its bytes are loaded
             (as ``merge`` does; see docs/integrity.md); ``False`` skips it.
+        source_options, tag, source_weights: the format's reader options, as in ``merge``
+            (``source_options={"tag": "global_step100"}``) or as keyword arguments: DeepSpeed's
+            ``tag`` (``--tag``: which checkpoint tag to read) and ``source_weights`` (``--source-weights``:
+            ``"master"``, the fp32 master weights, or ``"module"``, the 16-bit module weights).
         **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
             config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
             ``from_pretrained``'s file-loading arguments (``low_cpu_mem_usage``, ``use_safetensors``,
@@ -193,6 +201,9 @@ def from_sharded_pretrained(
         dtype = dtype if dtype is not None else torch_dtype
     for name in _FILE_LOADING_KWARGS & kwargs.keys():
         del kwargs[name]  # not config overrides: the model's __init__ would raise TypeError on them
+    source_options = dict(source_options or {})
+    for name in reader_options() & kwargs.keys():  # the formats' options (DeepSpeed's tag...), not config overrides
+        source_options[name] = kwargs.pop(name)
     output_loading_info = bool(kwargs.pop("output_loading_info", False))
     config_obj = config if isinstance(config, transformers.PretrainedConfig) else None
     config_dir_arg = None if config_obj is not None or config is None else Path(config)
@@ -200,7 +211,7 @@ def from_sharded_pretrained(
     scratch = contextlib.ExitStack()
     try:
         ckpt, written = _open_source(source, backend=backend, config_dir=config_dir_arg, config_obj=config_obj,
-                                     is_value_model=is_value_model, scratch=scratch)
+                                     is_value_model=is_value_model, scratch=scratch, options=source_options)
     except BaseException:
         scratch.close()
         raise
@@ -292,20 +303,20 @@ def from_sharded_pretrained(
 
 
 def _open_source(source, *, backend: str, config_dir: Path | None, config_obj, is_value_model: bool | None,
-                 scratch: contextlib.ExitStack) -> tuple[LazyCheckpoint, Path | None]:
+                 scratch: contextlib.ExitStack, options: dict[str, Any]) -> tuple[LazyCheckpoint, Path | None]:
     """The checkpoint, and the folder holding ``config_obj``'s config.json where its reader needed one.
 
     A reader that takes the config from a folder (DCP, accelerate, torchtitan and Megatron find
     none beside the checkpoint) is given the object's config.json, written into a temporary folder
     that ``scratch`` removes when the load is done (readers may look at it while they read)."""
     try:
-        return open_checkpoint(source, backend=backend, config=config_dir, is_value_model=is_value_model), None
+        return open_checkpoint(source, backend=backend, config=config_dir, is_value_model=is_value_model, **options), None
     except MissingConfigError:
         if config_obj is None:
             raise
     folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-merge-config-")))
     config_obj.to_json_file(str(folder / "config.json"), use_diff=False)
-    return open_checkpoint(source, backend=backend, config=folder, is_value_model=is_value_model), folder
+    return open_checkpoint(source, backend=backend, config=folder, is_value_model=is_value_model, **options), folder
 
 
 def _prefetches(device_map, quantization_config, config, *, map_weights: bool) -> bool:
