@@ -156,7 +156,8 @@ def from_sharded_pretrained(
             ``peft.PeftModel`` with the trained adapter attached, unmerged).
         lora_alpha, use_rslora: LoRA settings when the checkpoint does not record them (as
             ``merge``'s ``--lora-alpha`` / ``--use-rslora``).
-        base_model: the base model's HF folder, for checkpoints that hold only LoRA weights.
+        base_model: the base model's HF folder, for checkpoints that hold only LoRA weights (its
+            config.json is the config when the checkpoint has none, e.g. an HF Trainer PEFT ``checkpoint-N``).
         is_value_model: the checkpoint is a critic (Megatron ``[1, H]`` value head): build the
             token-classification model with ``num_labels=1``; by default the head's shape decides.
         strict: raise :class:`~hf_merge.errors.MappingError` when the checkpoint has weights the
@@ -211,7 +212,8 @@ def from_sharded_pretrained(
     scratch = contextlib.ExitStack()
     try:
         ckpt, written = _open_source(source, backend=backend, config_dir=config_dir_arg, config_obj=config_obj,
-                                     is_value_model=is_value_model, scratch=scratch, options=source_options)
+                                     is_value_model=is_value_model, scratch=scratch,
+                                     options=dict(source_options, base_model=base_model))
     except BaseException:
         scratch.close()
         raise
