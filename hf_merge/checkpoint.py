@@ -154,6 +154,7 @@ def open_checkpoint(
     backend: str = "auto",
     config: "str | Path | None" = None,
     is_value_model: bool | None = None,
+    base_model: "str | Path | None" = None,
     **options: Any,
 ) -> LazyCheckpoint:
     """Open any supported source as a lazy checkpoint with its training names and dtypes.
@@ -166,11 +167,20 @@ def open_checkpoint(
             :func:`hf_merge.readers.formats.format_names`.
         config: a folder with config.json (and tokenizer) to use instead of the checkpoint's own.
         is_value_model, options: format-specific options; each format receives the ones it declares.
+        base_model: the base model's folder of a PEFT checkpoint (``--base-model``): its config.json
+            is the checkpoint's config when the checkpoint has none (an HF Trainer PEFT
+            ``checkpoint-N`` saves only the adapter), as a PEFT adapter's config is its base's.
     """
     from .readers.formats import open_source
 
     config_dir = Path(config) if config is not None else None
-    return open_source(Path(source), backend, config_dir, {"is_value_model": is_value_model, **options})
+    ckpt = open_source(Path(source), backend, config_dir, {"is_value_model": is_value_model, **options})
+    hf_dir = ckpt.info.hf_dir
+    if base_model is not None and not (hf_dir is not None and (Path(hf_dir) / "config.json").is_file()) \
+            and (Path(base_model) / "config.json").is_file():
+        ckpt.info.hf_dir = Path(base_model)
+        ckpt.info.notes.append(f"config.json and tokenizer from the base model {base_model} (the checkpoint has none)")
+    return ckpt
 
 
 def row_runs(

@@ -66,7 +66,8 @@ def merge(source: "str | Path", target: "str | Path", *, head_start: Any = None,
         lora: for PEFT checkpoints, ``fuse`` (the model with LoRA folded in), ``adapter`` (a PEFT
             adapter folder at ``target``) or ``both`` (fused model, adapter in ``target/lora_adapter``).
         lora_alpha / use_rslora: LoRA settings when the checkpoint does not record them.
-        base_model: HF folder with the base weights, for ``save_lora_only`` checkpoints.
+        base_model: HF folder with the base weights, for ``save_lora_only`` checkpoints (and the config
+            when the checkpoint has none).
         base_model_name: ``base_model_name_or_path`` for adapter_config.json / the model card.
         verify: re-read the written model and compare it with the source, tensor by tensor, before
             the output is moved into place (a mismatch raises VerificationError; no target is left).

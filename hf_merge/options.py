@@ -69,7 +69,7 @@ class MergeOptions:
     def open_kwargs(self) -> dict[str, Any]:
         """What :func:`~hf_merge.checkpoint.open_checkpoint` takes from the options."""
         return dict(backend=self.backend, config=self.config, is_value_model=self.is_value_model,
-                    **(self.source_options or {}))
+                    base_model=self.base_model, **(self.source_options or {}))
 
     def lora_kwargs(self) -> dict[str, Any]:
         """What :func:`~hf_merge.transforms.views.build_views` takes besides ``dtype`` and ``lora``."""

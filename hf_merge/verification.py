@@ -352,7 +352,7 @@ def _compare_with_source(
     from .transforms.views import build_views
     from .readers import record_crc
 
-    source = open_checkpoint(against, backend=kind, config=config, **(source_options or {}))
+    source = open_checkpoint(against, backend=kind, config=config, base_model=base_model, **(source_options or {}))
     try:
         _, cfg = checkpoint_config(source.info)
         lora_cfg = provenance.get("lora") or {}
@@ -445,7 +445,7 @@ def check_source(
     from .readers.hf_dir import open_hf_dir
 
     report = VerifyReport(Path(source), str(reference))
-    ckpt = open_checkpoint(Path(source), backend=backend, config=config)
+    ckpt = open_checkpoint(Path(source), backend=backend, config=config, base_model=base_model)
     want = open_hf_dir(Path(reference))
     try:
         _, cfg = checkpoint_config(ckpt.info)

@@ -178,6 +178,21 @@ def test_merge_module_weights(tmp_path, capsys):
         open_checkpoint(DATA / "z3_fp32_ws3", source_weights="module")
 
 
+@pytest.mark.parametrize("how", ["keywords", "source_options"])
+def test_from_sharded_pretrained_takes_tag_and_source_weights(how):
+    """merge's --tag / --source-weights as from_sharded_pretrained's keyword arguments (or its
+    source_options, as merge's), not config overrides the model's __init__ refuses."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge  # noqa: F401 - installs from_sharded_pretrained
+
+    root = DATA / "z2_bf16_trainer_ws2"
+    options = dict(tag="global_step1", source_weights="module")
+    given = options if how == "keywords" else {"source_options": options}
+    model = AutoModelForCausalLM.from_sharded_pretrained(root, dtype="keep", **given)
+    assert_tensors_equal(model.state_dict(), load_file(reference("z2_bf16_trainer_ws2", 1) / "module.safetensors"))
+
+
 def test_lora_trainer_adapter_and_base_model(tmp_path, capsys):
     """PEFT + exclude_frozen_parameters: only LoRA tensors in the DeepSpeed files; --base-model fuses them."""
     name = "z2_bf16_lora_trainer_ws2"
@@ -193,6 +208,29 @@ def test_lora_trainer_adapter_and_base_model(tmp_path, capsys):
     assert_tensors_equal(adapter, want)
     ref = torch.load(reference(name) / "logits.pt", weights_only=True)
     torch.testing.assert_close(model_logits(out, ref["input_ids"]), ref["logits"], rtol=0, atol=1e-4)
+
+
+def test_lora_trainer_base_model_gives_the_config(tmp_path, capsys):
+    """A PEFT checkpoint-N holds no config.json: --base-model's is used (no --config needed), and the
+    output is the merge with --config BASE; from_sharded_pretrained(base_model=) loads it alike."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge  # noqa: F401 - installs from_sharded_pretrained
+
+    name = "z2_bf16_lora_trainer_ws2"
+    base = DATA / name / "reference" / "base"
+    outs = {}
+    for how, extra in (("base", []), ("config", ["--config", str(base)])):
+        outs[how] = tmp_path / how
+        rc = main(["merge", "--workers", "1", str(DATA / name), str(outs[how]), "--base-model", str(base), *extra])
+        assert rc == 0, capsys.readouterr().err
+    for rel in ("", "lora_adapter"):
+        assert_tensors_equal(folder_tensors(outs["base"] / rel), folder_tensors(outs["config"] / rel))
+    assert (outs["base"] / "config.json").read_text() == (outs["config"] / "config.json").read_text()
+    model = AutoModelForCausalLM.from_sharded_pretrained(DATA / name, base_model=base, dtype="float32")
+    ref = torch.load(reference(name) / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["input_ids"]).logits.float(), ref["logits"], rtol=0, atol=1e-4)
 
 
 def test_lora_stage3_frozen_fragments_and_from_sharded_pretrained():

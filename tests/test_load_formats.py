@@ -62,15 +62,23 @@ def test_load_equals_from_pretrained_of_the_merge(fmt, request, tmp_path):
     assert_load_equals_the_merge(*SOURCES[fmt](_Fixtures(request)), tmp_path)
 
 
-def assert_load_equals_the_merge(source: Path, config: Path | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["accelerate", "dcp", "torchtitan"])
+def test_a_config_object_loads_as_its_folder_does(fmt, request, tmp_path):
+    """config= a PretrainedConfig for a format whose reader needs a config.json (no config beside
+    the checkpoint): the same model as the merge with the config folder, not MissingConfigError."""
+    assert_load_equals_the_merge(*SOURCES[fmt](_Fixtures(request)), tmp_path, config_object=True)
+
+
+def assert_load_equals_the_merge(source: Path, config: Path | None, tmp_path: Path, *, config_object: bool = False) -> None:
     """Every tensor and the logits of ``from_sharded_pretrained(source)`` equal ``from_pretrained``
-    of its fp32 merge."""
-    from transformers import AutoModelForCausalLM
+    of its fp32 merge (``config_object``: the config is given to the load as a ``PretrainedConfig``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     merged = tmp_path / "merged"
     hf_merge.merge(source, merged, config=config, dtype="float32")
     ref = AutoModelForCausalLM.from_pretrained(merged, **dtype_kwargs(torch.float32))
-    ours = AutoModelForCausalLM.from_sharded_pretrained(source, config=config, dtype="float32")
+    given = AutoConfig.from_pretrained(config) if config_object else config
+    ours = AutoModelForCausalLM.from_sharded_pretrained(source, config=given, dtype="float32")
     want = ref.state_dict()
     got = ours.state_dict()
     assert sorted(got) == sorted(want)

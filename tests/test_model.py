@@ -362,6 +362,17 @@ def test_device_map_with_disk_offload(qwen2_fp32_ws2, tmp_path):
     assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
 
 
+@pytest.mark.parametrize("placement", ["all_disk", "auto"])
+def test_tied_embeddings_offloaded_to_disk(llama_tied_bf16_ws4, tmp_path, placement):
+    """The tied lm_head offloaded with its embedding: accelerate's hook finds it on disk (as
+    from_pretrained of the merged folder indexes it), not a KeyError at forward."""
+    where = dict(device_map={"": "disk"}) if placement == "all_disk" else dict(device_map="auto", max_memory={"cpu": "10KB"})
+    model = AutoModelForCausalLM.from_sharded_pretrained(llama_tied_bf16_ws4.actor, offload_folder=tmp_path, **where)
+    assert model.hf_device_map.get("lm_head", model.hf_device_map.get("")) == "disk"
+    ref = torch.load(llama_tied_bf16_ws4.logits)
+    assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
+
+
 def test_concrete_model_class(qwen2_fp32_ws2):
     model = hf_merge.load.model.from_sharded_pretrained(qwen2_fp32_ws2.actor, auto_class=Qwen2ForCausalLM, dtype="float32")
     ref = torch.load(qwen2_fp32_ws2.logits)

@@ -37,6 +37,7 @@ import contextlib
 import copy
 import logging
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from .device_fill import StagerPool, stages
 from .prefetch import Prefetch
 from .stacked import Slot, first_piece, flat_runs, read_slot, slots, tiling
 from ..readers import contained, record_crc
+from ..readers.formats import reader_options
 from ..pipeline import Fill, run_in_process
 from ..transforms.views import build_views, model_view
 from .. import transformers_compat as compat
@@ -121,6 +123,7 @@ def from_sharded_pretrained(
     offload_buffers: bool = False,
     disable_mmap: bool | None = None,
     source_crc: bool = True,
+    source_options: "dict[str, Any] | None" = None,
     **kwargs: Any,
 ) -> "PreTrainedModel":
     """Load a sharded training checkpoint as a transformers model, without merging it to disk first.
@@ -131,7 +134,9 @@ def from_sharded_pretrained(
         auto_class: the transformers class to build: an Auto class (``AutoModel`` gives the base
             model, ``AutoModelForCausalLM`` the LM...), its name, or a concrete model class. Default:
             the class named by ``architectures`` in config.json (what the checkpoint was trained as).
-        backend: ``auto``, ``fsdp``, ``megatron`` or ``hf`` (see :func:`hf_merge.open_checkpoint`).
+        backend: ``auto`` (detected from the files) or a format name: ``fsdp``, ``megatron``,
+            ``deepspeed``, ``accelerate``, ``colossalai``, ``torchtitan``, ``dcp`` or ``hf`` (as
+            ``merge --backend``; see :func:`hf_merge.open_checkpoint`).
         config: a ``PretrainedConfig`` to build the model from, or a folder with config.json (and
             tokenizer / generation config) to use instead of the checkpoint's ``huggingface/``.
         dtype: ``None`` or ``"auto"``: the config's dtype, as ``merge`` writes it and as
@@ -152,7 +157,8 @@ def from_sharded_pretrained(
             ``peft.PeftModel`` with the trained adapter attached, unmerged).
         lora_alpha, use_rslora: LoRA settings when the checkpoint does not record them (as
             ``merge``'s ``--lora-alpha`` / ``--use-rslora``).
-        base_model: the base model's HF folder, for checkpoints that hold only LoRA weights.
+        base_model: the base model's HF folder, for checkpoints that hold only LoRA weights (its
+            config.json is the config when the checkpoint has none, e.g. an HF Trainer PEFT ``checkpoint-N``).
         is_value_model: the checkpoint is a critic (Megatron ``[1, H]`` value head): build the
             token-classification model with ``num_labels=1``; by default the head's shape decides.
         strict: raise :class:`~hf_merge.errors.MappingError` when the checkpoint has weights the
@@ -165,6 +171,10 @@ def from_sharded_pretrained(
             rank files must not be rewritten in place while the model lives (deleting them is fine).
         source_crc: check the CRC-32 of every zip record of the source before its bytes are loaded
             (as ``merge`` does; see docs/integrity.md); ``False`` skips it.
+        source_options, tag, source_weights: the format's reader options, as in ``merge``
+            (``source_options={"tag": "global_step100"}``) or as keyword arguments: DeepSpeed's
+            ``tag`` (``--tag``: which checkpoint tag to read) and ``source_weights`` (``--source-weights``:
+            ``"master"``, the fp32 master weights, or ``"module"``, the 16-bit module weights).
         **kwargs: config attribute overrides (``num_labels=1``, ``use_cache=False``...); what the
             config does not take goes to the model's ``__init__``, as in ``from_pretrained``.
             ``from_pretrained``'s file-loading arguments (``low_cpu_mem_usage``, ``use_safetensors``,
@@ -193,16 +203,27 @@ def from_sharded_pretrained(
         dtype = dtype if dtype is not None else torch_dtype
     for name in _FILE_LOADING_KWARGS & kwargs.keys():
         del kwargs[name]  # not config overrides: the model's __init__ would raise TypeError on them
+    source_options = dict(source_options or {})
+    for name in reader_options() & kwargs.keys():  # the formats' options (DeepSpeed's tag...), not config overrides
+        source_options[name] = kwargs.pop(name)
     output_loading_info = bool(kwargs.pop("output_loading_info", False))
     config_obj = config if isinstance(config, transformers.PretrainedConfig) else None
     config_dir_arg = None if config_obj is not None or config is None else Path(config)
 
-    ckpt = open_checkpoint(source, backend=backend, config=config_dir_arg, is_value_model=is_value_model)
+    scratch = contextlib.ExitStack()
+    try:
+        ckpt, written = _open_source(source, backend=backend, config_dir=config_dir_arg, config_obj=config_obj,
+                                     is_value_model=is_value_model, scratch=scratch,
+                                     options=dict(source_options, base_model=base_model))
+    except BaseException:
+        scratch.close()
+        raise
     opened: list[LazyCheckpoint] = [ckpt]
     prefetch: Prefetch | None = None
     try:
         if config_obj is not None:
             hf_dir = ckpt.info.hf_dir if ckpt.info.hf_dir and (Path(ckpt.info.hf_dir) / "config.json").is_file() else None
+            hf_dir = None if hf_dir is not None and written is not None and Path(hf_dir) == written else hf_dir
             config_dict = config_obj.to_dict()
             config_obj = copy.deepcopy(config_obj)
             model_kwargs = kwargs
@@ -281,6 +302,24 @@ def from_sharded_pretrained(
             prefetch.close()  # an error before the fill: the threads are joined, their tensors dropped
         for item in reversed(opened):
             item.close()
+        scratch.close()
+
+
+def _open_source(source, *, backend: str, config_dir: Path | None, config_obj, is_value_model: bool | None,
+                 scratch: contextlib.ExitStack, options: dict[str, Any]) -> tuple[LazyCheckpoint, Path | None]:
+    """The checkpoint, and the folder holding ``config_obj``'s config.json where its reader needed one.
+
+    A reader that takes the config from a folder (DCP, accelerate, torchtitan and Megatron find
+    none beside the checkpoint) is given the object's config.json, written into a temporary folder
+    that ``scratch`` removes when the load is done (readers may look at it while they read)."""
+    try:
+        return open_checkpoint(source, backend=backend, config=config_dir, is_value_model=is_value_model, **options), None
+    except MissingConfigError:
+        if config_obj is None:
+            raise
+    folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-merge-config-")))
+    config_obj.to_json_file(str(folder / "config.json"), use_diff=False)
+    return open_checkpoint(source, backend=backend, config=folder, is_value_model=is_value_model, **options), folder
 
 
 def _prefetches(device_map, quantization_config, config, *, map_weights: bool) -> bool:
@@ -667,6 +706,7 @@ def _load_model(
             offload_folder=offload_folder,
             offload_buffers=offload_buffers,
             name=name,
+            aliases=_disk_tied_aliases(model, plan, resolved_map) if offloads_to_disk else None,
         )
     fill = Fill(lambda: _fill(model, view, plan, resolved_map, load_dtype=load_dtype, keep_dtype=keep_dtype,
                               map_weights=map_weights, prefetch=prefetch))
@@ -675,6 +715,22 @@ def _load_model(
     if resolved_map is not None and len({str(d) for d in resolved_map.values()}) > 1:
         compat.dispatch(model, resolved_map, offload_folder, offload_buffers)
     return model, info
+
+
+def _disk_tied_aliases(model, plan: LoadPlan, device_map: dict) -> dict[str, str]:
+    """``{tied alias: view name}`` for aliases offloaded to disk with their source.
+
+    ``from_pretrained`` of a folder points such an alias's offload index entry at its source's
+    weights; its ``state_dict=`` loop indexes only the tensors it is given, so accelerate's hook
+    would find no ``lm_head.weight`` on disk. The alias is given as a second name of its source."""
+    tied = compat.tied_weights(model)
+    devices = compat.expand_device_map(device_map, list(tied) + list(tied.values()))
+    return {
+        target: plan.assign[source]
+        for target, source in tied.items()
+        if target not in plan.assign and source in plan.assign
+        and str(devices[target]) == "disk" and str(devices[source]) == "disk"
+    }
 
 
 def _fill(model, view: LazyCheckpoint, plan: LoadPlan, device_map, *, load_dtype, keep_dtype: bool,
@@ -851,10 +907,14 @@ def _load_with_transformers(
     offload_folder,
     offload_buffers: bool,
     name: str,
+    aliases: dict[str, str] | None = None,
 ):
-    """transformers' own weight loop over lazy values, for what only it implements (quantization...)."""
+    """transformers' own weight loop over lazy values, for what only it implements (quantization...).
+    ``aliases``: ``{model key: view name}`` given as extra lazy values (:func:`_disk_tied_aliases`)."""
     skipped = set(plan.skipped_heads)
     state = {n: _LazyTensor(view, n) for n in view.specs() if n not in skipped}
+    for key, source in (aliases or {}).items():
+        state.setdefault(key, _LazyTensor(view, source))
     kwargs: dict[str, Any] = dict(model_kwargs)
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config

@@ -177,6 +177,11 @@ def registry() -> dict[str, SourceFormat]:
     return {d.name: load(d) for d in declared()}
 
 
+def reader_options() -> frozenset[str]:
+    """Every keyword option some format's ``open()`` accepts (DeepSpeed's ``tag``, ...); imports every reader."""
+    return frozenset().union(*(fmt.options for fmt in registry().values()))
+
+
 def format_names() -> list[str]:
     """The format names (``--backend`` values), in priority order; imports no reader."""
     return [d.name for d in declared()]
