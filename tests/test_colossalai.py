@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from helpers import detections_differing_from_every_probe
 
 from hf_merge import open_checkpoint
 from hf_merge.cli.app import main
-from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError
+from hf_merge.errors import CorruptCheckpointError, IncompleteStepError, SourceNotFoundError, UnsafeCheckpointError
 from hf_merge.readers.formats import detect
 
 from helpers import assert_tensors_equal, folder_tensors, model_logits
@@ -249,6 +250,17 @@ def test_colossal_llama_save_folders(tmp_path):
         assert ck.info.path == tmp_path / "epoch-1_step-10" / "modeling"
         assert "the newest of 2 ColossalAI saves" in ck.info.notes[0]
         assert_tensors_equal({k: ck.read(k) for k in ck.specs()}, weights("ddp_safetensors_ws2"))
+    # a newer save cut short (its modeling/ has only config.json): named with the complete save to
+    # pass, never replaced by it
+    (tmp_path / "epoch-2_step-15" / "modeling").mkdir(parents=True)
+    shutil.copy(tmp_path / "epoch-1_step-10" / "modeling" / "config.json", tmp_path / "epoch-2_step-15" / "modeling")
+    assert detect(tmp_path).chosen.name == "colossalai"
+    with pytest.raises(IncompleteStepError, match=re.escape(
+            f"{tmp_path / 'epoch-2_step-15'} is empty or incomplete (a run stopped while saving it?); the newest "
+            f"complete step is epoch-1_step-10: pass {tmp_path / 'epoch-1_step-10'} to merge it")):
+        open_checkpoint(tmp_path)
+    with open_checkpoint(tmp_path / "epoch-1_step-10") as ck:
+        assert ck.info.path == tmp_path / "epoch-1_step-10" / "modeling"
 
 
 # ---- per-rank DistributedCheckpointIO (pull request #6181's tree; see VERSIONS) ----------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import hf_merge
 from hf_merge.readers.file_runs import values
 from hf_merge.readers import formats
 from hf_merge.cli.app import main as cli_main
-from hf_merge.errors import MappingError, MissingConfigError
+from hf_merge.errors import IncompleteStepError, MappingError, MissingConfigError
 from hf_merge.provenance import Provenance
 from hf_merge.transforms.name_table import NameRule, NameTable
 from hf_merge.transforms.name_table_view import NameTableView, rope_source_rows
@@ -91,6 +92,16 @@ def test_accelerate_config_beside_and_newest_checkpoint(dcp_root, tmp_path):
         assert ckpt.info.reader == "accelerate" and ckpt.info.step == 3
         assert any("checkpoint_3" in n for n in ckpt.info.notes)
         assert "model.embed_tokens.weight" in ckpt.specs() and not any(k.startswith("model.model.") for k in ckpt.specs())
+    # a newer checkpoint_<i> that a save cut short: named with the complete one to pass, never replaced by it
+    (project / "checkpoint_4" / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (project / "logs").mkdir()  # not a checkpoint: ignored
+    assert detections_differing_from_every_probe(project.parent) == []
+    with pytest.raises(IncompleteStepError, match=re.escape(
+            f"{project / 'checkpoint_4'} is empty or incomplete (a run stopped while saving it?); the newest complete "
+            f"step is checkpoint_3: pass {project / 'checkpoint_3'} to merge it")):
+        hf_merge.open_checkpoint(project.parent)
+    with hf_merge.open_checkpoint(project / "checkpoint_3") as ckpt:
+        assert ckpt.info.reader == "accelerate"
 
 
 # ---- torchtitan ---------------------------------------------------------------------------
@@ -119,6 +130,25 @@ def test_torchtitan_step_folder_merges_to_hf_names(dcp_root, tmp_path, family, t
     assert "from a torchtitan training checkpoint" in (out / "README.md").read_text()
     # transformers' model on the merged folder vs torchtitan's own forward (flex attention)
     _check_logits(out, tt / "reference", exact=False)
+
+
+def test_torchtitan_incomplete_newest_step_is_named_not_replaced(dcp_root, tmp_path, capsys):
+    """An empty (or .metadata-less) newer step-<N>, a save cut short: one line names it and the
+    complete step to pass, nothing written. Before: a note, and step-1 merged in its place."""
+    tt = dcp_root / "torchtitan"
+    dump = tmp_path / "dump"
+    shutil.copytree(tt / "dump" / "checkpoint" / "step-1", dump / "checkpoint" / "step-1")
+    (dump / "checkpoint" / "step-5").mkdir()
+    shutil.copy(tt / "dump" / "checkpoint" / "step-1" / "__0_0.distcp", dump / "checkpoint" / "step-5")
+    assert formats.detect(dump).chosen.name == "torchtitan"
+    want = (f"{dump / 'checkpoint' / 'step-5'} is empty or incomplete (a run stopped while saving it?); the newest "
+            f"complete step is step-1: pass {dump / 'checkpoint' / 'step-1'} to merge it")
+    for given in (dump, dump / "checkpoint"):
+        assert cli_main(["merge", str(given), str(tmp_path / "out"), "--config", str(tt / "config")]) != 0
+        assert capsys.readouterr().err.strip() == f"error: {want}"
+        assert not (tmp_path / "out").exists()
+    with hf_merge.open_checkpoint(dump / "checkpoint" / "step-1", config=tt / "config") as ckpt:
+        assert ckpt.info.step == 1
 
 
 def test_torchtitan_row_path_equals_full_reads(dcp_root):

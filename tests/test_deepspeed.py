@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from hf_merge.readers.file_runs import values
 from hf_merge import open_checkpoint
 from hf_merge.cli.app import main
-from hf_merge.errors import CorruptCheckpointError, SourceNotFoundError, UnsafeCheckpointError, UnsupportedCheckpointError
+from hf_merge.errors import CorruptCheckpointError, IncompleteStepError, SourceNotFoundError, UnsafeCheckpointError, UnsupportedCheckpointError
 from hf_merge.readers.formats import detect
 from hf_merge.readers.deepspeed import load_deepspeed_file
 
@@ -256,6 +257,48 @@ def _copy_tag(name: str, tmp_path: Path) -> Path:
     dst = tmp_path / name
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("reference"))
     return dst
+
+
+def test_a_missing_or_incomplete_newest_tag_is_named_not_replaced(tmp_path, capsys):
+    """`latest` naming a tag that is not here, an empty newer global_stepN (no `latest`), an HF
+    Trainer checkpoint-N without its DeepSpeed files: one line names it and the complete step to
+    pass, nothing written. Before: a note, and the older step merged in its place."""
+    ckpt = _copy_tag("z1_fp32_ws1", tmp_path)
+    step2 = ckpt / "global_step2"
+    (ckpt / "latest").write_text("global_step7")  # the tag folders copied without the newest
+    with pytest.raises(IncompleteStepError, match=re.escape(
+            f"{ckpt / 'latest'} names global_step7, which is not here; the newest complete step is global_step2: "
+            f"pass {step2} to merge it")):
+        open_checkpoint(ckpt)
+    (ckpt / "latest").unlink()
+    (ckpt / "global_step3").mkdir()  # a save cut short before `latest` was written
+    shutil.copy(step2 / "zero_pp_rank_0_mp_rank_00_optim_states.pt", ckpt / "global_step3")
+    (ckpt / "stray").mkdir()  # not a step: ignored
+    assert detect(ckpt).chosen.name == "deepspeed"
+    config = ["--config", str(DATA / "z1_fp32_ws1" / "reference" / "step2" / "config")]
+    assert main(["merge", str(ckpt), str(tmp_path / "out"), *config]) != 0
+    line = capsys.readouterr().err.strip()
+    assert line == (f"error: {ckpt / 'global_step3'} is empty or incomplete (a run stopped while saving it?); "
+                    f"the newest complete step is global_step2: pass {step2} to merge it"), line
+    assert not (tmp_path / "out").exists()
+    (ckpt / "latest").write_text("global_step2")  # DeepSpeed's own pointer names the complete one
+    with open_checkpoint(ckpt) as ck:
+        assert ck.info.details["tag"] == "global_step2"
+    for given in ({"source": step2}, {"source": ckpt, "tag": "global_step2"}):  # the complete step, named
+        with open_checkpoint(**given) as ck:
+            assert ck.info.details["tag"] == "global_step2"
+
+    root = tmp_path / "trainer"
+    shutil.copytree(DATA / "z2_bf16_trainer_ws2", root, ignore=shutil.ignore_patterns("reference"))
+    (root / "checkpoint-3").mkdir()
+    shutil.copy(root / "checkpoint-2" / "config.json", root / "checkpoint-3")
+    assert detect(root).chosen.name == "deepspeed"
+    with pytest.raises(IncompleteStepError, match=re.escape(
+            f"{root / 'checkpoint-3'} is empty or incomplete (a run stopped while saving it?); the newest complete "
+            f"step is checkpoint-2: pass {root / 'checkpoint-2'} to merge it")):
+        open_checkpoint(root)
+    with open_checkpoint(root / "checkpoint-2") as ck:
+        assert ck.info.details["tag"] == "global_step2"
 
 
 class _Payload:

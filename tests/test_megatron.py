@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -220,6 +221,26 @@ def test_an_empty_newest_step_names_the_previous_complete_step(megatron_root, tm
         with pytest.raises(IncompleteStepError, match=r"global_step_9 is empty or incomplete .*the newest complete "
                            r"step is global_step_7: pass .*global_step_7 to merge it"):
             opener(run)
+
+
+def test_a_latest_file_naming_a_missing_step_names_the_complete_step(megatron_root, tmp_path, capsys):
+    """latest_checkpointed_iteration.txt naming a step that is not here (the newest not copied, or
+    its save cut short): one line names both, nothing written. Before: a note, and the older step
+    merged in its place."""
+    from hf_merge.cli.app import main
+    from hf_merge.errors import IncompleteStepError
+
+    run = tmp_path / "ckpts"
+    shutil.copytree(role_dir(megatron_root, "qwen2_v1"), run / "global_step_3" / "actor")
+    (run / "latest_checkpointed_iteration.txt").write_text("5\n")
+    want = (f"{run / 'latest_checkpointed_iteration.txt'} names step 5, which is not here; the newest complete step "
+            f"is global_step_3: pass {run / 'global_step_3'} to merge it")
+    with pytest.raises(IncompleteStepError, match=re.escape(want)):
+        open_megatron(run)
+    assert main(["merge", str(run), str(tmp_path / "out")]) != 0
+    assert capsys.readouterr().err.strip() == f"error: {want}"
+    assert not (tmp_path / "out").exists()
+    assert open_megatron(run / "global_step_3").info.step == 3  # the complete step, named
 
 
 # --------------------------------------------------------------------------------------------

@@ -638,11 +638,12 @@ def test_bad_latest_step_file_falls_back_to_the_highest_step(qwen2_fp32_ws2, tmp
         (root / "latest_checkpointed_iteration.txt").write_bytes(content)
         assert cli(["inspect", str(root)]) == 0
         assert "the highest of" in capsys.readouterr().out
-    # a step number with no folder (steps copied without the newest): said, not only "the highest"
+    # a step number with no folder (steps copied without the newest): an error naming both, not the highest read
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
-    assert cli(["inspect", str(root)]) == 0
-    out = capsys.readouterr().out
-    assert "latest_checkpointed_iteration.txt names step 7, which is not here; using global_step_1 (the highest of 1 steps)" in out, out
+    line = _cli_error(["merge", str(root), str(tmp_path / "out")], capsys)
+    assert (f"{root / 'latest_checkpointed_iteration.txt'} names step 7, which is not here; the newest complete step "
+            f"is global_step_1: pass {root / 'global_step_1'} to merge it") in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_empty_newest_step_names_the_previous_complete_step(qwen2_fp32_ws2, tmp_path, capsys):

@@ -5,8 +5,9 @@
 ``{"model": state_dict}``), ``optimizer_0/`` (another DCP folder), ``random_states_<rank>.pkl``,
 ``scheduler.bin`` ... Only the model folder is read: the ``.pkl`` / ``.bin`` files are never
 opened. With ``automatic_checkpoint_naming`` the folders are ``checkpoints/checkpoint_<i>``: the
-highest ``i`` is used. The model is taken from ``pytorch_model_fsdp_0`` (the first prepared
-model); ``pytorch_model_fsdp_<k>`` itself may be given for another one. The HF config comes from
+highest ``i`` is used (an incomplete one is an error naming the one to pass). The model is
+taken from ``pytorch_model_fsdp_0`` (the first prepared model); ``pytorch_model_fsdp_<k>``
+itself may be given for another one. The HF config comes from
 ``--config``, else a config.json beside the folder.
 """
 
@@ -16,6 +17,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import IncompleteStepError
 from .formats import SourceFormat
 from .dcp_index import is_dcp_dir
 from .dcp_sources import config_beside, newest_step, open_dcp_model, open_index as open_dcp_index
@@ -97,7 +99,10 @@ def open_index(path: Path, config: Path | None):
 def probe(path: Path) -> bool:
     """An accelerate save_state folder with an FSDP model DCP folder (or that folder itself, or a
     folder of ``checkpoint_<i>`` save_state folders)."""
-    model_dir, _, _ = resolve(Path(path))
+    try:
+        model_dir, _, _ = resolve(Path(path))
+    except IncompleteStepError:
+        return True  # a root whose newest checkpoint_<i> is incomplete: open() names the one to pass
     return _MODEL_DIR.match(model_dir.name) is not None and is_dcp_dir(model_dir)
 
 

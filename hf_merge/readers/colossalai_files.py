@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import contained
-from ..errors import CorruptCheckpointError, SourceNotFoundError
+from ..errors import CorruptCheckpointError, IncompleteStepError, SourceNotFoundError
 from .file_runs import FileRun
+from .step_choice import newest_step
 from ..spec import TensorSpec
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -113,9 +114,9 @@ def resolve_folder(path: Path) -> tuple[Path, list[str]]:
         return path, []
     if _probe_folder(path / MODEL_SUBDIR):
         return path / MODEL_SUBDIR, [f"reading {path.name}/{MODEL_SUBDIR}/ (the model of this ColossalAI save)"]
-    runs = {k: p for k, p in _runs(path).items() if _probe_folder(p / MODEL_SUBDIR)}
-    if runs:
-        newest = max(runs)
+    runs = _runs(path)
+    newest = newest_step(runs, lambda run: _probe_folder(run / MODEL_SUBDIR))  # an incomplete newest save: an error
+    if newest is not None:
         return runs[newest] / MODEL_SUBDIR, [
             f"using {runs[newest].name}/{MODEL_SUBDIR} (the newest of {len(runs)} ColossalAI saves; pass another epoch-E_step-S folder to choose)"
         ]
@@ -125,7 +126,10 @@ def resolve_folder(path: Path) -> tuple[Path, list[str]]:
 def probe(path: Path) -> bool:
     """A folder with ``pytorch_model-meta-dist-*.json`` or a ColossalAI-style index / shard files,
     itself or as ``modeling/`` of a Colossal-LLaMA / ColossalChat save (or of its newest save)."""
-    folder, _ = resolve_folder(Path(path))
+    try:
+        folder, _ = resolve_folder(Path(path))
+    except IncompleteStepError:
+        return True  # a save root whose newest save is incomplete: open() names the save to pass
     return _probe_folder(folder)
 
 

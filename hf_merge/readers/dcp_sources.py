@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import MissingConfigError, SourceNotFoundError
+from . import step_choice
 from .dcp_index import METADATA_FILE, is_dcp_dir
 
 if TYPE_CHECKING:  # the probes of the DCP formats import this module; it imports torch only to open one
@@ -52,18 +53,16 @@ def config_beside(folder: Path, config_dir: Path | None, *, levels: int = 2) -> 
 
 def newest_step(folder: Path, pattern: re.Pattern[str], holds: Callable[[Path], bool]) -> tuple[Path, int] | None:
     """The sub-folder of ``folder`` whose name matches ``pattern`` (group 1: the step) with the
-    highest step among those ``holds`` accepts; None when there is none."""
+    highest step, if ``holds`` accepts it; None when no such folder is accepted.
+
+    Raises:
+        IncompleteStepError: the highest step is not accepted (a save cut short) and an older one is.
+    """
     if not folder.is_dir():
         return None
-    steps = {}
-    for p in folder.iterdir():
-        m = pattern.match(p.name)
-        if m and p.is_dir() and holds(p):
-            steps[int(m.group(1))] = p
-    if not steps:
-        return None
-    step = max(steps)
-    return steps[step], step
+    steps = {int(m.group(1)): p for p in folder.iterdir() if (m := pattern.match(p.name)) and p.is_dir()}
+    step = step_choice.newest_step(steps, holds)
+    return None if step is None else (steps[step], step)
 
 
 def model_table(names: Iterable[str], *, strip: str | None, skip: Iterable[str] = NOT_MODEL_PREFIXES) -> dict[str, str]:

@@ -38,16 +38,18 @@ from typing import Any, Callable, Iterator
 
 from . import contained
 from .deepspeed_universal import LATEST as LATEST_UNIVERSAL
-from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteStepError, SourceNotFoundError, UnsupportedCheckpointError
 from .file_runs import ColumnGather, FileRun
 from .rank_records import named_policy, record_meta, record_span, tensor_record_builder, unpickle_records
 from .safe_pickle import TENSOR_FILE, Allowlist
+from .step_choice import newest_step
 from ..spec import TensorSpec
 
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 TRAINER_DIR = re.compile(r"^checkpoint-(\d+)$")
 STEP_TAG = re.compile(r"(\d+)$")
+DEFAULT_TAG = re.compile(r"^global_step[0-9]{1,18}$")  # engine.save_checkpoint's tag when none is given
 SOURCE_WEIGHTS = ("master", "module")
 
 
@@ -125,16 +127,14 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
         if tag is not None and tag != path.name:
             raise SourceNotFoundError(f"{path} is the tag folder {path.name}, not {tag}; pass its parent with --tag {tag}")
         return DeepSpeedLocation(path.parent, path, (), path)
-    trainer = {int(m.group(1)): p for p in path.iterdir() if (m := TRAINER_DIR.match(p.name)) and _tags(p)}
-    if not _tags(path) and trainer:
-        holding = [n for n, p in trainer.items() if tag in _tags(p)]
-        if tag is not None and holding:
-            path = trainer[max(holding)]
-            notes.append(f"using checkpoint-{max(holding)} (it holds tag {tag})")
-        else:
-            newest = max(trainer)
-            path = trainer[newest]
-            notes.append(f"using checkpoint-{newest} (the newest of {len(trainer)} HF Trainer checkpoints)")
+    trainer = {int(m.group(1)): p for p in path.iterdir() if (m := TRAINER_DIR.match(p.name)) and p.is_dir()}
+    holding = [n for n, p in trainer.items() if tag is not None and tag in _tags(p)]
+    if not _tags(path) and holding:
+        path = trainer[max(holding)]
+        notes.append(f"using checkpoint-{max(holding)} (it holds tag {tag})")
+    elif not _tags(path) and (newest := newest_step(trainer, lambda p: bool(_tags(p)))) is not None:
+        path = trainer[newest]
+        notes.append(f"using checkpoint-{newest} (the newest of {len(trainer)} HF Trainer checkpoints)")
     tags = _tags(path)
     if not tags:
         raise SourceNotFoundError(
@@ -148,15 +148,17 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
     else:
         # `latest` names the training tag; a folder holding only ds_to_universal output has `latest_universal`
         latest = next((path / n for n in ("latest", LATEST_UNIVERSAL) if (path / n).is_file()), path / "latest")
-        # a tag name; never echoed (only compared with the tag folders that exist)
+        # a tag name; echoed only in DeepSpeed's own form (other text is compared with the tag folders, never shown)
         text = contained.check(latest).read_bytes()[:256].decode(errors="replace").strip() if latest.is_file() else ""
-        if text in tags:
-            chosen = text
+        # the tags, and the folders a save cut short left (DeepSpeed's tag names, or the one `latest` names)
+        steps = {p.name: p for p in path.iterdir() if p.name in tags or ((DEFAULT_TAG.match(p.name) or p.name == text) and p.is_dir())}
+        said = f"names {text}, which is not here" if DEFAULT_TAG.match(text) else "names no tag folder here"
+        chosen = newest_step(steps, _is_tag_dir, pointer=(text, f"{path / latest.name} {said}") if text else None,
+                             order=lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t))
+        if chosen == text:
             notes.append(f"using tag {chosen} (from {path.name}/{latest.name})")
         else:
-            chosen = max(tags, key=lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t))
-            why = f"`{latest.name}` names no tag folder here" if text else "no `latest` file"
-            notes.append(f"using tag {chosen} ({why}; the highest of {len(tags)} tags; pass --tag to choose)")
+            notes.append(f"using tag {chosen} (no `latest` file; the highest of {len(tags)} tags; pass --tag to choose)")
     return DeepSpeedLocation(path, path / chosen, tuple(notes), path)
 
 
@@ -171,6 +173,8 @@ def probe(path: Path) -> bool:
     """True for a DeepSpeed save / tag folder or an HF Trainer folder of them. File names only."""
     try:
         resolve_deepspeed_dir(Path(path))
+    except IncompleteStepError:
+        return True  # a save root whose newest tag (or checkpoint-N) is incomplete: open() names the one to pass
     except SourceNotFoundError:
         return False
     return True

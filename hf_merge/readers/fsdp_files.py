@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ..errors import CorruptCheckpointError, IncompleteStepError, SourceNotFoundError, UnsupportedCheckpointError
+from ..errors import CorruptCheckpointError, SourceNotFoundError, UnsupportedCheckpointError
 from ..spec import TensorSpec
 from . import contained
 from .file_runs import FileRun
+from .step_choice import newest_step
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -90,35 +91,29 @@ def resolve_fsdp_dir(path: Path) -> tuple[Path, int | None, list[str]]:
 
 def choose_step(root: Path, complete: Callable[[Path], bool]) -> tuple[Path, str] | None:
     """The ``global_step_N`` folder of a verl checkpoints ``root`` (either backend) to read, and a
-    note saying why: the step ``latest_checkpointed_iteration.txt`` names when that folder exists,
-    else the highest. None when ``root`` has no step folders.
+    note saying why: the step ``latest_checkpointed_iteration.txt`` names, else the highest (see
+    :func:`~hf_merge.readers.step_choice.newest_step`). None when ``root`` has no step folders.
 
     Raises:
-        IncompleteStepError: the step chosen is not ``complete`` (empty: a run stopped while saving
-            it) and another step is: that one is named, not read in its place.
+        IncompleteStepError: the step chosen is not here or not ``complete`` (empty: a run stopped
+            while saving it) and another step is: that one is named, not read in its place.
     """
     steps = {int(m.group(1)): p for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))}
     if not steps:
         return None
     latest_file = root / "latest_checkpointed_iteration.txt"
-    missing = ""
-    chosen = max(steps)
-    note = f"using global_step_{chosen} (the highest of {len(steps)} steps)"
+    named = None
     if contained.check(latest_file).is_file():
         text = latest_file.read_bytes()[:64].decode("ascii", "replace").strip()
         if re.fullmatch(r"[0-9]{1,18}", text):
-            if int(text) in steps:
-                chosen, note = int(text), f"using global_step_{int(text)} (from latest_checkpointed_iteration.txt)"
-            else:
-                missing = f"latest_checkpointed_iteration.txt names step {int(text)}, which is not here; "
-    if not complete(steps[chosen]):
-        done = next((n for n in sorted(steps, reverse=True) if n != chosen and complete(steps[n])), None)
-        if done is not None:
-            raise IncompleteStepError(
-                f"{missing}{steps[chosen]} is empty or incomplete (a run stopped while saving it?); the newest "
-                f"complete step is global_step_{done}: pass {steps[done]} to merge it"
-            )
-    return steps[chosen], missing + note
+            named = int(text)
+    missing = f"{latest_file} names step {named}, which is not here"
+    chosen = newest_step(steps, complete, pointer=None if named is None else (named, missing))
+    if named in steps:
+        return steps[named], f"using global_step_{named} (from {latest_file.name})"
+    if chosen is None:  # no step is complete: the highest, for the caller to say what it lacks
+        chosen = max(steps)
+    return steps[chosen], f"{missing + '; ' if named is not None else ''}using global_step_{chosen} (the highest of {len(steps)} steps)"
 
 
 def _complete_step(step: Path) -> bool:

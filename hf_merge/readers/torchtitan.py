@@ -6,7 +6,7 @@
 through a name table chosen by the config's ``model_type`` (:mod:`hf_merge.transforms.name_tables.torchtitan`;
 Llama 3's q/k rotary permutation is undone there). The config comes from ``--config`` (torchtitan's
 ``hf_assets_path``), else a config.json beside the step folder. Given ``checkpoint/`` or the dump
-folder, the highest step is used.
+folder, the highest step is used (an incomplete one is an error naming the step to pass).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import IncompleteStepError
 from .formats import SourceFormat
 from .dcp_index import is_dcp_dir
 from .dcp_sources import config_beside, newest_step, open_dcp_model, open_index as open_dcp_index
@@ -81,7 +82,10 @@ def open_index(path: Path, config: Path | None):
 
 def probe(path: Path) -> bool:
     """A ``step-<N>`` DCP folder, a folder of them, or a folder with ``checkpoint/step-<N>``."""
-    folder, step, _ = resolve(Path(path))
+    try:
+        folder, step, _ = resolve(Path(path))
+    except IncompleteStepError:
+        return True  # a torchtitan root whose newest step is incomplete: open() names the step to pass
     return step is not None
 
 
