@@ -104,6 +104,11 @@ def _is_tag_dir(folder: Path) -> bool:
     return folder.is_dir() and any(MODEL_STATES.match(p.name) or OPTIM_STATES.match(p.name) for p in folder.iterdir())
 
 
+def _has_model_states(folder: Path) -> bool:
+    """A tag folder a newer incomplete one must not hide (the step choice's "complete")."""
+    return folder.is_dir() and any(MODEL_STATES.match(p.name) for p in folder.iterdir())
+
+
 @dataclass(frozen=True)
 class DeepSpeedLocation:
     save_dir: Path  # the folder engine.save_checkpoint wrote into (holds `latest` and the tag folders)
@@ -153,8 +158,11 @@ def resolve_deepspeed_dir(path: Path, tag: str | None = None) -> DeepSpeedLocati
         # the tags, and the folders a save cut short left (DeepSpeed's tag names, or the one `latest` names)
         steps = {p.name: p for p in path.iterdir() if p.name in tags or ((DEFAULT_TAG.match(p.name) or p.name == text) and p.is_dir())}
         said = f"names {text}, which is not here" if DEFAULT_TAG.match(text) else "names no tag folder here"
-        chosen = newest_step(steps, _is_tag_dir, pointer=(text, f"{path / latest.name} {said}") if text else None,
-                             order=lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t))
+        order = lambda t: (int(m.group(1)) if (m := STEP_TAG.search(t)) else -1, t)  # noqa: E731
+        chosen = newest_step(steps, _has_model_states, pointer=(text, f"{path / latest.name} {said}") if text else None,
+                             order=order)
+        if chosen is None:  # no tag has its model_states: opening the newest says which files it lacks
+            chosen = text if text in tags else max(tags, key=order)
         if chosen == text:
             notes.append(f"using tag {chosen} (from {path.name}/{latest.name})")
         else:
