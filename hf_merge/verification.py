@@ -121,16 +121,21 @@ def _units(got: LazyCheckpoint, names: list[str]) -> tuple[list[int], list[list[
 
 def _compare_values(
     report: VerifyReport, got, want, names, *, exact: bool, atol: float, rtol: float, cast: bool = False,
-    sharer: Any = ONE_PROCESS,
-) -> None:
+    sharer: Any = ONE_PROCESS, read_archives: Callable[[], list] | None = None,
+) -> list:
     """``cast``: read ``got`` in ``want``'s dtype first (verl's ``test``: one rounding, then tolerances).
-    ``sharer``: who compares which files (see :class:`OneProcess`); the report sums every rank's."""
+    ``sharer``: who compares which files (see :class:`OneProcess`); the report sums every rank's.
+    ``read_archives``: asked on each rank after its comparisons; returns the union of its answers."""
     sizes, groups = _units(got, names)
     order = {n: i for i, n in enumerate(names)}
-    parts = sharer.share(sizes, lambda mine: _value_stats(
-        got, want, [n for i in mine for n in groups[i]], exact=exact, atol=atol, rtol=rtol, cast=cast,
-        show=sharer.rank == 0,
-    ))
+
+    def work(mine: list[int]) -> dict[str, Any]:
+        stats = _value_stats(got, want, [n for i in mine for n in groups[i]], exact=exact, atol=atol, rtol=rtol,
+                             cast=cast, show=sharer.rank == 0)
+        stats["archives"] = read_archives() if read_archives is not None else []
+        return stats
+
+    parts = sharer.share(sizes, work)
     bad = sorted((b for part in parts for b in part["bad"]), key=lambda b: order[b[0]])
     nonfinite = sorted((n for part in parts for n in part["nonfinite"]), key=order.__getitem__)
     worst = max([part["worst"] for part in parts] + [0.0])
@@ -138,6 +143,7 @@ def _compare_values(
     detail = "bit-exact" if exact else f"max abs diff {worst:.3g}"
     report.add("values", not bad, f"{len(bad)} of {len(names)} differ" if bad else f"{len(names)} tensors, {detail}")
     report.add("finite", not nonfinite, f"{len(nonfinite)} tensors with inf/nan" if nonfinite else "")
+    return sorted({tuple(a) for part in parts for a in part["archives"]}, key=str)
 
 
 #: a tensor larger than this is compared band by band of rows, both sides streamed (``read_rows``):
@@ -370,11 +376,12 @@ def _compare_with_source(
             expected = _requantized(expected, cfg, provenance["quantization"])
             report.add("quantization", True, f"re-quantized: {provenance['quantization'].get('mode')}")
         names = _compare_specs(report, got, expected, check_dtype=True)
-        with record_crc.skipping():  # every source record's CRC-32 is reported below, as a row of its own
-            _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0, sharer=sharer)
+        with record_crc.skipping():  # the source records' CRC-32 is reported below, as a row of its own
+            archives = _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0, sharer=sharer,
+                                       read_archives=lambda: _zip_archives(source))
         if not adapter:
             _check_replicas(report, source, sharer)
-        _check_source_crcs(report, source, sharer)
+        _check_source_crcs(report, archives, sharer)
     finally:
         source.close()
 
@@ -460,10 +467,15 @@ def check_source(
 
 
 def _zip_archives(view: Any, depth: int = 0) -> list:
-    """The torch.save archives under a stack of lazy views (readers expose ``zip_archives()``)."""
+    """The torch.save archives under a stack of lazy views whose bytes a merge uses: readers expose
+    ``read_archives()`` (those read so far, where files also hold what no merge reads, as DCP's
+    optimizer state) or ``zip_archives()`` (all of them)."""
     if depth > 12:
         return []
-    found = list(view.zip_archives()) if callable(getattr(view, "zip_archives", None)) else []
+    if callable(getattr(view, "read_archives", None)):
+        found = list(view.read_archives())
+    else:
+        found = list(view.zip_archives()) if callable(getattr(view, "zip_archives", None)) else []
     for value in vars(view).values() if hasattr(view, "__dict__") else ():
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, LazyCheckpoint):
@@ -471,12 +483,11 @@ def _zip_archives(view: Any, depth: int = 0) -> list:
     return sorted(set(found), key=str)
 
 
-def _check_source_crcs(report: VerifyReport, source: LazyCheckpoint, sharer: Any = ONE_PROCESS) -> None:
-    """Every record of every source torch.save archive against the CRC-32 in its zip directory:
-    corruption in a source (which the merge copied faithfully) is found here."""
+def _check_source_crcs(report: VerifyReport, archives: list, sharer: Any = ONE_PROCESS) -> None:
+    """Every record of the source torch.save ``archives`` the merge reads (:func:`_zip_archives`) against
+    the CRC-32 in its zip directory: corruption in a source (which the merge copied faithfully) is found here."""
     from .readers.torch_zip import archive_crc_mismatches
 
-    archives = _zip_archives(source)
     if not archives:
         return
     sizes = [length if length is not None else os.path.getsize(path) - start for path, start, length in archives]
