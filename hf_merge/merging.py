@@ -304,7 +304,7 @@ class HfFolder:
             report = verify_or_raise(
                 tmp, self.ckpt.info.path, backend=options.backend, config=options.config, lora_alpha=options.lora_alpha,
                 use_rslora=options.use_rslora, base_model=options.base_model, source_options=options.source_options,
-                distributed=False,
+                distributed=False, shown_as=self.target, next_step=_verify_step(self.target, self.ckpt.info.path, options),
             )
             provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
         write_record(tmp, provenance)
@@ -432,6 +432,16 @@ _LOST = {
     GENERATION_CONFIG: (f"no {GENERATION_CONFIG}", "generate() would fall back to config.json's defaults, losing the "
                         "base model's eos tokens and sampling settings", GENERATION_CONFIG),
 }
+
+
+def _verify_step(target: Path, source: Path, options: MergeOptions) -> str:
+    """What a failed ``--verify`` tells to do: the temporary folder it checked is gone, the target untouched."""
+    flags = [("--backend", options.backend if options.backend != "auto" else None), ("--config", options.config),
+             ("--base-model", options.base_model), ("--lora-alpha", options.lora_alpha)]
+    flags += [(f"--{k.replace('_', '-')}", v) for k, v in (options.source_options or {}).items()]
+    given = "".join(f" {flag} {value}" for flag, value in flags if value is not None)
+    return (f"{target} was left as it was: merge without --verify, then run "
+            f"`hf-merge verify {target} --against {source}{given}` for the full table")
 
 
 def _derived_message(config_dir: Path) -> str:

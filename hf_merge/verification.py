@@ -514,11 +514,15 @@ def _requantized(view: LazyCheckpoint, config: dict[str, Any], recorded: dict[st
     return Quantized(view, config, options)
 
 
-def verify_or_raise(target, against, **kwargs) -> VerifyReport:
+def verify_or_raise(target, against, *, shown_as=None, next_step: str | None = None, **kwargs) -> VerifyReport:
+    """:func:`verify`, raising :class:`VerificationError` on a mismatch. ``shown_as``: the folder the
+    message names (a merge verifies its temporary folder, gone when the error is read);
+    ``next_step``: what the message tells to do (default: the ``hf-merge verify`` command)."""
     report = verify(target, against, **kwargs)
     if not report.ok:
         first = report.mismatches[0] if report.mismatches else report.summary()
-        raise VerificationError(f"{target} does not match {against}: {report.summary()} ({first}); run hf-merge verify for the full table")
+        step = next_step or f"run `hf-merge verify {target} --against {against}` for the full table"
+        raise VerificationError(f"{shown_as or target} does not match {against}: {report.summary()} ({first}); {step}")
     return report
 
 

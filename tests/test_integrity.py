@@ -439,6 +439,21 @@ def test_damaged_optimizer_state_fails_no_verify_but_a_damaged_model_chunk_does(
     assert code == 1 and "source CRC-32" in err and model.file in out, out + err
 
 
+def test_a_failed_merge_verify_names_the_target_and_the_command(megatron_root, tmp_path, capsys):
+    """Before: ``error: .../.out.hf-merge-tmp-8632 does not match ...; run hf-merge verify for the full
+    table``, naming the temporary folder, already gone. Now the target and the command to run."""
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    src = _copy(megatron_root / "qwen2_v1" / "actor", tmp_path / "actor")
+    with DcpCheckpoint(src / "dist_ckpt") as ck:
+        model = ck._chunks["embedding.word_embeddings.weight"][0]
+    _flip(src / "dist_ckpt" / model.file, b"/data/0", at=3, start=model.start)
+    target = tmp_path / "out"
+    code, _, err = _run(capsys, "merge", src, target, "--no-source-crc", "--verify")
+    line = _one_error(code, err, f"{target} does not match", "source CRC-32", f"hf-merge verify {target} --against")
+    assert "hf-merge-tmp" not in line and not target.exists(), line
+
+
 def test_a_flipped_byte_in_a_deepspeed_partition_stops_the_merge(tmp_path, capsys):
     name = "z2_bf16_align_ws3"
     ckpt = _copy(DEEPSPEED / name, tmp_path / "run")
