@@ -372,7 +372,8 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
         if views.model is not None:
             written, counts = written_dtype(views.model.specs(), skip=qview.group if qview is not None else None)
             views.notes += _dtype_notes(ckpt, written, counts, requested=dtype)
-        provenance = merge_record(ckpt, cfg, views, options.base_model_name, written, requested=dtype)
+        provenance = merge_record(ckpt, cfg, views, options.base_model_name, written, requested=dtype,
+                                  source_options=options.source_options)
         if provenance["base_model"] is None:
             views.notes.append(
                 "base model unknown (config.json has no _name_or_path): pass --base-model-name ORG/NAME to set "

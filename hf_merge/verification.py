@@ -240,6 +240,9 @@ def verify(
     HSDP source, the replica groups that a merge does not read are compared with the one it does.
     Returns a report; does not raise on mismatches (see :func:`verify_or_raise`).
 
+    ``source_options``: the reader options (DeepSpeed's ``tag``, ``source_weights``); by default those
+    ``hf_merge.json`` recorded, so the source is read as the merge read it (given ones win).
+
     Without ``against``, only the checksums ``hf_merge.json`` recorded at merge time are checked (a
     copied or downloaded folder, a GGUF output, with no source at hand).
 
@@ -272,11 +275,15 @@ def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *
     _refuse_unmerged(target)
     report = VerifyReport(target, str(against))
     kind = backend if backend != "auto" else detect_backend(against_path)
+    adapter_only = (target / ADAPTER_CONFIG).is_file() and not (target / "config.json").is_file()
+    provenance = _read_provenance(target)
+    # the source is read as the merge read it (DeepSpeed's tag, source_weights); options given here win
+    recorded = (provenance.get("source") or {}).get("options")
+    source_options = {**(recorded if isinstance(recorded, dict) else {}),
+                      **{k: v for k, v in (source_options or {}).items() if v is not None}}
     options = dict(
         config=config, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, source_options=source_options
     )
-    adapter_only = (target / ADAPTER_CONFIG).is_file() and not (target / "config.json").is_file()
-    provenance = _read_provenance(target)
     _check_checksums(report, target, provenance, sharer)
     _verify_folder(report, target, against_path, kind, atol, rtol, provenance, sharer, adapter=adapter_only, **options)
     sub = target / "lora_adapter"

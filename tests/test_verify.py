@@ -147,3 +147,22 @@ def test_large_tensors_are_compared_band_by_band(merged, qwen2_fp32_ws2, tmp_pat
     if flip_row is None:  # with tolerances: bf16 against the fp32 reference, within one rounding
         tolerant = verify(target, qwen2_fp32_ws2.reference, atol=0, rtol=2**-8)
         assert tolerant.ok, tolerant.table()
+
+
+def test_the_source_is_read_as_the_merge_read_it(tmp_path):
+    """A ``--source-weights module`` DeepSpeed merge. Before: hf_merge.json did not record the choice
+    and verify had no --source-weights, so ``verify --against`` compared with the fp32 masters:
+    ``failed: dtypes``. Now the record holds the reader options and verify reads the source with
+    them; --source-weights given to verify wins."""
+    from pathlib import Path
+
+    source = Path(__file__).parent / "data" / "deepspeed" / "z2_bf16_align_ws3"
+    config = ("--config", source / "reference" / "step2" / "config")
+    target = tmp_path / "m"
+    proc = run_cli("merge", source, target, *config, "--source-weights", "module", "--dtype", "auto", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((target / "hf_merge.json").read_text())["source"]["options"] == {"source_weights": "module"}
+    proc = run_cli("verify", target, "--against", source, *config)
+    assert proc.returncode == 0 and "bit-exact" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_cli("verify", target, "--against", source, *config, "--source-weights", "master")
+    assert proc.returncode == 1 and "dtypes" in proc.stderr, proc.stdout + proc.stderr
