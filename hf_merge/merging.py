@@ -27,7 +27,8 @@ from .hf_files import (
 from .side_files import side_files_bytes
 from .publish.card import write_card
 from .options import MergeOptions
-from .write.atomic import check_apart, check_free_space, check_target, holds_side_files_only
+from .write import digest
+from .write.atomic import PROVENANCE_FILE, check_apart, check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
 from .write.plan import ShardPlan, plan_shards
 from .write.save_order import plan_like_save_pretrained
@@ -296,7 +297,7 @@ class HfFolder:
             adapter_dir = tmp
             self.adapter.finish(tmp, digests)
         if any(v is not None for v in digests.values()):
-            provenance["files"] = digests
+            provenance["files"] = {**digests, **_other_digests(tmp, digests)}
         if options.verify:  # the model and/or the adapter, before the folder is moved into place
             from .verification import verify_or_raise
 
@@ -433,6 +434,24 @@ _LOST = {
     GENERATION_CONFIG: (f"no {GENERATION_CONFIG}", "generate() would fall back to config.json's defaults, losing the "
                         "base model's eos tokens and sampling settings", GENERATION_CONFIG),
 }
+
+
+#: files a merge writes whose checksum it does not record: the record itself, and the model cards, which
+#: are written from it and meant to be edited (``push`` completes them too); see docs/integrity.md
+UNRECORDED = (PROVENANCE_FILE, "README.md")
+
+
+def _other_digests(folder: Path, digests: dict[str, str | None]) -> dict[str, str]:
+    """The checksum of every file in ``folder`` (sub-folders too: ``lora_adapter/``) besides the weight
+    files in ``digests`` and :data:`UNRECORDED`: config, index, tokenizer and processor files, adapter
+    files, of the kind the weights' checksums are."""
+    kind = digest.kind_of(next(v for v in digests.values() if v is not None))
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and not path.is_symlink() and name not in digests and path.name not in UNRECORDED:
+            out[name] = digest.of_file(path, kind)
+    return out
 
 
 def _verify_step(target: Path, source: Path, options: MergeOptions) -> str:

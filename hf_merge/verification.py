@@ -35,6 +35,7 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+    why: str = ""  # a failed check's reason, shown in the one-line verdict (:meth:`VerifyReport.summary`)
 
 
 @dataclass
@@ -50,8 +51,8 @@ class VerifyReport:
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
-    def add(self, name: str, ok: bool, detail: str = "") -> None:
-        self.checks.append(Check(name, ok, detail))
+    def add(self, name: str, ok: bool, detail: str = "", why: str = "") -> None:
+        self.checks.append(Check(name, ok, detail, why))
 
     def table(self) -> str:
         width = max(len(c.name) for c in self.checks) if self.checks else 5
@@ -64,7 +65,7 @@ class VerifyReport:
         return "\n".join(rows)
 
     def summary(self) -> str:
-        failed = [c.name for c in self.checks if not c.ok]
+        failed = [c.name + (f" ({c.why})" if c.why else "") for c in self.checks if not c.ok]
         return "all checks passed" if not failed else f"failed: {', '.join(failed)}"
 
 
@@ -352,7 +353,7 @@ def _verify_folder(
     finally:
         got.close()
     report.notes += sub.notes
-    report.checks += [Check(prefix + c.name, c.ok, c.detail) for c in sub.checks]
+    report.checks += [Check(prefix + c.name, c.ok, c.detail, c.why) for c in sub.checks]
     report.mismatches += [prefix + m for m in sub.mismatches]
 
 
@@ -553,7 +554,15 @@ def _check_checksums(report: VerifyReport, target: Path, provenance: dict[str, A
     bad = [n for n, h in actual.items() if h != recorded[n]]
     report.mismatches += [f"{n}: {digest.kind_of(recorded[n])} differs from the one recorded at merge time" for n in bad]
     report.mismatches += [f"{n}: recorded at merge time but missing" for n in missing]
-    report.add("file checksums", not bad and not missing, count(len(recorded), "file") if not bad else f"{len(bad)} changed")
+    why = "; ".join(f"{_names(names)} {what}" for names, what in ((sorted(bad), "changed since the merge"),
+                                                                   (missing, "missing")) if names)
+    detail = ", ".join(f"{len(n)} {w}" for n, w in ((bad, "changed"), (missing, "missing")) if n)
+    report.add("file checksums", not bad and not missing, detail or count(len(recorded), "file"), why)
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _check_logits(target: Path, reference: Path | None, atol: float) -> list[tuple[str, bool, str]]:

@@ -82,6 +82,31 @@ def test_without_a_source_the_recorded_checksums_are_checked(merged, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "--against" in lines[0], proc.stderr
 
 
+def test_every_file_the_merge_wrote_is_checked_but_the_model_card(merged, tmp_path):
+    """Before: hf_merge.json recorded the weight files only, so a changed config.json verified as
+    "file checksums ok". Now every file the merge wrote is recorded (the card and the record itself
+    aside), and the one-line verdict names a changed or missing file. A card edited afterwards, and a
+    folder whose older record lists its weight files only, still verify."""
+    good = _copy(merged, tmp_path)
+    recorded = json.loads((good / "hf_merge.json").read_text())["files"]
+    written = [p.relative_to(good).as_posix() for p in good.rglob("*") if p.is_file()]
+    assert sorted(recorded) == sorted(set(written) - {"hf_merge.json", "README.md"}) and "config.json" in recorded
+    with open(good / "README.md", "a") as f:
+        f.write("\nTrained on our data.\n")
+    assert run_cli("verify", good).returncode == 0
+    config = json.loads((good / "config.json").read_text())
+    (good / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    (good / "generation_config.json").unlink()
+    proc = run_cli("verify", good)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stdout + proc.stderr
+    assert "config.json changed since the merge" in lines[0] and "generation_config.json missing" in lines[0], lines[0]
+    record = json.loads((good / "hf_merge.json").read_text())
+    record["files"] = {n: d for n, d in record["files"].items() if n.endswith(".safetensors")}
+    (good / "hf_merge.json").write_text(json.dumps(record))  # as written before 2026-12-06
+    assert run_cli("verify", good).returncode == 0
+
+
 def test_missing_tensor_and_wrong_dtype_fail(merged, qwen2_fp32_ws2, tmp_path):
     bad = _copy(merged, tmp_path)
     path = bad / "model.safetensors"

@@ -42,6 +42,7 @@ Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys m
       "verification": null | {"passed": true, "summary": "..."},
       "missing_files": ["tokenizer", "generation_config.json"],   # optional: side files not found
       "files": {"model.safetensors": "crc32:<hex>" or "<sha256 hex>", ...}   # optional: every file written
+                                                   #   but README.md and this record (docs/integrity.md)
     }
 
 Rendering is lenient: a missing key is shown as unknown (or left out), never an error.
