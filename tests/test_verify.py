@@ -107,6 +107,19 @@ def test_every_file_the_merge_wrote_is_checked_but_the_model_card(merged, tmp_pa
     assert run_cli("verify", good).returncode == 0
 
 
+def test_the_adapter_subfolder_files_are_recorded_and_checked(lora_ckpt, tmp_path):
+    """``--lora both``: lora_adapter/'s config and weights are recorded too (its card is not)."""
+    target = tmp_path / "both"
+    hf_merge.merge(lora_ckpt.actor, target, lora="both")
+    recorded = json.loads((target / "hf_merge.json").read_text())["files"]
+    assert {"lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors"} <= set(recorded)
+    assert "lora_adapter/README.md" not in recorded and verify(target).ok
+    config = target / "lora_adapter" / "adapter_config.json"
+    config.write_text(config.read_text().replace('"r": 4', '"r": 8'))
+    report = verify(target)
+    assert not report.ok and "lora_adapter/adapter_config.json changed since the merge" in report.summary()
+
+
 def test_missing_tensor_and_wrong_dtype_fail(merged, qwen2_fp32_ws2, tmp_path):
     bad = _copy(merged, tmp_path)
     path = bad / "model.safetensors"
