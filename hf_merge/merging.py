@@ -27,7 +27,8 @@ from .side_files import side_files_bytes
 from .publish.card import write_card
 from .errors import for_python
 from .options import MergeOptions
-from .write.atomic import check_apart, check_free_space, check_target, holds_side_files_only
+from .write import digest
+from .write.atomic import PROVENANCE_FILE, check_apart, check_free_space, check_target, holds_side_files_only
 from .pipeline import MergeResult, Writing, pushed, run_in_process, run_staged
 from .write.plan import ShardPlan, plan_shards
 from .write.save_order import plan_like_save_pretrained
@@ -298,7 +299,7 @@ class HfFolder:
             adapter_dir = tmp
             self.adapter.finish(tmp, digests)
         if any(v is not None for v in digests.values()):
-            provenance["files"] = digests
+            provenance["files"] = {**digests, **_other_digests(tmp, digests)}
         if options.verify:  # the model and/or the adapter, before the folder is moved into place
             from .verification import verify_or_raise
 
@@ -306,7 +307,7 @@ class HfFolder:
             report = verify_or_raise(
                 tmp, self.ckpt.info.path, backend=options.backend, config=options.config, lora_alpha=options.lora_alpha,
                 use_rslora=options.use_rslora, base_model=options.base_model, source_options=options.source_options,
-                distributed=False,
+                distributed=False, shown_as=self.target, next_step=_verify_step(self.target, self.ckpt.info.path, options),
             )
             provenance["verification"] = {"passed": True, "summary": report.summary(), "against": "source"}
         write_record(tmp, provenance)
@@ -372,7 +373,8 @@ def _prepare(source, target: Path, options: MergeOptions, *, into_side_files: bo
         if views.model is not None:
             written, counts = written_dtype(views.model.specs(), skip=qview.group if qview is not None else None)
             views.notes += _dtype_notes(ckpt, written, counts, requested=dtype)
-        provenance = merge_record(ckpt, cfg, views, options.base_model_name, written, requested=dtype)
+        provenance = merge_record(ckpt, cfg, views, options.base_model_name, written, requested=dtype,
+                                  source_options=options.source_options)
         if provenance["base_model"] is None:
             views.notes.append(
                 "base model unknown (config.json has no _name_or_path): pass --base-model-name ORG/NAME to set "
@@ -432,6 +434,34 @@ _LOST = {
     GENERATION_CONFIG: (f"no {GENERATION_CONFIG}", "generate() would fall back to config.json's defaults, losing the "
                         "base model's eos tokens and sampling settings", GENERATION_CONFIG),
 }
+
+
+#: files a merge writes whose checksum it does not record: the record itself, and the model cards, which
+#: are written from it and meant to be edited (``push`` completes them too); see docs/integrity.md
+UNRECORDED = (PROVENANCE_FILE, "README.md")
+
+
+def _other_digests(folder: Path, digests: dict[str, str | None]) -> dict[str, str]:
+    """The checksum of every file in ``folder`` (sub-folders too: ``lora_adapter/``) besides the weight
+    files in ``digests`` and :data:`UNRECORDED`: config, index, tokenizer and processor files, adapter
+    files, of the kind the weights' checksums are."""
+    kind = digest.kind_of(next(v for v in digests.values() if v is not None))
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and not path.is_symlink() and name not in digests and path.name not in UNRECORDED:
+            out[name] = digest.of_file(path, kind)
+    return out
+
+
+def _verify_step(target: Path, source: Path, options: MergeOptions) -> str:
+    """What a failed ``--verify`` tells to do: the temporary folder it checked is gone, the target untouched."""
+    flags = [("--backend", options.backend if options.backend != "auto" else None), ("--config", options.config),
+             ("--base-model", options.base_model), ("--lora-alpha", options.lora_alpha)]
+    flags += [(f"--{k.replace('_', '-')}", v) for k, v in (options.source_options or {}).items()]
+    given = "".join(f" {flag} {value}" for flag, value in flags if value is not None)
+    return (f"{target} was left as it was: merge without --verify, then run "
+            f"`hf-merge verify {target} --against {source}{given}` for the full table")
 
 
 def _derived_message(config_dir: Path) -> str:

@@ -111,8 +111,19 @@ def dtype_option(requested: Any) -> str:
     return "auto" if requested == "auto" else dtype_name(parse_dtype(requested))
 
 
+def reader_options(info: Any, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The reader options (``source_options``) that changed what was read: those given that the source's
+    format takes (DeepSpeed's ``tag``, ``source_weights``). ``verify --against`` reads the source with them."""
+    from .readers.formats import find_format
+
+    fmt = find_format(info.reader)
+    taken = fmt.options if fmt is not None else frozenset()
+    return {k: v for k, v in sorted((given or {}).items()) if v is not None and k in taken}
+
+
 def merge_record(
     ckpt: Any, config: dict[str, Any], views: Any, base_model_name: str | None, written: Any, *, requested: Any = None,
+    source_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The :class:`Provenance` record of a merge, as the JSON object each output completes."""
     import datetime as _dt
@@ -142,6 +153,9 @@ def merge_record(
         step=info.step,
         details={k: v for k, v in info.details.items() if k in ("mesh", "mesh_dim_names", "fsdp_version", "placements")},
     )
+    options = reader_options(info, source_options)
+    if options:
+        source.details["options"] = options
     return Provenance(
         hf_merge_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -35,6 +35,7 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+    why: str = ""  # a failed check's reason, shown in the one-line verdict (:meth:`VerifyReport.summary`)
 
 
 @dataclass
@@ -50,8 +51,8 @@ class VerifyReport:
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
-    def add(self, name: str, ok: bool, detail: str = "") -> None:
-        self.checks.append(Check(name, ok, detail))
+    def add(self, name: str, ok: bool, detail: str = "", why: str = "") -> None:
+        self.checks.append(Check(name, ok, detail, why))
 
     def table(self) -> str:
         width = max(len(c.name) for c in self.checks) if self.checks else 5
@@ -64,7 +65,7 @@ class VerifyReport:
         return "\n".join(rows)
 
     def summary(self) -> str:
-        failed = [c.name for c in self.checks if not c.ok]
+        failed = [c.name + (f" ({c.why})" if c.why else "") for c in self.checks if not c.ok]
         return "all checks passed" if not failed else f"failed: {', '.join(failed)}"
 
 
@@ -121,16 +122,21 @@ def _units(got: LazyCheckpoint, names: list[str]) -> tuple[list[int], list[list[
 
 def _compare_values(
     report: VerifyReport, got, want, names, *, exact: bool, atol: float, rtol: float, cast: bool = False,
-    sharer: Any = ONE_PROCESS,
-) -> None:
+    sharer: Any = ONE_PROCESS, read_archives: Callable[[], list] | None = None,
+) -> list:
     """``cast``: read ``got`` in ``want``'s dtype first (verl's ``test``: one rounding, then tolerances).
-    ``sharer``: who compares which files (see :class:`OneProcess`); the report sums every rank's."""
+    ``sharer``: who compares which files (see :class:`OneProcess`); the report sums every rank's.
+    ``read_archives``: asked on each rank after its comparisons; returns the union of its answers."""
     sizes, groups = _units(got, names)
     order = {n: i for i, n in enumerate(names)}
-    parts = sharer.share(sizes, lambda mine: _value_stats(
-        got, want, [n for i in mine for n in groups[i]], exact=exact, atol=atol, rtol=rtol, cast=cast,
-        show=sharer.rank == 0,
-    ))
+
+    def work(mine: list[int]) -> dict[str, Any]:
+        stats = _value_stats(got, want, [n for i in mine for n in groups[i]], exact=exact, atol=atol, rtol=rtol,
+                             cast=cast, show=sharer.rank == 0)
+        stats["archives"] = read_archives() if read_archives is not None else []
+        return stats
+
+    parts = sharer.share(sizes, work)
     bad = sorted((b for part in parts for b in part["bad"]), key=lambda b: order[b[0]])
     nonfinite = sorted((n for part in parts for n in part["nonfinite"]), key=order.__getitem__)
     worst = max([part["worst"] for part in parts] + [0.0])
@@ -138,6 +144,7 @@ def _compare_values(
     detail = "bit-exact" if exact else f"max abs diff {worst:.3g}"
     report.add("values", not bad, f"{len(bad)} of {len(names)} differ" if bad else f"{len(names)} tensors, {detail}")
     report.add("finite", not nonfinite, f"{len(nonfinite)} tensors with inf/nan" if nonfinite else "")
+    return sorted({tuple(a) for part in parts for a in part["archives"]}, key=str)
 
 
 #: a tensor larger than this is compared band by band of rows, both sides streamed (``read_rows``):
@@ -234,6 +241,9 @@ def verify(
     HSDP source, the replica groups that a merge does not read are compared with the one it does.
     Returns a report; does not raise on mismatches (see :func:`verify_or_raise`).
 
+    ``source_options``: the reader options (DeepSpeed's ``tag``, ``source_weights``); by default those
+    ``hf_merge.json`` recorded, so the source is read as the merge read it (given ones win).
+
     Without ``against``, only the checksums ``hf_merge.json`` recorded at merge time are checked (a
     copied or downloaded folder, a GGUF output, with no source at hand).
 
@@ -266,11 +276,15 @@ def _verify(target, against, atol, rtol, logits, logits_atol, backend, sharer, *
     _refuse_unmerged(target)
     report = VerifyReport(target, str(against))
     kind = backend if backend != "auto" else detect_backend(against_path)
+    adapter_only = (target / ADAPTER_CONFIG).is_file() and not (target / "config.json").is_file()
+    provenance = _read_provenance(target)
+    # the source is read as the merge read it (DeepSpeed's tag, source_weights); options given here win
+    recorded = (provenance.get("source") or {}).get("options")
+    source_options = {**(recorded if isinstance(recorded, dict) else {}),
+                      **{k: v for k, v in (source_options or {}).items() if v is not None}}
     options = dict(
         config=config, lora_alpha=lora_alpha, use_rslora=use_rslora, base_model=base_model, source_options=source_options
     )
-    adapter_only = (target / ADAPTER_CONFIG).is_file() and not (target / "config.json").is_file()
-    provenance = _read_provenance(target)
     _check_checksums(report, target, provenance, sharer)
     _verify_folder(report, target, against_path, kind, atol, rtol, provenance, sharer, adapter=adapter_only, **options)
     sub = target / "lora_adapter"
@@ -339,7 +353,7 @@ def _verify_folder(
     finally:
         got.close()
     report.notes += sub.notes
-    report.checks += [Check(prefix + c.name, c.ok, c.detail) for c in sub.checks]
+    report.checks += [Check(prefix + c.name, c.ok, c.detail, c.why) for c in sub.checks]
     report.mismatches += [prefix + m for m in sub.mismatches]
 
 
@@ -370,11 +384,12 @@ def _compare_with_source(
             expected = _requantized(expected, cfg, provenance["quantization"])
             report.add("quantization", True, f"re-quantized: {provenance['quantization'].get('mode')}")
         names = _compare_specs(report, got, expected, check_dtype=True)
-        with record_crc.skipping():  # every source record's CRC-32 is reported below, as a row of its own
-            _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0, sharer=sharer)
+        with record_crc.skipping():  # the source records' CRC-32 is reported below, as a row of its own
+            archives = _compare_values(report, got, expected, names, exact=True, atol=0, rtol=0, sharer=sharer,
+                                       read_archives=lambda: _zip_archives(source))
         if not adapter:
             _check_replicas(report, source, sharer)
-        _check_source_crcs(report, source, sharer)
+        _check_source_crcs(report, archives, sharer)
     finally:
         source.close()
 
@@ -460,10 +475,15 @@ def check_source(
 
 
 def _zip_archives(view: Any, depth: int = 0) -> list:
-    """The torch.save archives under a stack of lazy views (readers expose ``zip_archives()``)."""
+    """The torch.save archives under a stack of lazy views whose bytes a merge uses: readers expose
+    ``read_archives()`` (those read so far, where files also hold what no merge reads, as DCP's
+    optimizer state) or ``zip_archives()`` (all of them)."""
     if depth > 12:
         return []
-    found = list(view.zip_archives()) if callable(getattr(view, "zip_archives", None)) else []
+    if callable(getattr(view, "read_archives", None)):
+        found = list(view.read_archives())
+    else:
+        found = list(view.zip_archives()) if callable(getattr(view, "zip_archives", None)) else []
     for value in vars(view).values() if hasattr(view, "__dict__") else ():
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, LazyCheckpoint):
@@ -471,12 +491,11 @@ def _zip_archives(view: Any, depth: int = 0) -> list:
     return sorted(set(found), key=str)
 
 
-def _check_source_crcs(report: VerifyReport, source: LazyCheckpoint, sharer: Any = ONE_PROCESS) -> None:
-    """Every record of every source torch.save archive against the CRC-32 in its zip directory:
-    corruption in a source (which the merge copied faithfully) is found here."""
+def _check_source_crcs(report: VerifyReport, archives: list, sharer: Any = ONE_PROCESS) -> None:
+    """Every record of the source torch.save ``archives`` the merge reads (:func:`_zip_archives`) against
+    the CRC-32 in its zip directory: corruption in a source (which the merge copied faithfully) is found here."""
     from .readers.torch_zip import archive_crc_mismatches
 
-    archives = _zip_archives(source)
     if not archives:
         return
     sizes = [length if length is not None else os.path.getsize(path) - start for path, start, length in archives]
@@ -503,11 +522,15 @@ def _requantized(view: LazyCheckpoint, config: dict[str, Any], recorded: dict[st
     return Quantized(view, config, options)
 
 
-def verify_or_raise(target, against, **kwargs) -> VerifyReport:
+def verify_or_raise(target, against, *, shown_as=None, next_step: str | None = None, **kwargs) -> VerifyReport:
+    """:func:`verify`, raising :class:`VerificationError` on a mismatch. ``shown_as``: the folder the
+    message names (a merge verifies its temporary folder, gone when the error is read);
+    ``next_step``: what the message tells to do (default: the ``hf-merge verify`` command)."""
     report = verify(target, against, **kwargs)
     if not report.ok:
         first = report.mismatches[0] if report.mismatches else report.summary()
-        raise VerificationError(f"{target} does not match {against}: {report.summary()} ({first}); run hf-merge verify for the full table")
+        step = next_step or f"run `hf-merge verify {target} --against {against}` for the full table"
+        raise VerificationError(f"{shown_as or target} does not match {against}: {report.summary()} ({first}); {step}")
     return report
 
 
@@ -531,7 +554,15 @@ def _check_checksums(report: VerifyReport, target: Path, provenance: dict[str, A
     bad = [n for n, h in actual.items() if h != recorded[n]]
     report.mismatches += [f"{n}: {digest.kind_of(recorded[n])} differs from the one recorded at merge time" for n in bad]
     report.mismatches += [f"{n}: recorded at merge time but missing" for n in missing]
-    report.add("file checksums", not bad and not missing, count(len(recorded), "file") if not bad else f"{len(bad)} changed")
+    why = "; ".join(f"{_names(names)} {what}" for names, what in ((sorted(bad), "changed since the merge"),
+                                                                   (missing, "missing")) if names)
+    detail = ", ".join(f"{len(n)} {w}" for n, w in ((bad, "changed"), (missing, "missing")) if n)
+    report.add("file checksums", not bad and not missing, detail or count(len(recorded), "file"), why)
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _check_logits(target: Path, reference: Path | None, atol: float) -> list[tuple[str, bool, str]]:

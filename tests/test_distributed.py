@@ -385,7 +385,8 @@ def test_distributed_verify_finds_a_corrupted_file(qwen2_fp32_ws2, fsdp_single, 
     assert n_files >= 3
     assert [outcome[0, r]["code"] for r in range(3)] == [0, 0, 0], outcome
     table = outcome[0, 0]["stdout"]
-    assert "file checksums  ok" in table and f"{n_files} files" in table and "bit-exact" in table, table
+    n_recorded = len(json.loads((good / "hf_merge.json").read_text())["files"])  # weights, config, index...
+    assert "file checksums  ok" in table and f"{n_recorded} files" in table and "bit-exact" in table, table
     assert not outcome[0, 1]["stdout"] and not outcome[0, 2]["stdout"]  # one report, from rank 0
     # the corrupted file is checked by rank 2 alone; every rank fails, rank 0 says which file
     assert [outcome[1, r]["code"] for r in range(3)] == [1, 1, 1], outcome

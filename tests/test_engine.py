@@ -30,7 +30,7 @@ def _merge(source, target, **kw) -> tuple[dict[str, bytes], dict[str, str]]:
     hf_merge.merge(source, target, workers=1, **kw)
     files = {p.name: p.read_bytes() for p in sorted(target.iterdir()) if p.suffix == ".safetensors"}
     recorded = json.loads((target / "hf_merge.json").read_text()).get("files") or {}
-    return files, recorded
+    return files, {n: d for n, d in recorded.items() if n in files}  # the weight files' (config.json's too)
 
 
 def _digests(files: dict[str, bytes], kind: str = "crc32") -> dict[str, str]:

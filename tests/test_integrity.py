@@ -431,6 +431,43 @@ def test_a_flipped_byte_in_a_distcp_chunk_stops_the_merge(megatron_root, tmp_pat
     assert cli(["merge", str(src), str(tmp_path / "out"), "--no-source-crc"]) == 0
 
 
+def test_damaged_optimizer_state_fails_no_verify_but_a_damaged_model_chunk_does(megatron_root, tmp_path, capsys):
+    """Before: one flipped byte in an ``exp_avg_sq`` chunk, which no merge reads, gave a bit-exact
+    merge and then ``verify --against``: ``failed: source CRC-32``. Now only the records whose bytes
+    the merge uses are checked; a flipped byte in a model chunk still fails."""
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    src = _copy(megatron_root / "qwen2_v1" / "actor", tmp_path / "actor")
+    with DcpCheckpoint(src / "dist_ckpt") as ck:
+        optim = ck._chunks["optimizer.state.exp_avg_sq.embedding.word_embeddings.weight"][0]
+        model = ck._chunks["embedding.word_embeddings.weight"][0]
+    _flip(src / "dist_ckpt" / optim.file, b"/data/0", at=3, start=optim.start)
+    target = tmp_path / "out"
+    assert cli(["merge", str(src), str(target), "--verify"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    code, out, err = _run(capsys, "verify", target, "--against", src)
+    row = next(ln for ln in out.splitlines() if ln.startswith("source CRC-32"))
+    assert code == 0 and " ok " in row, out + err
+    _flip(src / "dist_ckpt" / model.file, b"/data/0", at=3, start=model.start)
+    code, out, err = _run(capsys, "verify", target, "--against", src)
+    assert code == 1 and "source CRC-32" in err and model.file in out, out + err
+
+
+def test_a_failed_merge_verify_names_the_target_and_the_command(megatron_root, tmp_path, capsys):
+    """Before: ``error: .../.out.hf-merge-tmp-8632 does not match ...; run hf-merge verify for the full
+    table``, naming the temporary folder, already gone. Now the target and the command to run."""
+    from hf_merge.readers.dcp import DcpCheckpoint
+
+    src = _copy(megatron_root / "qwen2_v1" / "actor", tmp_path / "actor")
+    with DcpCheckpoint(src / "dist_ckpt") as ck:
+        model = ck._chunks["embedding.word_embeddings.weight"][0]
+    _flip(src / "dist_ckpt" / model.file, b"/data/0", at=3, start=model.start)
+    target = tmp_path / "out"
+    code, _, err = _run(capsys, "merge", src, target, "--no-source-crc", "--verify")
+    line = _one_error(code, err, f"{target} does not match", "source CRC-32", f"hf-merge verify {target} --against")
+    assert "hf-merge-tmp" not in line and not target.exists(), line
+
+
 def test_a_flipped_byte_in_a_deepspeed_partition_stops_the_merge(tmp_path, capsys):
     name = "z2_bf16_align_ws3"
     ckpt = _copy(DEEPSPEED / name, tmp_path / "run")

@@ -203,7 +203,8 @@ def test_both_merge_verifies_the_adapter_folder_too(lora_both, lora_ckpt, tmp_pa
     rc, out, _ = cli(capsys, "verify", bad, "--against", lora_ckpt.actor)
     assert rc == 1
     assert "values" in out and f"adapter: {name}: not bit-identical" in out
-    assert re.search(r"^file checksums +ok", out, re.M)  # the model folder itself is intact
+    # the adapter's files are recorded too: only the changed one fails its checksum
+    assert "lora_adapter/adapter_model.safetensors: crc32 differs" in out and re.search(r"^file checksums +FAIL +1 changed", out, re.M)
 
 
 def test_quantized_summary_names_the_mode_and_int8_forward_is_quiet(qwen2_fp32_ws2, tmp_path, capsys, caplog):

@@ -82,6 +82,44 @@ def test_without_a_source_the_recorded_checksums_are_checked(merged, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "--against" in lines[0], proc.stderr
 
 
+def test_every_file_the_merge_wrote_is_checked_but_the_model_card(merged, tmp_path):
+    """Before: hf_merge.json recorded the weight files only, so a changed config.json verified as
+    "file checksums ok". Now every file the merge wrote is recorded (the card and the record itself
+    aside), and the one-line verdict names a changed or missing file. A card edited afterwards, and a
+    folder whose older record lists its weight files only, still verify."""
+    good = _copy(merged, tmp_path)
+    recorded = json.loads((good / "hf_merge.json").read_text())["files"]
+    written = [p.relative_to(good).as_posix() for p in good.rglob("*") if p.is_file()]
+    assert sorted(recorded) == sorted(set(written) - {"hf_merge.json", "README.md"}) and "config.json" in recorded
+    with open(good / "README.md", "a") as f:
+        f.write("\nTrained on our data.\n")
+    assert run_cli("verify", good).returncode == 0
+    config = json.loads((good / "config.json").read_text())
+    (good / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    (good / "generation_config.json").unlink()
+    proc = run_cli("verify", good)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stdout + proc.stderr
+    assert "config.json changed since the merge" in lines[0] and "generation_config.json missing" in lines[0], lines[0]
+    record = json.loads((good / "hf_merge.json").read_text())
+    record["files"] = {n: d for n, d in record["files"].items() if n.endswith(".safetensors")}
+    (good / "hf_merge.json").write_text(json.dumps(record))  # as written before 2026-12-06
+    assert run_cli("verify", good).returncode == 0
+
+
+def test_the_adapter_subfolder_files_are_recorded_and_checked(lora_ckpt, tmp_path):
+    """``--lora both``: lora_adapter/'s config and weights are recorded too (its card is not)."""
+    target = tmp_path / "both"
+    hf_merge.merge(lora_ckpt.actor, target, lora="both")
+    recorded = json.loads((target / "hf_merge.json").read_text())["files"]
+    assert {"lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors"} <= set(recorded)
+    assert "lora_adapter/README.md" not in recorded and verify(target).ok
+    config = target / "lora_adapter" / "adapter_config.json"
+    config.write_text(config.read_text().replace('"r": 4', '"r": 8'))
+    report = verify(target)
+    assert not report.ok and "lora_adapter/adapter_config.json changed since the merge" in report.summary()
+
+
 def test_missing_tensor_and_wrong_dtype_fail(merged, qwen2_fp32_ws2, tmp_path):
     bad = _copy(merged, tmp_path)
     path = bad / "model.safetensors"
@@ -147,3 +185,22 @@ def test_large_tensors_are_compared_band_by_band(merged, qwen2_fp32_ws2, tmp_pat
     if flip_row is None:  # with tolerances: bf16 against the fp32 reference, within one rounding
         tolerant = verify(target, qwen2_fp32_ws2.reference, atol=0, rtol=2**-8)
         assert tolerant.ok, tolerant.table()
+
+
+def test_the_source_is_read_as_the_merge_read_it(tmp_path):
+    """A ``--source-weights module`` DeepSpeed merge. Before: hf_merge.json did not record the choice
+    and verify had no --source-weights, so ``verify --against`` compared with the fp32 masters:
+    ``failed: dtypes``. Now the record holds the reader options and verify reads the source with
+    them; --source-weights given to verify wins."""
+    from pathlib import Path
+
+    source = Path(__file__).parent / "data" / "deepspeed" / "z2_bf16_align_ws3"
+    config = ("--config", source / "reference" / "step2" / "config")
+    target = tmp_path / "m"
+    proc = run_cli("merge", source, target, *config, "--source-weights", "module", "--dtype", "auto", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((target / "hf_merge.json").read_text())["source"]["options"] == {"source_weights": "module"}
+    proc = run_cli("verify", target, "--against", source, *config)
+    assert proc.returncode == 0 and "bit-exact" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_cli("verify", target, "--against", source, *config, "--source-weights", "master")
+    assert proc.returncode == 1 and "dtypes" in proc.stderr, proc.stdout + proc.stderr

@@ -43,7 +43,7 @@ def _cli_options():
 
 def add_source_option_arguments(parser: argparse.ArgumentParser) -> None:
     """The formats' own reader options (``SourceFormat.cli``: DeepSpeed's ``--tag`` and
-    ``--source-weights``...), shared by merge and inspect."""
+    ``--source-weights``...), shared by merge, inspect and verify."""
     for option in _cli_options():
         parser.add_argument(option.flag, dest=option.dest, default=None, choices=option.choices, help=option.help)
 

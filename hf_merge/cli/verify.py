@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import redact_credentials
-from ._formats import add_backend_argument
+from ._formats import add_backend_argument, add_source_option_arguments, source_options
 
 VERIFY_EXAMPLES = """examples:
   hf-merge verify ./merged --against checkpoints/global_step_100/actor      # exact, against the source
@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--against", help="the sharded source checkpoint, or a reference HF folder (default: only the "
                    "checksums recorded at merge time)")
     _source_options(p)
+    add_source_option_arguments(p)  # default: the ones hf_merge.json recorded
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance against an HF folder (default 0)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance against an HF folder (default 0)")
     p.add_argument("--logits", action="store_true", help="also load TARGET with transformers and run a forward pass")
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     report = verify(
         args.target, args.against, atol=args.atol, rtol=args.rtol, logits=args.logits, logits_atol=args.logits_atol,
         backend=args.backend, config=args.config, lora_alpha=args.lora_alpha, base_model=args.base_model,
+        source_options=source_options(args),
     )
     if report.rank != 0:  # a distributed verification: rank 0 prints the one report; every rank's exit code
         return 0 if report.ok else 1

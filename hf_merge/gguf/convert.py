@@ -114,7 +114,8 @@ class GgufFile:
         for warning in ckpt.info.warnings:
             logger.warning(warning)
         self.name = model_name(cfg, options.base_model_name, ckpt.info.path if is_hf_folder(ckpt.info.format) else None, target)
-        self.provenance = merge_record(ckpt, cfg, views, options.base_model_name, views.out_dtype, requested=options.dtype)
+        self.provenance = merge_record(ckpt, cfg, views, options.base_model_name, views.out_dtype, requested=options.dtype,
+                                       source_options=options.source_options)
         self.planned: dict[str, list] = {}  # file name -> its GGUF tensors, in file order
         self.model_file = self.lora_file = None
         if views.model is not None:

@@ -22,6 +22,8 @@ Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys m
         "mesh": [2, 4],                            # optional: device mesh shape from the DTensors
         "mesh_dim_names": ["ddp", "fsdp"],         # optional: its dimension names
         "fsdp_version": 2,                         # optional; other format details may follow
+        "options": {"source_weights": "module"},   # optional: reader options given (DeepSpeed tag,
+                                                   #   source_weights); verify --against reads with them
         "role": "actor"                            # optional: "actor" | "critic" | ...
       },
       "dtype": "bfloat16",                         # dtype of the written floating weights (config.json's)
@@ -40,6 +42,7 @@ Provenance record (``hf_merge.json``, written by :func:`hf_merge.merge`). Keys m
       "verification": null | {"passed": true, "summary": "..."},
       "missing_files": ["tokenizer", "generation_config.json"],   # optional: side files not found
       "files": {"model.safetensors": "crc32:<hex>" or "<sha256 hex>", ...}   # optional: every file written
+                                                   #   but README.md and this record (docs/integrity.md)
     }
 
 Rendering is lenient: a missing key is shown as unknown (or left out), never an error.

@@ -142,6 +142,7 @@ class DcpCheckpoint(LazyCheckpoint):
         self._opened_by = os.getpid()  # forked writers parse their own chunks, as they need them
         self._prefetched: dict[tuple[str, int], tuple] | None = None  # chunk archives read by other processes
         self._prefetch_lock = threading.Lock()
+        self._read: set[tuple[str, int, int]] = set()  # the chunks read in this process (read_archives)
         ranks = {int(m.group(1)) for f in files if (m := _DISTCP_RANK.search(f))}
         self.info = info or CheckpointInfo(
             format="dcp",
@@ -163,6 +164,12 @@ class DcpCheckpoint(LazyCheckpoint):
         """``(file, start, length)`` of every embedded torch.save archive (for CRC checks)."""
         return sorted({(self.path / c.file, c.start, c.length) for cs in self._chunks.values() for c in cs})
 
+    def read_archives(self) -> list[tuple[Path, int, int]]:
+        """``(file, start, length)`` of the archives of the chunks read so far in this process:
+        ``verify --against`` checks the CRC-32 of these only, the source bytes the merge uses (a
+        damaged optimizer-state chunk, which no merge reads, fails nothing)."""
+        return sorted((self.path / f, start, length) for f, start, length in self._read)
+
     def chunk_boxes(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """``[(offsets, sizes)]`` of the stored chunks of ``name`` (e.g. to infer TP sharding)."""
         return [(c.offsets, c.sizes) for c in self._chunks[name]]
@@ -178,6 +185,7 @@ class DcpCheckpoint(LazyCheckpoint):
             return fd
 
     def _layout(self, name: str, chunk: _Chunk) -> _Layout:
+        self._read.add((chunk.file, chunk.start, chunk.length))
         if chunk.layout is None:
             read = self._prefetch().pop((chunk.file, chunk.start), None)
             if read is not None:
