@@ -44,6 +44,7 @@ __all__ = [
     "infer_device_map",
     "init_contexts",
     "is_auto_class",
+    "keep_in_fp32_matcher",
     "legacy_saved_names",
     "major_version",
     "mark_loaded",
@@ -411,6 +412,25 @@ def dispatch(model: Any, device_map: dict, offload_folder: Any, offload_buffers:
 def dtype_plan(model: Any, dtype: Any) -> dict:
     """``{glob: dtype}``: the weights the model keeps in another dtype than the load dtype."""
     return model._get_dtype_plan(dtype)
+
+
+def keep_in_fp32_matcher(model: Any, dtype: Any):
+    """``match(name)``: whether ``from_pretrained(dtype=dtype)`` loads the in-memory tensor ``name``
+    in float32 (``_keep_in_fp32_modules_strict`` for float16 / bfloat16, ``_keep_in_fp32_modules``
+    for float16 only), by this release's rule: transformers 5 searches the name for each module
+    as a glob (a substring, ``*`` any text), 4.x for it as whole ``.``-separated segments. None
+    when no tensor is kept."""
+    import torch
+
+    if has_weight_conversions():
+        globs = [g for g, d in dtype_plan(model, dtype).items() if d == torch.float32]
+        pattern = glob_alternation(globs)[0] if globs else None
+    else:
+        modules = list(model._keep_in_fp32_modules or []) if dtype == torch.float16 else []
+        if dtype in (torch.float16, torch.bfloat16):  # 4.51 has no strict list
+            modules += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        pattern = re.compile("|".join(rf"((^|\.){m}($|\.))" for m in modules)) if modules else None
+    return None if pattern is None else (lambda name: pattern.search(name) is not None)
 
 
 def glob_alternation(globs: list[str]):

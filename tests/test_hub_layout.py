@@ -441,6 +441,29 @@ def test_zoo_merge_is_save_pretrained_and_loads_alike(zoo_root, tmp_path, name):
 
 
 @pytest.mark.compat
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_zoo_16_bit_merge_keeps_what_from_pretrained_keeps_in_float32(zoo_root, tmp_path, dtype):
+    """GPT-OSS names its norms in ``_keep_in_fp32_modules``, which transformers (4.57 and 5) applies
+    to a float16 load only: ``merge --dtype D`` writes each tensor as ``save_pretrained`` of
+    ``from_pretrained(reference, dtype=D)`` does (float16: the norms float32, exact; bfloat16: none)."""
+    from transformers import AutoModelForCausalLM
+
+    src, want_dtype = zoo_root / "gpt_oss", getattr(torch, dtype)
+    hf_merge.merge(src, tmp_path / "out", dtype=dtype)
+    AutoModelForCausalLM.from_pretrained(src / "reference", **dtype_kwargs(want_dtype)).save_pretrained(tmp_path / "resaved")
+    ours, theirs, exact = folder_tensors(tmp_path / "out"), folder_tensors(tmp_path / "resaved"), folder_tensors(src / "reference")
+    assert sorted(ours) == sorted(theirs)
+    for k, t in theirs.items():
+        assert ours[k].dtype == t.dtype and torch.equal(ours[k], t), k
+    kept = {k for k, t in theirs.items() if t.dtype == torch.float32}
+    if dtype == "float16":
+        assert kept and kept == {k for k in theirs if k.endswith("norm.weight")}
+        assert all(torch.equal(ours[k], exact[k]) for k in kept)
+    else:
+        assert kept == set()
+
+
+@pytest.mark.compat
 @pytest.mark.parametrize("name", ["qwen2_tied_lora", "mixtral_lora", "qwen3_moe_v4_lora"])
 def test_zoo_lora_adapter_loads_with_peft(zoo_root, tmp_path, name):
     """``--lora adapter`` of a tied and of a MoE model: PEFT loads it onto the base model, and

@@ -330,6 +330,78 @@ def test_config_written_by_save_pretrained_merges_the_same(megatron_moe_root, me
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.compat
+def test_bfloat16_merge_keeps_the_tensors_transformers_keeps_in_float32(megatron_moe_root, merged, tmp_path):
+    """``merge --dtype bfloat16`` writes every tensor as ``save_pretrained`` of
+    ``from_pretrained(float32 merge, dtype=bfloat16)`` does, dtype and bytes: transformers 5 keeps
+    DeepSeek-V3's router ``gate.weight`` and ``e_score_correction_bias`` in float32
+    (``_keep_in_fp32_modules_strict``), written exact from the float32 source; transformers 4.57 and
+    4.51 declare nothing for DeepSeek-V3, so there every tensor is bfloat16. Loading the checkpoint
+    with ``from_sharded_pretrained(dtype=bfloat16)`` gives that merge's logits."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_merge
+    from hf_merge.cli.app import main
+
+    source, fp32 = megatron_moe_root / SOURCES["deepseek_v3"], merged["deepseek_v3"]
+    assert main(["-q", "merge", str(source), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--no-checksums"]) == 0
+    AutoModelForCausalLM.from_pretrained(fp32, **dtype_kwargs(torch.bfloat16)).save_pretrained(tmp_path / "resaved")
+    ours, theirs, exact = folder_tensors(tmp_path / "bf16"), folder_tensors(tmp_path / "resaved"), folder_tensors(fp32)
+    assert sorted(ours) == sorted(theirs)
+    for k, t in theirs.items():
+        assert ours[k].dtype == t.dtype and torch.equal(ours[k], t), k
+    kept = {k for k, t in theirs.items() if t.dtype == torch.float32}
+    router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    assert kept == (router if compat.has_weight_conversions() else set())
+    assert all(torch.equal(ours[k], exact[k]) for k in kept)
+
+    ids = torch.arange(3, 11).unsqueeze(0)
+    loaded = hf_merge.from_sharded_pretrained(source, dtype="bfloat16", attn_implementation="eager")
+    written = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", attn_implementation="eager",
+                                                   **dtype_kwargs(torch.bfloat16))
+    assert {k for k, t in loaded.state_dict().items() if t.dtype == torch.float32} == kept
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, written(input_ids=ids).logits)
+
+
+def test_the_tensors_kept_in_float32_come_from_the_plan_cache(megatron_moe_root, tmp_path, monkeypatch):
+    """Which tensors the model keeps in float32 is asked of transformers (its model skeleton) once:
+    a later merge of the same model takes the answer from the plan cache, builds no skeleton and
+    writes the same bytes."""
+    import hf_merge
+    from hf_merge.transforms import keep_fp32, skeleton
+
+    monkeypatch.setenv("HF_MERGE_CACHE", str(tmp_path / "cache"))
+    source = megatron_moe_root / SOURCES["deepseek_v3"]
+    hf_merge.merge(source, tmp_path / "first", dtype="bfloat16")
+    want = folder_tensors(tmp_path / "first")
+    assert any(t.dtype == torch.float32 for t in want.values()) == compat.has_weight_conversions()
+    monkeypatch.setattr(skeleton, "_LAST", None)
+    monkeypatch.setattr(skeleton, "_build", lambda *a: pytest.fail("the model skeleton was built again"))
+    monkeypatch.setattr(keep_fp32, "_ask_transformers", lambda *a: pytest.fail("transformers was asked again"))
+    hf_merge.merge(source, tmp_path / "cached", dtype="bfloat16")
+    got = folder_tensors(tmp_path / "cached")
+    assert sorted(got) == sorted(want) and all(got[k].dtype == t.dtype and torch.equal(got[k], t) for k, t in want.items())
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_only_models_that_keep_tensors_in_float32_are_asked(megatron_moe_root, dtype):
+    """Whether a 16-bit merge asks transformers which tensors the model keeps in float32 (and the
+    head start declines) is read from transformers' source as text: it is so exactly for the classes
+    that declare the list applying to that dtype (DeepSeek-V3 under transformers 5), so the other
+    MoE models import nothing for it."""
+    import transformers
+
+    from hf_merge.transforms.keep_fp32 import may_declare
+
+    for kind in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"):
+        config = json.loads((megatron_moe_root / kind / "actor" / "model" / "huggingface" / "config.json").read_text())
+        cls = getattr(transformers, config["architectures"][0])
+        lists = [getattr(cls, "_keep_in_fp32_modules_strict", None)] + ([cls._keep_in_fp32_modules] if dtype == "float16" else [])
+        assert may_declare(config, dtype) == any(lists), kind
+
+
 def test_table_schema_checks_placeholders():
     """Placeholders are validated when a table is built; match reads them back."""
     table = find_table("megatron", {"model_type": "qwen3_moe"})

@@ -1,4 +1,5 @@
-"""Explicit dtype policy: floating tensors to one dtype, everything else untouched.
+"""Explicit dtype policy: floating tensors to one dtype (those the model keeps in float32 to
+float32, :mod:`hf_merge.transforms.keep_fp32`), everything else untouched.
 
 The cast itself happens in ``read_into`` (``Tensor.copy_`` into a buffer of the target dtype),
 piece by piece as each rank's shard lands: one rounding (round-to-nearest-even), no full-size
@@ -17,19 +18,20 @@ from ..spec import TensorSpec
 logger = logging.getLogger(__name__)
 
 
-def cast_policy(spec: TensorSpec, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype ``spec`` is written in: ``dtype`` for floating tensors, else unchanged."""
+def cast_policy(spec: TensorSpec, dtype: torch.dtype | None, fp32: "frozenset[str]" = frozenset()) -> torch.dtype:
+    """The dtype ``spec`` is written in: ``dtype`` for floating tensors (float32 for those named
+    in ``fp32``), else unchanged."""
     if dtype is None or not spec.dtype.is_floating_point:
         return spec.dtype
-    return dtype
+    return torch.float32 if spec.name in fp32 else dtype
 
 
 class Cast(LazyCheckpoint):
-    def __init__(self, base: LazyCheckpoint, dtype: torch.dtype | None):
+    def __init__(self, base: LazyCheckpoint, dtype: torch.dtype | None, fp32: "frozenset[str]" = frozenset()):
         self.base = base
         self.info = base.info
         self.dtype = dtype
-        self._specs = {n: s.with_dtype(cast_policy(s, dtype)) for n, s in base.specs().items()}
+        self._specs = {n: s.with_dtype(cast_policy(s, dtype, fp32)) for n, s in base.specs().items()}
         self._warned: set[str] = set()
 
     def specs(self) -> dict[str, TensorSpec]:

@@ -15,6 +15,7 @@ import torch
 
 from ..checkpoint import LazyCheckpoint
 from ..hf_files import resolve_dtype, tied_pairs
+from ..spec import dtype_name
 from .cast import Cast
 from .rename import Renamed, drop_tied
 
@@ -129,16 +130,25 @@ def build_views(
         model, dropped = drop_tied(model, tied_pairs(config, model.specs()))
         if dropped:
             notes.append(f"tied weights: wrote {', '.join(dropped)} once, under its source name (tie_word_embeddings)")
+        fp32: frozenset[str] = frozenset()
         if hub:
-            from .hub_layout import hub_layout
+            from .hub_layout import HubLayout, hub_layout
+            from .keep_fp32 import kept_in_fp32
 
+            in_memory = model.specs()
             model, hub_notes = hub_layout(model, config)
             notes.extend(hub_notes)
-        else:  # the loader fills the in-memory layout, which must be this transformers' own
+            kept = kept_in_fp32(config, in_memory, out_dtype)  # matched on the in-memory names, as transformers does
+            if kept:
+                fp32 = frozenset(n for n in model.specs() if (set(model.source_names(n)) if isinstance(model, HubLayout)
+                                                              else {n}) & kept)
+                notes.append(f"{len(fp32)} tensor(s) kept in float32, as from_pretrained(dtype={dtype_name(out_dtype)}) "
+                             "loads them and save_pretrained writes them (the model's _keep_in_fp32_modules)")
+        else:  # the loader fills the in-memory layout, which must be this transformers' own (and keeps fp32 itself)
             from .hub_layout import check_legacy_experts
 
             check_legacy_experts(model.specs(), config)
-        views.model = Cast(model, out_dtype)
+        views.model = Cast(model, out_dtype, fp32)
     return views
 
 

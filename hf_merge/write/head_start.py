@@ -22,7 +22,8 @@ The merge (torch, every check of the full reader and transforms) links the child
 (``linkat``) when its own name and header digest for that file are identical, otherwise it kills
 the child and writes the file as always; it keeps the file only when the child's recipe is its
 own too. A child that fails, or that copied other bytes, is not trusted: the merge writes the file again. The child changes how fast a merge is,
-never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast,
+never what it writes. It declines (the merge writes everything) what is not a plain copy: a cast (also of
+the tensors a model keeps in float32, :mod:`~hf_merge.transforms.keep_fp32`),
 a tie, LoRA, a model ``save_pretrained`` may rename (the Hub layout) unless the plan cache holds a
 merge's finding that it writes this source's own names
 (:func:`~hf_merge.transforms.layout_cache.stored_passthrough`), bytes that are not source-file runs; and there is none with ``HF_MERGE_HEAD_START=0`` or without ``O_TMPFILE`` / ``O_DIRECT`` / ``fork``.
@@ -80,7 +81,7 @@ def begin(request: Request) -> "HeadStart | None":
         return None
     if not hasattr(os, "fork") or not getattr(os, "O_TMPFILE", 0) or not getattr(os, "O_DIRECT", 0):
         return None
-    from ..transforms import conversion_keys, layout_cache  # noqa: F401 - imported before the fork: the child imports nothing
+    from ..transforms import conversion_keys, keep_fp32, layout_cache  # noqa: F401 - imported before the fork: the child imports nothing
     from . import atomic, shards  # noqa: F401
     from .. import forks  # noqa: F401
     if request.format == "fsdp":
@@ -309,6 +310,7 @@ def _plan(request: Request) -> _Planned:
     the merge's planner and byte recipe."""
     from ..spec import output_dtype_name
     from ..transforms.conversion_keys import may_convert
+    from ..transforms.keep_fp32 import may_declare
     from ..transforms.layout_cache import stored_passthrough
     from ..side_files import side_files_bytes
     from .atomic import check_free_space
@@ -337,6 +339,8 @@ def _plan(request: Request) -> _Planned:
         raise _Skip("LoRA")
     if any(s.dtype.is_floating_point and out_dtype not in (None, s.dtype.name) for s in specs.values()):
         raise _Skip("a cast")
+    if may_declare(config, out_dtype):  # the merge may write some of them in float32
+        raise _Skip("the model may keep some tensors in float32 in this dtype (_keep_in_fp32_modules)")
     plan = plan_shards(specs, max_shard_size=options.shard_bytes())
     if plan.index is not None and has_weight_conversions():  # sharded: in the order transformers 5 saves in
         plan = plan_shards(sorted(specs.values(), key=lambda s: natural_key(s.name)),
