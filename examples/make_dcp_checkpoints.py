@@ -327,4 +327,10 @@ def write_all(root: Path, only: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    write_all(Path(sys.argv[1]), sys.argv[2:] or None)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="folder to write the checkpoints into")
+    ap.add_argument("only", nargs="*", choices=sorted(WRITERS), help="write only these (default: all)")
+    args = ap.parse_args()
+    write_all(args.out, args.only or None)
