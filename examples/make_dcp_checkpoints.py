@@ -331,6 +331,8 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="folder to write the checkpoints into")
-    ap.add_argument("only", nargs="*", choices=sorted(WRITERS), help="write only these (default: all)")
+    ap.add_argument("only", nargs="*", help=f"write only these, of {', '.join(sorted(WRITERS))} (default: all)")
     args = ap.parse_args()
+    if set(args.only) - set(WRITERS):
+        ap.error(f"unknown checkpoints {sorted(set(args.only) - set(WRITERS))}; choose from {sorted(WRITERS)}")
     write_all(args.out, args.only or None)
