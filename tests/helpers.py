@@ -215,3 +215,10 @@ def detections_differing_from_every_probe(root: Path) -> list[str]:
         if got != want:
             differing.append(f"{folder}: detect {got}, every probe {want}")
     return differing
+
+
+def incomplete_newest_step(newest: Path, complete: Path) -> str:
+    """The one line that refuses a save root whose newest step ``newest`` is empty or incomplete
+    (``readers.step_choice``), naming the ``complete`` step to pass."""
+    return (f"{newest} is empty or incomplete (a run stopped while saving it?); the newest complete step is "
+            f"{complete.name}: pass {complete} to merge it")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import detections_differing_from_every_probe
+from helpers import detections_differing_from_every_probe, incomplete_newest_step
 
 from hf_merge import open_checkpoint
 from hf_merge.cli.app import main
@@ -256,8 +256,7 @@ def test_colossal_llama_save_folders(tmp_path):
     shutil.copy(tmp_path / "epoch-1_step-10" / "modeling" / "config.json", tmp_path / "epoch-2_step-15" / "modeling")
     assert detect(tmp_path).chosen.name == "colossalai"
     with pytest.raises(IncompleteStepError, match=re.escape(
-            f"{tmp_path / 'epoch-2_step-15'} is empty or incomplete (a run stopped while saving it?); the newest "
-            f"complete step is epoch-1_step-10: pass {tmp_path / 'epoch-1_step-10'} to merge it")):
+            incomplete_newest_step(tmp_path / "epoch-2_step-15", tmp_path / "epoch-1_step-10"))):
         open_checkpoint(tmp_path)
     with open_checkpoint(tmp_path / "epoch-1_step-10") as ck:
         assert ck.info.path == tmp_path / "epoch-1_step-10" / "modeling"

@@ -24,6 +24,7 @@ from hf_merge.transforms.name_table import NameRule, NameTable
 from hf_merge.transforms.name_table_view import NameTableView, rope_source_rows
 
 from helpers import (
+    incomplete_newest_step,
     dcp_no_dist,
     assert_tensors_equal,
     detections_differing_from_every_probe,
@@ -97,8 +98,7 @@ def test_accelerate_config_beside_and_newest_checkpoint(dcp_root, tmp_path):
     (project / "logs").mkdir()  # not a checkpoint: ignored
     assert detections_differing_from_every_probe(project.parent) == []
     with pytest.raises(IncompleteStepError, match=re.escape(
-            f"{project / 'checkpoint_4'} is empty or incomplete (a run stopped while saving it?); the newest complete "
-            f"step is checkpoint_3: pass {project / 'checkpoint_3'} to merge it")):
+            incomplete_newest_step(project / "checkpoint_4", project / "checkpoint_3"))):
         hf_merge.open_checkpoint(project.parent)
     with hf_merge.open_checkpoint(project / "checkpoint_3") as ckpt:
         assert ckpt.info.reader == "accelerate"
@@ -141,8 +141,7 @@ def test_torchtitan_incomplete_newest_step_is_named_not_replaced(dcp_root, tmp_p
     (dump / "checkpoint" / "step-5").mkdir()
     shutil.copy(tt / "dump" / "checkpoint" / "step-1" / "__0_0.distcp", dump / "checkpoint" / "step-5")
     assert formats.detect(dump).chosen.name == "torchtitan"
-    want = (f"{dump / 'checkpoint' / 'step-5'} is empty or incomplete (a run stopped while saving it?); the newest "
-            f"complete step is step-1: pass {dump / 'checkpoint' / 'step-1'} to merge it")
+    want = incomplete_newest_step(dump / "checkpoint" / "step-5", dump / "checkpoint" / "step-1")
     for given in (dump, dump / "checkpoint"):
         assert cli_main(["merge", str(given), str(tmp_path / "out"), "--config", str(tt / "config")]) != 0
         assert capsys.readouterr().err.strip() == f"error: {want}"

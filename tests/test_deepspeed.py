@@ -25,7 +25,7 @@ from hf_merge.errors import CorruptCheckpointError, IncompleteStepError, SourceN
 from hf_merge.readers.formats import detect
 from hf_merge.readers.deepspeed import load_deepspeed_file
 
-from helpers import assert_tensors_equal, folder_tensors, model_logits
+from helpers import assert_tensors_equal, folder_tensors, model_logits, incomplete_newest_step
 
 DATA = Path(__file__).parent / "data" / "deepspeed"
 VARIANTS = sorted(p.name for p in DATA.iterdir() if (p / "variant.json").is_file())
@@ -278,8 +278,7 @@ def test_a_missing_or_incomplete_newest_tag_is_named_not_replaced(tmp_path, caps
     config = ["--config", str(DATA / "z1_fp32_ws1" / "reference" / "step2" / "config")]
     assert main(["merge", str(ckpt), str(tmp_path / "out"), *config]) != 0
     line = capsys.readouterr().err.strip()
-    assert line == (f"error: {ckpt / 'global_step3'} is empty or incomplete (a run stopped while saving it?); "
-                    f"the newest complete step is global_step2: pass {step2} to merge it"), line
+    assert line == f"error: {incomplete_newest_step(ckpt / 'global_step3', step2)}", line
     assert not (tmp_path / "out").exists()
     (ckpt / "latest").write_text("global_step2")  # DeepSpeed's own pointer names the complete one
     with open_checkpoint(ckpt) as ck:
@@ -294,8 +293,7 @@ def test_a_missing_or_incomplete_newest_tag_is_named_not_replaced(tmp_path, caps
     shutil.copy(root / "checkpoint-2" / "config.json", root / "checkpoint-3")
     assert detect(root).chosen.name == "deepspeed"
     with pytest.raises(IncompleteStepError, match=re.escape(
-            f"{root / 'checkpoint-3'} is empty or incomplete (a run stopped while saving it?); the newest complete "
-            f"step is checkpoint-2: pass {root / 'checkpoint-2'} to merge it")):
+            incomplete_newest_step(root / "checkpoint-3", root / "checkpoint-2"))):
         open_checkpoint(root)
     with open_checkpoint(root / "checkpoint-2") as ck:
         assert ck.info.details["tag"] == "global_step2"
