@@ -362,6 +362,16 @@ def test_device_map_with_disk_offload(qwen2_fp32_ws2, tmp_path):
     assert torch.equal(_logits(model, ref["input_ids"]), ref["logits"])
 
 
+def test_meta_in_the_device_map_is_refused_in_words(qwen2_fp32_ws2):
+    """Before: "model.layers.1.self_attn.q_proj.weight, ... were not filled by the checkpoint nor by the
+    model's initialisation". from_pretrained refuses the device too ("Unsupported device type 'meta'")."""
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "meta",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    with pytest.raises(MappingError, match=r"device_map sends model\.layers\.1 to 'meta', which holds no weights; "
+                                           r"use 'disk' \(with offload_folder=\) to keep them out of memory, or 'cpu'"):
+        AutoModelForCausalLM.from_sharded_pretrained(qwen2_fp32_ws2.actor, dtype="float32", device_map=device_map)
+
+
 @pytest.mark.parametrize("placement", ["all_disk", "auto"])
 def test_tied_embeddings_offloaded_to_disk(llama_tied_bf16_ws4, tmp_path, placement):
     """The tied lm_head offloaded with its embedding: accelerate's hook finds it on disk (as
