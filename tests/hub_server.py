@@ -16,6 +16,9 @@ GET      /api/models/{ns}/{name}[/revision/{rev}]        ``repo_info``/``model_i
                                                          ``create_commit`` when nothing changed)
 POST     /api/models/{ns}/{name}/branch/{branch}         ``create_branch``
 POST     /api/models/{ns}/{name}/paths-info/{rev}        ``get_paths_info`` (copies; not on our path)
+GET      /api/models/{ns}/{name}/tree/{rev}[/{path}]     ``list_repo_tree``/``list_repo_files`` (the
+                                                         ``delete_patterns`` of ``upload_folder``);
+                                                         ``?recursive=true`` lists subfolders too
 GET      /api/whoami-v2                                  ``whoami``
 GET      /api/agent-harnesses                            user-agent building, unless telemetry is
                                                          disabled (cached a day in ``HF_HOME``)
@@ -57,6 +60,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^/api/models/{_REPO}/commit/(?P<rev>[^/]+)$"), "commit"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$"), "create_branch"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/paths-info/(?P<rev>[^/]+)$"), "paths_info"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.+))?$"), "tree"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/revision/(?P<rev>[^/]+)$"), "repo_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}$"), "repo_info"),
 ]
@@ -242,7 +246,7 @@ class HubStandIn:
         for route_method, pattern, name in _ROUTES:
             match = pattern.match(path)
             if route_method == method and match:
-                groups = {k: unquote(v) for k, v in match.groupdict().items()}
+                groups = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
                 try:
                     return getattr(self, f"_do_{name}")(body=body, query=query, auth=auth, **groups)
                 except _Reply as reply:
@@ -357,6 +361,29 @@ class HubStandIn:
                 {"type": "file", "path": p, "size": len(files[p]), "oid": git_blob_sha1(files[p])}
                 for p in wanted if p in files
             ])
+
+    def _do_tree(self, *, repo: str, rev: str, query: dict, auth: str | None, path: str | None = None,
+                 **_: object) -> _Reply:
+        """One page (no ``Link`` header): the Hub's entries, folders first as it sends them."""
+        recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
+        prefix = f"{path.strip('/')}/" if path else ""
+        with self._lock:
+            files = self._branch(self._repo(repo, auth), rev)
+            if path and not any(name.startswith(prefix) for name in files):
+                raise _Reply(404, {"error": f"Entry not found: {path}"}, {"X-Error-Code": "EntryNotFound"})
+            folders, entries = set(), []
+            for name in sorted(files):
+                if not name.startswith(prefix):
+                    continue
+                parts = name[len(prefix):].split("/")
+                for depth in range(1, len(parts) if recursive else min(2, len(parts))):
+                    folders.add(prefix + "/".join(parts[:depth]))
+                if recursive or len(parts) == 1:
+                    entries.append({"type": "file", "oid": git_blob_sha1(files[name]), "size": len(files[name]),
+                                    "path": name})
+            tree = [{"type": "directory", "oid": hashlib.sha1(f.encode()).hexdigest(), "size": 0, "path": f}
+                    for f in sorted(folders)]
+            return _Reply(200, tree + entries)
 
     def _do_commit(self, *, repo: str, rev: str, body: bytes, query: dict, auth: str | None, **_: object) -> _Reply:
         self._require_auth(auth)

@@ -209,6 +209,23 @@ def test_cli_failed_upload_gives_one_line_error_and_rerun_completes(hub, model_d
     assert set(hub.auth_headers) == {f"Bearer {TOKEN}"}
 
 
+def test_cli_push_of_a_resharded_model_deletes_the_old_weights(hub, model_dir, tmp_path):
+    # The default (pipelined) upload: the deletions ride its first commit.
+    from transformers import LlamaForCausalLM
+
+    assert run_cli(hub, tmp_path, str(model_dir), "tester/tiny", disable_xet=False, HF_TOKEN=TOKEN).returncode == 0
+    resharded = tmp_path / "resharded"  # no hf_merge.json: pushed without a card
+    LlamaForCausalLM.from_pretrained(model_dir).save_pretrained(resharded, max_shard_size="20KB")
+    assert len([p for p in resharded.iterdir() if p.suffix == ".safetensors"]) > 1
+    proc = run_cli(hub, tmp_path, str(resharded), "tester/tiny", disable_xet=False, HF_TOKEN=TOKEN)
+    assert proc.returncode == 0, proc.stderr
+    repo = hub.repos["tester/tiny"]
+    assert repo.files == {**folder_files(resharded), "README.md": (model_dir / "README.md").read_bytes()}
+    assert len(hub.commits) == 2 and sorted(hub.commits[1].deleted) == ["hf_merge.json", "model.safetensors"]
+    assert "tester/tiny: deleted 2 file(s) of an earlier upload" in proc.stderr
+    assert hub.unexpected == []
+
+
 # ---------------------------------------------------------------------------------------------
 # the library, in process
 # ---------------------------------------------------------------------------------------------

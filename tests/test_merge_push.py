@@ -6,6 +6,10 @@ boundary is not what is tested; `test_hub.py` runs `hf-merge push` as a subproce
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import pytest
 from helpers import run_cli
 from huggingface_hub import ModelCard
 from test_hub import TOKEN, hub, inproc  # noqa: F401 - the Hub stand-in fixtures
@@ -29,3 +33,52 @@ def test_merge_then_push_with_card(inproc, lora_ckpt, tmp_path):  # noqa: F811
     adapter_card = ModelCard(repo.files["lora_adapter/README.md"].decode())
     assert adapter_card.data.library_name == "peft"
     assert "pushed to" in proc.stderr
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_second_merge_push_replaces_the_first_ones_model(inproc, lora_ckpt, qwen2_fp32_ws2, tmp_path):  # noqa: F811
+    # The sweep's case: a merged model + lora_adapter/, then a sharded model of another architecture.
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = run_cli("merge", lora_ckpt.actor, first, "--push-to-hub", "tester/stale")
+    assert proc.returncode == 0, proc.stderr
+    repo = inproc.repos["tester/stale"]
+    user = {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n", "LICENSE": b"MIT\n",
+            "images/loss.png": b"\x89PNG\r\n", "runs/step-1/model.safetensors": b"the user's own copy"}
+    repo.files.update(user)  # added on the Hub by the user between the pushes
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, second, "--max-shard-size", "100KB", "--push-to-hub", "tester/stale")
+    assert proc.returncode == 0, proc.stderr
+    local = _files(second)
+    assert {"model-00001-of-00002.safetensors", "model.safetensors.index.json"} <= set(local)
+    assert repo.files == {**local, **user}  # no model.safetensors, no lora_adapter/ of the first merge
+    stale = ["lora_adapter/README.md", "lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors",
+             "model.safetensors"]
+    assert len(inproc.commits) == 2 and sorted(inproc.commits[1].deleted) == stale  # in the upload's commit
+    assert "tester/stale: deleted 4 file(s) of an earlier upload" in proc.stderr
+    assert inproc.unexpected == []
+
+
+@pytest.fixture(scope="module")
+def lora_merged(lora_ckpt, tmp_path_factory):  # noqa: F811
+    """A merged model with its lora_adapter/ (checksums sha256, as a push wants)."""
+    target = tmp_path_factory.mktemp("lora_merged") / "merged"
+    proc = run_cli("merge", lora_ckpt.actor, target, "--checksum", "sha256")
+    assert proc.returncode == 0, proc.stderr
+    return target
+
+
+def test_adapter_push_onto_a_full_model_repo_replaces_the_model(inproc, lora_merged, tmp_path):  # noqa: F811
+    folder = Path(shutil.copytree(lora_merged, tmp_path / "merged"))
+    assert run_cli("push", folder, "tester/full-model").returncode == 0
+    repo = inproc.repos["tester/full-model"]
+    proc = run_cli("push", folder / "lora_adapter", "tester/full-model")
+    assert proc.returncode == 0, proc.stderr
+    adapter = _files(folder / "lora_adapter")
+    kept = {name: _files(folder)[name] for name in ("tokenizer.json", "tokenizer_config.json")}  # an adapter has none
+    assert repo.files == {**adapter, **kept}
+    assert sorted(inproc.commits[-1].deleted) == [
+        "config.json", "generation_config.json", "hf_merge.json", "lora_adapter/README.md",
+        "lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors", "model.safetensors"]
+

@@ -18,8 +18,11 @@ HELP = "upload a merged model or adapter folder to the Hugging Face Hub"
 DESCRIPTION = """\
 Upload TARGET (a folder written by `hf-merge merge`) to the Hub model repo REPO_ID, creating the
 repo when it does not exist. When TARGET has an hf_merge.json, its README.md (model card) is
-written or extended from it first. The token comes from HF_TOKEN or `hf auth login`; it is never
-printed. An interrupted push is resumed by running the same command again.
+written or extended from it first. The push replaces the model in the repo: the model/adapter
+files of an earlier upload that TARGET does not have (old weights, shard indexes, configs,
+lora_adapter/) are deleted in the same commit; README.md, .gitattributes and other files are kept.
+The token comes from HF_TOKEN or `hf auth login`; it is never printed. An interrupted push is
+resumed by running the same command again.
 """
 
 

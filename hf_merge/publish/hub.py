@@ -4,6 +4,11 @@
 extends) ``README.md`` from the provenance record ``hf_merge.json`` (see :mod:`hf_merge.publish.card`),
 then calls ``HfApi.create_repo(..., exist_ok=True)`` and ``HfApi.upload_folder``.
 
+A push replaces the model in the repo: the same commit deletes the model/adapter payload of an
+earlier upload that this folder does not have (see :func:`stale_files`: old weights, shard
+indexes, configs, ``lora_adapter/``...), so ``from_pretrained`` of the repo never meets the old
+weights. README.md, ``.gitattributes`` and the user's other files are kept.
+
 Why ``upload_folder`` (and not ``upload_large_folder``):
 
 - In huggingface_hub 2.x with ``hf_xet`` installed (the default), ``upload_folder`` *is* the
@@ -48,6 +53,20 @@ _MODEL_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _LOGIN_HINT = "run `hf auth login` or set HF_TOKEN"
 
+# What an earlier upload of a model or adapter left at the repo's root and a push replaces.
+_PAYLOAD_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".index.json")
+_PAYLOAD_NAMES = frozenset({"config.json", "generation_config.json", "adapter_config.json", PROVENANCE_FILE})
+_PAYLOAD_FOLDERS = ("lora_adapter/",)
+# Tokenizer / processor files are replaced only by an upload that carries some: they are also
+# added by hand (``tokenizer.push_to_hub``) to repos whose merges have none.
+_TOKENIZER_NAMES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json",
+})
+_TOKENIZER_FOLDERS = ("additional_chat_templates/",)
+
 
 # ---------------------------------------------------------------------------------------------
 # public API
@@ -75,6 +94,9 @@ def push(
         commit_message: commit title; a default naming hf-merge is used when None.
         create_pr: open a pull request against the default branch instead of committing to it.
         token: a Hub token; None lets huggingface_hub resolve ``HF_TOKEN`` / ``hf auth login``.
+
+    The commit also deletes the model/adapter files of an earlier upload that ``folder`` does not
+    have (:func:`stale_files`), so the repo holds this model only; one log line counts them.
 
     Returns:
         The URL of the repo (of the branch when ``revision`` is given, of the pull request when
@@ -108,6 +130,8 @@ def push(
             _refuse_public(api, full_id)
         if revision not in (None, "main") and not create_pr:
             _ensure_branch(api, full_id, revision)
+        remote = api.list_repo_files(full_id, repo_type="model", revision=None if create_pr else revision)
+        stale = stale_files(folder, remote)
 
     if info is not None:
         write_card(folder, info, kind=kind, repo_id=full_id)
@@ -122,8 +146,12 @@ def push(
             commit_message=message,
             create_pr=create_pr,
             ignore_patterns=[f"{TMP_PREFIX}*"],
+            delete_patterns=[_glob_escape(name) for name in stale] or None,
         )
     logger.info("pushed %s to %s (%s)", folder, full_id, getattr(commit, "commit_url", commit))
+    if stale:
+        logger.info("%s: deleted %d file(s) of an earlier upload that %s does not have (%s)",
+                    full_id, len(stale), folder, _names(stale))
 
     pr_url = getattr(commit, "pr_url", None)
     if pr_url:
@@ -182,6 +210,34 @@ def check_folder(folder: Path) -> str:
                 f"({_names(missing)}); re-run the merge"
             )
     return kind
+
+
+def stale_files(folder: Path, remote: list[str]) -> list[str]:
+    """The files of ``remote`` (a repo's file list) that pushing ``folder`` deletes.
+
+    Those are the model/adapter payload of an earlier upload that ``folder`` does not have: at the
+    root, weights (``*.safetensors``, ``*.bin``, ``*.gguf``, ``*.pt``/``*.pth``, TF/Flax weights),
+    shard indexes, ``config.json``, ``generation_config.json``, ``adapter_config.json``,
+    ``hf_merge.json``; everything under ``lora_adapter/``; the tokenizer/processor files when
+    ``folder`` has a tokenizer or processor of its own. Never README.md, ``.gitattributes``,
+    subfolders other than those, or any other file (LICENSE, images, code).
+    """
+    local = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    tokenizer = any(name in _TOKENIZER_NAMES or name.startswith(_TOKENIZER_FOLDERS) for name in local)
+
+    def payload(name: str) -> bool:
+        if name.startswith(_PAYLOAD_FOLDERS) or (tokenizer and name.startswith(_TOKENIZER_FOLDERS)):
+            return True
+        if "/" in name:
+            return False
+        return name.endswith(_PAYLOAD_SUFFIXES) or name in _PAYLOAD_NAMES or (tokenizer and name in _TOKENIZER_NAMES)
+
+    return sorted(name for name in remote if name not in local and "\\" not in name and payload(name))
+
+
+def _glob_escape(name: str) -> str:
+    """``name`` as a ``delete_patterns`` entry (fnmatch) that matches that file alone."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def _check_card(folder: Path, info: dict[str, Any], *, kind: str, repo_id: str) -> None:
