@@ -82,3 +82,15 @@ def test_adapter_push_onto_a_full_model_repo_replaces_the_model(inproc, lora_mer
         "config.json", "generation_config.json", "hf_merge.json", "lora_adapter/README.md",
         "lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors", "model.safetensors"]
 
+
+def test_no_private_push_onto_a_private_repo_is_refused(inproc, lora_merged, tmp_path):  # noqa: F811
+    folder = Path(shutil.copytree(lora_merged, tmp_path / "merged"))
+    inproc.add_repo("tester/lora-model", private=True)
+    proc = run_cli("push", folder, "tester/lora-model", "--no-private")
+    assert proc.returncode != 0
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "tester/lora-model already exists and is private, but a public push (--no-private) was asked" in error
+    assert "nothing was uploaded" in error and "hf repos settings tester/lora-model --public" in error
+    assert inproc.repos["tester/lora-model"].private is True and inproc.commits == []
+    assert run_cli("push", folder, "tester/lora-model").returncode == 0  # without the flag: pushed, still private
+    assert inproc.repos["tester/lora-model"].private is True and len(inproc.commits) == 1

@@ -79,7 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     hub = p.add_argument_group("Hugging Face Hub")
     hub.add_argument("--push-to-hub", "--hf_upload_path", "--hf-upload-path", dest="push_to_hub", metavar="REPO_ID",
                      help="upload the finished folder to this model repo (token from HF_TOKEN or `hf auth login`)")
-    hub.add_argument("--private", action=argparse.BooleanOptionalAction, default=None, help="create the repo private / public")
+    hub.add_argument("--private", action=argparse.BooleanOptionalAction, default=None, help="create the repo private / public (an existing repo of the other visibility is refused)")
     p.add_argument("--verify", action="store_true", help="re-read the output and compare it with the source before finishing")
     p.add_argument("--checksum", dest="checksums", choices=["crc32", "sha256", "none"], default=True,
                    help="checksum of each output file recorded in hf_merge.json for `hf-merge verify` (default: crc32; "

@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action=argparse.BooleanOptionalAction,
         default=None,
         help="create the repo private (--private) or public (--no-private); default: the Hub's "
-        "default. --private on an existing public repo is refused",
+        "default. An existing repo's visibility is never changed: a push asking for the other one is refused",
     )
     parser.add_argument("--revision", default=None, help="branch to push to (created when missing)")
     parser.add_argument("--commit-message", default=None, help="commit title")

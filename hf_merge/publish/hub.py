@@ -88,8 +88,8 @@ def push(
             ``adapter_config.json`` + adapter weights).
         repo_id: ``namespace/name`` (``name`` alone means your own namespace).
         private: create the repo private (True) or public (False); None leaves the Hub default.
-            An existing repo keeps its visibility, except that ``private=True`` on an existing
-            *public* repo is refused before anything is uploaded.
+            An existing repo keeps its visibility: ``private=True`` on an existing public repo,
+            or ``private=False`` on an existing private one, is refused before anything is uploaded.
         revision: branch to push to; created from the default branch when missing.
         commit_message: commit title; a default naming hf-merge is used when None.
         create_pr: open a pull request against the default branch instead of committing to it.
@@ -126,8 +126,8 @@ def push(
     with _hub_errors(repo_id, revision, api.endpoint):
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         full_id = repo_url.repo_id or repo_id
-        if private:
-            _refuse_public(api, full_id)
+        if private is not None:
+            _check_visibility(api, full_id, private)
         if revision not in (None, "main") and not create_pr:
             _ensure_branch(api, full_id, revision)
         remote = api.list_repo_files(full_id, repo_type="model", revision=None if create_pr else revision)
@@ -367,13 +367,23 @@ def _default_message(kind: str, info: dict[str, Any] | None) -> str:
     return f"Upload {'LoRA adapter' if kind == 'adapter' else 'model'}{origin} merged with hf-merge"
 
 
-def _refuse_public(api: Any, repo_id: str) -> None:
-    """``private=True`` on a repo that already exists and is public must not publish anything."""
+def _check_visibility(api: Any, repo_id: str, private: bool) -> None:
+    """A push never changes an existing repo's visibility, and never uploads against the one asked.
+
+    ``private=True`` on a public repo must not publish anything; ``private=False`` on a private
+    repo is not applied either: making a repo public exposes all its files, branches and history,
+    a decision taken on the repo (``hf repos settings``), not as a side effect of an upload.
+    """
     repo = api.repo_info(repo_id, repo_type="model")
-    if getattr(repo, "private", None) is False:
+    if private and getattr(repo, "private", None) is False:
         raise HubError(
             f"{repo_id} already exists and is public, but a private push was asked; nothing was uploaded: "
             f"make it private first (`hf repos settings {repo_id} --private`) or push with --no-private"
+        )
+    if not private and getattr(repo, "private", None) is True:
+        raise HubError(
+            f"{repo_id} already exists and is private, but a public push (--no-private) was asked; nothing was "
+            f"uploaded: make it public first (`hf repos settings {repo_id} --public`) or push without --no-private"
         )
 
 
