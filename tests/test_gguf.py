@@ -205,6 +205,8 @@ def test_lora_fused_and_gguf_lora_file(lora_ckpt, gguf_dir):
     fused, adapter = target / "qwen2-base-f32.gguf", target / "qwen2-base-lora-f32.gguf"
     assert sorted(p.name for p in target.glob("*.gguf")) == sorted([fused.name, adapter.name])
     recorded = json.loads((target / "hf_merge.json").read_text())["files"]  # hashed as each file was written
+    card = (target / "README.md").read_text()  # the GGUF LoRA file, not a PEFT folder that is not there
+    assert f"written as a llama.cpp GGUF LoRA file `{adapter.name}`" in card and "lora_adapter/" not in card
     assert recorded == {p.name: f"crc32:{zlib.crc32(p.read_bytes()):08x}" for p in (fused, adapter)}
     ids, _ = reference_logits(lora_ckpt)
     assert torch.equal(gguf_logits(fused, ids), model_logits(lora_ckpt.reference, ids, dtype=torch.float32))

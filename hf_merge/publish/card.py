@@ -437,7 +437,7 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
             details.append("modules: " + ", ".join(f"`{m}`" for m in lora["target_modules"]))
         if lora.get("target_parameters"):
             details.append("parameters: " + ", ".join(f"`{m}`" for m in lora["target_parameters"]))
-        if lora.get("adapter_dtype") and lora.get("mode") == "both" and not adapter:
+        if lora.get("adapter_dtype") and lora.get("mode") == "both" and not adapter and not _gguf(info):
             details.append(f"adapter in `{lora.get('adapter_subfolder') or _ADAPTER_SUBFOLDER}/`, `{lora['adapter_dtype']}`")
         rows.append(("LoRA", f"{how} ({'; '.join(details)})"))
     quant = info.get("quantization")
