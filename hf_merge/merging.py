@@ -240,6 +240,11 @@ class HfFolder:
         """Refuse what can be refused before reading; the ``overwrite`` the target is staged with
         (verl scripts merge into actor/huggingface, which holds config and tokenizer only: filled in place)."""
         options.shard_bytes()
+        if options.quantize is not None and options.lora == "adapter":
+            from .errors import QuantizationError
+
+            raise QuantizationError("--quantize does not apply to --lora adapter: a PEFT adapter is written unquantized; "
+                                    "drop --quantize, or use --lora both to write a quantized fused model beside it")
         replace = options.overwrite or holds_side_files_only(target)
         check_target(target, overwrite=replace)
         return replace

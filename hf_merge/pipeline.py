@@ -70,7 +70,7 @@ class MergeResult:
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
     url: str | None = None  # the Hub URL when pushed
-    quantization: str | None = None  # nf4 / fp4 / int8 when the weights are bitsandbytes-quantized
+    quantization: str | None = None  # nf4 / fp4 / int8 (bitsandbytes), or the --gguf type (q8_0, ...)
     adapter: dict[str, Any] | None = None  # LoRA "both": the adapter folder's path, tensors, bytes, dtype
     rank: int = 0  # a distributed merge's rank (rank 0 finishes the folder and reports)
 

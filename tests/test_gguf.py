@@ -205,6 +205,8 @@ def test_lora_fused_and_gguf_lora_file(lora_ckpt, gguf_dir):
     fused, adapter = target / "qwen2-base-f32.gguf", target / "qwen2-base-lora-f32.gguf"
     assert sorted(p.name for p in target.glob("*.gguf")) == sorted([fused.name, adapter.name])
     recorded = json.loads((target / "hf_merge.json").read_text())["files"]  # hashed as each file was written
+    card = (target / "README.md").read_text()  # the GGUF LoRA file, not a PEFT folder that is not there
+    assert f"written as a llama.cpp GGUF LoRA file `{adapter.name}`" in card and "lora_adapter/" not in card
     assert recorded == {p.name: f"crc32:{zlib.crc32(p.read_bytes()):08x}" for p in (fused, adapter)}
     ids, _ = reference_logits(lora_ckpt)
     assert torch.equal(gguf_logits(fused, ids), model_logits(lora_ckpt.reference, ids, dtype=torch.float32))
@@ -551,3 +553,53 @@ def test_prefetched_keeps_order_and_raises_where_the_source_failed():
     early = prefetched(source(None))
     assert next(early) == 0
     early.close()  # joins the thread
+
+
+def _file_types(path: Path) -> dict[str, int]:
+    from collections import Counter
+
+    return dict(Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors))
+
+
+def _dtype_row(card_text: str) -> str:
+    return next(ln for ln in card_text.splitlines() if ln.startswith("| dtype |"))
+
+
+def test_card_and_json_say_what_the_gguf_file_holds(qwen2_fp32_ws2, tmp_path, capsys):
+    """The card said ``q8_0` weights (gguf), other tensors `q8_0``, but norms and biases are F32 in the
+    file; ``--json`` printed ``"quantization": null`` where hf_merge.json records {"method": "gguf", ...}."""
+    target = tmp_path / "q8"
+    assert main(["merge", str(qwen2_fp32_ws2.root), str(target), "--gguf", "q8_0", "--gguf-pre-tokenizer", "gpt-2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    record = json.loads((target / "hf_merge.json").read_text())
+    assert record["quantization"] == {"method": "gguf", "mode": "q8_0"}
+    assert out["quantization"] == record["quantization"]["mode"]
+    (path,) = target.glob("*.gguf")
+    types = _file_types(path)
+    assert set(types) == {"Q8_0", "F32"}
+    row = _dtype_row((target / "README.md").read_text())
+    assert row.startswith("| dtype | GGUF `q8_0`: ") and "other tensors" not in row, row
+    for type_name, n in types.items():
+        assert f"{n} tensors `{type_name}`" in row, row
+
+
+def test_card_of_a_gguf_lora_file_describes_an_adapter(lora_ckpt, tmp_path, capsys):
+    """``--lora adapter --gguf``: the card said "kept as a PEFT adapter", base_model_relation finetune
+    and "(fine-tuned)" for a llama.cpp LoRA GGUF (general.type adapter)."""
+    from huggingface_hub import ModelCard
+
+    target = tmp_path / "lora"
+    assert main(["merge", str(lora_ckpt.root), str(target), "--gguf", "q8_0", "--lora", "adapter"]) == 0
+    summary = capsys.readouterr().err.splitlines()[-1]  # the type, not "q8_0 (bitsandbytes)"
+    assert summary.startswith("wrote the LoRA adapter ") and summary.endswith(", GGUF q8_0)"), summary
+    (path,) = target.glob("*.gguf")
+    assert bytes(gguf.GGUFReader(path).fields["general.type"].parts[-1]).decode() == "adapter"
+    card = ModelCard((target / "README.md").read_text())
+    assert card.data.base_model_relation == "adapter" and card.data.library_name == "gguf"
+    assert "(LoRA adapter)" in card.text and "fine-tuned" not in card.text
+    assert "PEFT" not in card.text and f"written as a llama.cpp GGUF LoRA file `{path.name}`" in card.text
+    assert f"--lora {path.name}" in card.text
+    row = _dtype_row(card.text)
+    for type_name, n in _file_types(path).items():
+        assert f"{n} tensors `{type_name}`" in row, row

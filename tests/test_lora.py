@@ -105,3 +105,69 @@ def test_inspect_reports_adapter(lora_ckpt):
 
 def test_adapter_flag_on_plain_checkpoint_is_refused(qwen2_fp32_ws2, tmp_path):
     assert "no LoRA weights" in error_line(run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "o", "--lora", "adapter"))
+
+
+def _notes(proc) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("note: ")]
+
+
+def test_lora_options_that_change_nothing_say_so(lora_ckpt, qwen2_fp32_ws2, tmp_path):
+    """--base-model on a checkpoint holding its base weights, and --lora-alpha / --use-rslora on one
+    without LoRA weights, were taken without a word (the output as without them)."""
+    proc = run_cli("merge", lora_ckpt.actor, tmp_path / "bm", "--lora", "fuse", "--base-model", lora_ckpt.reference_base)
+    assert proc.returncode == 0, proc.stderr
+    assert any(n.startswith("note: --base-model changes nothing here: the checkpoint holds the base weights itself")
+               for n in _notes(proc)), proc.stderr
+    proc = run_cli("merge", qwen2_fp32_ws2.actor, tmp_path / "plain", "--lora-alpha", "8", "--use-rslora")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: --lora-alpha and --use-rslora change nothing here: the checkpoint has no LoRA weights" in proc.stderr
+    # a checkpoint without config.json takes the --base-model folder's: that is not "nothing"
+    bare = shutil.copytree(qwen2_fp32_ws2.actor, tmp_path / "bare", ignore=shutil.ignore_patterns("huggingface"))
+    proc = run_cli("merge", bare, tmp_path / "cfg", "--base-model", qwen2_fp32_ws2.reference)
+    assert proc.returncode == 0 and "config.json and tokenizer from the base model" in proc.stderr, proc.stderr
+    assert "changes nothing" not in proc.stderr, proc.stderr
+
+
+def test_quantize_with_adapter_only_output_is_refused(lora_ckpt, tmp_path):
+    """--lora adapter --quantize nf4 wrote a float32 adapter (hf_merge.json: quantization null): refused,
+    as --gguf with --quantize is, before anything is read."""
+    pytest.importorskip("bitsandbytes")
+    line = error_line(run_cli("merge", lora_ckpt.actor, tmp_path / "q", "--lora", "adapter", "--quantize", "nf4"))
+    assert "--quantize does not apply to --lora adapter" in line and "--lora both" in line
+    assert not (tmp_path / "q").exists()
+
+
+def test_lora_note_says_rslora_was_assumed_off(lora_rslora_ckpt, tmp_path):
+    """verl records no use_rslora: merged without --use-rslora, an rsLoRA run came out misscaled with no
+    hint; the LoRA note says rsLoRA was not recorded and is assumed off."""
+    proc = run_cli("merge", lora_rslora_ckpt.actor, tmp_path / "off", "--lora", "fuse")
+    assert proc.returncode == 0, proc.stderr
+    (note,) = [n for n in _notes(proc) if n.startswith("note: LoRA: r=")]
+    assert "rsLoRA not recorded, assumed off (pass --use-rslora if training used it)" in note
+    proc = run_cli("merge", lora_rslora_ckpt.actor, tmp_path / "on", "--lora", "fuse", "--use-rslora")
+    assert proc.returncode == 0, proc.stderr
+    (note,) = [n for n in _notes(proc) if n.startswith("note: LoRA: r=")]
+    assert "rsLoRA, " in note and "not recorded" not in note
+
+
+def test_lora_alpha_flag_says_it_overrides_the_recorded_alpha(lora_ckpt, tmp_path):
+    """--lora-alpha 32 against lora_train_meta.json's 8: the note said only "(from --lora-alpha)"."""
+    recorded = lora_ckpt.options["lora"]["lora_alpha"]
+    proc = run_cli("merge", lora_ckpt.actor, tmp_path / "a", "--lora", "fuse", "--lora-alpha", str(4 * recorded))
+    assert proc.returncode == 0, proc.stderr
+    assert f"(from --lora-alpha, overriding the recorded {recorded} in lora_train_meta.json)" in proc.stderr
+    proc = run_cli("merge", lora_ckpt.actor, tmp_path / "b", "--lora", "fuse", "--lora-alpha", str(recorded))
+    assert proc.returncode == 0 and "overriding" not in proc.stderr, proc.stderr
+
+
+def test_loading_lora_only_without_base_suggests_what_works(lora_only_ckpt):
+    """from_sharded_pretrained of a save_lora_only checkpoint without a base suggested lora="adapter",
+    which fails the same way: loading needs the base weights in every mode."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_merge.errors import LoraError
+
+    for lora in ({}, {"lora": "adapter"}):
+        with pytest.raises(LoraError) as e:
+            AutoModelForCausalLM.from_sharded_pretrained(lora_only_ckpt.actor, dtype="float32", **lora)
+        assert "base_model=DIR" in str(e.value) and "lora=" not in str(e.value), str(e.value)

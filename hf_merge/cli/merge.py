@@ -167,7 +167,9 @@ def summary_line(result) -> str:
     """``wrote TARGET (27 tensors, 1.23 GB, 1 file, dtype bfloat16)``, plus the adapter of a LoRA
     ``both`` merge, the quantization, and how to halve a float32 output."""
     files = f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}"
-    if result.quantization:
+    if (result.provenance.get("quantization") or {}).get("method") == "gguf":
+        dtype = f"GGUF {result.quantization}"
+    elif result.quantization:
         dtype = f"{result.quantization} (bitsandbytes), other tensors {result.dtype}"
     else:
         dtype = f"dtype {result.dtype}"

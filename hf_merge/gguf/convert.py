@@ -184,12 +184,15 @@ class GgufFile:
 
         provenance, ftype = self.provenance, self.ftype
         record: dict[str, Any] = {"type": ftype.name, "architecture": self.arch.name}
+        # read back from the files: a k-quant's types are llama.cpp's quantizer's choice, and F32 stays F32
+        counts = {name: written_types(tmp / name) for name in self.planned}
         if self.model_file is not None:
-            record.update(file=self.model_file, tensor_types=sorted({t.type_name for t in self.planned[self.model_file]}),
+            record.update(file=self.model_file, tensor_types=sorted(counts[self.model_file]),
                           tokenizer={"model": self.vocab.model, "pre": self.vocab.pre})
         if self.lora_file is not None:
             record["lora_file"] = self.lora_file
             record.setdefault("file", self.lora_file)
+        record["tensor_counts"] = counts
         provenance["dtype"] = ftype.name
         provenance["quantization"] = {"method": "gguf", "mode": ftype.name}  # the card's tags and row
         provenance["gguf"] = record
@@ -205,9 +208,18 @@ class GgufFile:
     def result(self, target: Path) -> MergeResult:
         files = list(self.planned)
         first = self.planned[self.model_file or self.lora_file]
-        return MergeResult(
-            target=target, files=files, dtype=self.ftype.name, num_tensors=len(first),
+        return MergeResult(  # quantization: the --gguf type, as hf_merge.json's {"method": "gguf", "mode": ...}
+            target=target, files=files, dtype=self.ftype.name, num_tensors=len(first), quantization=self.ftype.name,
             total_bytes=sum((target / f).stat().st_size for f in files),
             notes=self.ckpt.info.notes + self.views.notes + self.ckpt.info.warnings, provenance=self.provenance,
         )
 
+
+def written_types(path: Path) -> dict[str, int]:
+    """How many tensors of each GGML type the GGUF file ``path`` holds (``{"Q8_0": 16, "F32": 11}``)."""
+    from collections import Counter
+
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items(), key=lambda kv: (-kv[1], kv[0])))

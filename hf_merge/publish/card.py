@@ -320,7 +320,7 @@ def _slug(value: str) -> str:
 
 
 def _relation(info: dict[str, Any], adapter: bool) -> str:
-    if adapter:
+    if adapter or _gguf_adapter(info):
         return "adapter"
     if info.get("quantization") and _from_hf_folder(info.get("source") or {}):
         return "quantized"
@@ -426,6 +426,10 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
         rows.append(("dtype", dtype_text))
     if lora:
         how = _LORA_MODES.get(str(lora.get("mode")), str(lora.get("mode")))
+        if (gguf := _gguf(info)) and gguf.get("lora_file") and not adapter:
+            how = {"adapter": "written as a llama.cpp GGUF LoRA file",
+                   "both": "fused into the weights, and written as a llama.cpp GGUF LoRA file"}.get(str(lora.get("mode")), how)
+            how += f" `{gguf['lora_file']}`"
         details = [f"r={lora.get('r')}", f"lora_alpha={lora.get('lora_alpha')}"]
         if lora.get("use_rslora"):
             details.append("rsLoRA")
@@ -433,7 +437,7 @@ def _rows(info: dict[str, Any], adapter: bool) -> list[tuple[str, str]]:
             details.append("modules: " + ", ".join(f"`{m}`" for m in lora["target_modules"]))
         if lora.get("target_parameters"):
             details.append("parameters: " + ", ".join(f"`{m}`" for m in lora["target_parameters"]))
-        if lora.get("adapter_dtype") and lora.get("mode") == "both" and not adapter:
+        if lora.get("adapter_dtype") and lora.get("mode") == "both" and not adapter and not _gguf(info):
             details.append(f"adapter in `{lora.get('adapter_subfolder') or _ADAPTER_SUBFOLDER}/`, `{lora['adapter_dtype']}`")
         rows.append(("LoRA", f"{how} ({'; '.join(details)})"))
     quant = info.get("quantization")
@@ -462,6 +466,10 @@ def _dtype_text(info: dict[str, Any], adapter: bool) -> str | None:
         return None
     if dtype == "auto":
         return "as stored in the checkpoint"
+    gguf = _gguf(info)
+    counts = (gguf or {}).get("tensor_counts", {}).get((gguf or {}).get("file"))
+    if counts and not adapter:  # what the file holds: 1-D tensors (norms, biases) stay F32 whatever the type
+        return f"GGUF `{dtype}`: " + ", ".join(f"{n} tensor{'s' if n != 1 else ''} `{t}`" for t, n in counts.items())
     quant = info.get("quantization")
     if quant and not adapter:
         return f"`{quant.get('mode')}` weights ({quant.get('method')}), other tensors `{dtype}`"
@@ -474,8 +482,22 @@ def _gguf(info: dict[str, Any]) -> dict[str, Any] | None:
     return gguf if isinstance(gguf, dict) and gguf.get("file") else None
 
 
+def _gguf_adapter(info: dict[str, Any]) -> bool:
+    """The folder holds a llama.cpp GGUF LoRA file alone (``merge --lora adapter --gguf``)."""
+    gguf = _gguf(info)
+    return bool(gguf and gguf.get("lora_file") and gguf["lora_file"] == gguf["file"])
+
+
 def _gguf_snippet(gguf: dict[str, Any], repo_id: str | None) -> str:
     file = gguf["file"]
+    if gguf.get("lora_file") == file:  # an adapter: applied to the base model's GGUF file
+        return "\n".join([
+            f"# llama.cpp: llama-cli -m BASE_MODEL.gguf --lora {file} -p \"Hello\"",
+            "from llama_cpp import Llama  # pip install llama-cpp-python",
+            "",
+            f'llm = Llama(model_path="BASE_MODEL.gguf", lora_path="{file}")',
+            'print(llm("Hello", max_tokens=32)["choices"][0]["text"])',
+        ])
     if repo_id:
         return "\n".join([
             f"# llama.cpp: llama-cli -hf {repo_id} -p \"Hello\"   (or: llama-cli -m {file})",
@@ -543,6 +565,8 @@ def _summary(info: dict[str, Any], adapter: bool) -> str:
     origin = framework if same else " ".join(x for x in (framework, backend) if x)
     if _gguf(info) and not adapter:
         what = f"This GGUF file (`{_gguf(info)['file']}`, for llama.cpp) was"
+        if _gguf_adapter(info):
+            what = f"This LoRA adapter, a llama.cpp GGUF LoRA file (`{_gguf(info)['file']}`, for `--lora`), was"
     if _from_hf_folder(source):
         return f"{what} written from a Hugging Face model folder by hf-merge."
     origin_text = f"a {origin} training checkpoint" if origin else "a distributed training checkpoint"
@@ -578,7 +602,7 @@ def _title(info: dict[str, Any], repo_id: str | None, adapter: bool) -> str:
         return repo_id.split("/")[-1]
     base = _hub_model_id(info.get("base_model"))
     if base:
-        return f"{base.split('/')[-1]} ({'LoRA adapter' if adapter else 'fine-tuned'})"
+        return f"{base.split('/')[-1]} ({'LoRA adapter' if adapter or _gguf_adapter(info) else 'fine-tuned'})"
     return info.get("architecture") or ("LoRA adapter" if adapter else "Merged model")
 
 

@@ -136,6 +136,8 @@ class LoraSettings:
     task_type: str | None = None
     base_model_name_or_path: str | None = None
     fused_alphas: dict[str, float] = field(default_factory=dict)  # the alpha_pattern entries derived, not recorded
+    overridden_alpha: tuple[float, str] | None = None  # (recorded alpha, where) that --lora-alpha replaced
+    rslora_recorded: bool = True  # False: no file records use_rslora and none was given (assumed off)
 
     def scale(self, module: LoraModule) -> float:
         """PEFT's scaling for ``module``: alpha / r, or alpha / sqrt(r) with rsLoRA (r from its shapes)."""
@@ -302,8 +304,14 @@ def resolve_settings(
         if source and "r" in source and int(source["r"]) != r and int(source["r"]) in ranks:
             r = int(source["r"])
     rank_pattern = {m.pattern_key: m.r for m in layout.modules.values() if m.r != r}
+    recorded = [(float(src["lora_alpha"]), name) for name, src in (("lora_train_meta.json", meta), (old_name, old))
+                if src and src.get("lora_alpha") is not None]
+    overridden = None
     if lora_alpha is not None:
         alpha, alpha_source = float(lora_alpha), "--lora-alpha"
+        if recorded and recorded[0][0] != alpha:
+            value = recorded[0][0]
+            overridden = (int(value) if value == int(value) else value, recorded[0][1])
     elif meta and meta.get("lora_alpha") is not None:
         alpha, alpha_source = float(meta["lora_alpha"]), "lora_train_meta.json"
     elif old and old.get("lora_alpha") is not None:
@@ -315,6 +323,7 @@ def resolve_settings(
         )
     if alpha == int(alpha):
         alpha = int(alpha)
+    rslora_recorded = use_rslora is not None or "use_rslora" in (meta or {}) or "use_rslora" in (old or {})
     if use_rslora is None:
         use_rslora = bool((meta or {}).get("use_rslora", (old or {}).get("use_rslora", False)))
     alpha_pattern = dict((old or {}).get("alpha_pattern") or {})
@@ -333,6 +342,8 @@ def resolve_settings(
         task_type=task_type,
         base_model_name_or_path=base_model_name or config.get("_name_or_path") or (old or {}).get("base_model_name_or_path"),
         fused_alphas=fused_alphas,
+        overridden_alpha=overridden,
+        rslora_recorded=rslora_recorded,
     )
 
 

@@ -89,9 +89,15 @@ def build_views(
             "modules_to_save": layout.modules_to_save, "rank_pattern": settings.rank_pattern,
             "modules": len(layout.modules), "lora_only": layout.lora_only,
         }
+        alpha_from = settings.alpha_source
+        if settings.overridden_alpha is not None:
+            alpha_from += f", overriding the recorded {settings.overridden_alpha[0]} in {settings.overridden_alpha[1]}"
+        rslora = "rsLoRA, " if settings.use_rslora else ""
+        if not settings.rslora_recorded:  # verl does not record it: a wrong guess misscales every update
+            rslora = "rsLoRA not recorded, assumed off (pass --use-rslora if training used it), "
         notes.append(
-            f"LoRA: r={settings.r}, lora_alpha={settings.lora_alpha} (from {settings.alpha_source}), "
-            f"{'rsLoRA, ' if settings.use_rslora else ''}targets {', '.join(layout.target_modules + layout.target_parameters)}"
+            f"LoRA: r={settings.r}, lora_alpha={settings.lora_alpha} (from {alpha_from}), "
+            f"{rslora}targets {', '.join(layout.target_modules + layout.target_parameters)}"
         )
         if settings.fused_alphas:
             ranks = sorted({settings.rank_pattern[k] for k in settings.fused_alphas})
@@ -103,9 +109,11 @@ def build_views(
         if layout.lora_only:
             if base_model is None:
                 if lora != "adapter":
-                    raise LoraError(
+                    raise LoraError(  # hub=False: a load, which needs the base weights whatever the mode
                         "this checkpoint holds only LoRA weights (save_lora_only); pass --base-model DIR with the "
                         "base model's Hugging Face folder to fuse them, or --lora adapter to write the adapter alone"
+                        if hub else "this checkpoint holds only LoRA weights (save_lora_only); pass --base-model DIR "
+                        "with the base model's Hugging Face folder: a model cannot be loaded without its base weights"
                     )
                 base = None
             else:
@@ -115,6 +123,9 @@ def build_views(
                 notes.append(f"base weights from {base_model}")
         else:
             base = Renamed(ckpt, layout.base)
+            if base_model is not None and not _config_from(ckpt, base_model):
+                notes.append("--base-model changes nothing here: the checkpoint holds the base weights itself "
+                             "(only a save_lora_only checkpoint takes them from --base-model)")
         if lora in ("adapter", "both"):
             adapter_dtype = None if dtype in (None, "config") else out_dtype
             views.adapter = Cast(LoraAdapter(ckpt, layout), adapter_dtype)
@@ -126,6 +137,13 @@ def build_views(
             model = None
     elif lora == "adapter":
         raise LoraError("--lora adapter was asked for, but the checkpoint has no LoRA weights (no lora_A/lora_B tensors)")
+    else:
+        given = [flag for flag, value in (("--lora-alpha", lora_alpha), ("--use-rslora", use_rslora),
+                                          ("--base-model", base_model)) if value is not None
+                 and not (flag == "--base-model" and _config_from(ckpt, base_model))]
+        if given:
+            notes.append(f"{' and '.join(given)} change{'s' if len(given) == 1 else ''} nothing here: the checkpoint "
+                         "has no LoRA weights (no lora_A/lora_B tensors)")
     if model is not None:
         model, dropped = drop_tied(model, tied_pairs(config, model.specs()))
         if dropped:
@@ -150,6 +168,11 @@ def build_views(
             check_legacy_experts(model.specs(), config)
         views.model = Cast(model, out_dtype, fp32)
     return views
+
+
+def _config_from(ckpt: LazyCheckpoint, base_model: "str | Path") -> bool:
+    """The checkpoint had no config.json and took the --base-model folder's (open_checkpoint)."""
+    return ckpt.info.hf_dir is not None and Path(ckpt.info.hf_dir) == Path(base_model)
 
 
 def model_view(
