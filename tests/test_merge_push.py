@@ -1,11 +1,14 @@
 """`hf-merge merge ... --hf_upload_path REPO --private` (verl's spelling) against the Hub stand-in.
 
 In this process (the ``inproc`` fixture points huggingface_hub at the stand-in): the process
-boundary is not what is tested; `test_hub.py` runs `hf-merge push` as a subprocess.
+boundary is not what is tested; `test_hub.py` runs `hf-merge push` as a subprocess. A merge
+without push runs in a fresh interpreter (what it imports first is what is tested) and must send
+the stand-in nothing.
 """
 
 from __future__ import annotations
 
+import pytest
 from helpers import run_cli
 from huggingface_hub import ModelCard
 from test_hub import TOKEN, hub, inproc  # noqa: F401 - the Hub stand-in fixtures
@@ -29,3 +32,13 @@ def test_merge_then_push_with_card(inproc, lora_ckpt, tmp_path):  # noqa: F811
     adapter_card = ModelCard(repo.files["lora_adapter/README.md"].decode())
     assert adapter_card.data.library_name == "peft"
     assert "pushed to" in proc.stderr
+
+
+@pytest.mark.parametrize("fixture, extra", [("lora_ckpt", []), ("qwen2_fp32_ws2", ["--quantize", "nf4"])])
+def test_merge_without_push_sends_no_request(hub, checkpoint, tmp_path, fixture, extra):  # noqa: F811
+    """bitsandbytes (imported by peft for the adapter config, or for --quantize) asked the Hub
+    (GET /api/organizations/kernels-community/overview) for an optional CPU kernel at import."""
+    proc = run_cli("merge", checkpoint(fixture).actor, tmp_path / "out", *extra, env=hub.env(str(tmp_path / "home")))
+    assert proc.returncode == 0, proc.stderr
+    assert hub.requests == []
+    assert "kernels-community" not in proc.stderr
