@@ -48,6 +48,9 @@ class PlainProgress:
     def __exit__(self, *exc) -> None:
         return None
 
+    def close(self) -> None:
+        return None
+
     def __iter__(self):
         for item in self.iterable:
             yield item

@@ -10,6 +10,7 @@ in float32 with ``atol``/``rtol`` and every difference is reported, not only the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -569,11 +570,19 @@ def _check_logits(target: Path, reference: Path | None, atol: float) -> list[tup
     """The logits checks, as ``(name, ok, detail)``."""
     from transformers import AutoModelForCausalLM
 
-    from ._quiet import quiet_bitsandbytes
+    from ._quiet import no_hub_kernels, quiet_bitsandbytes
 
     quiet_bitsandbytes()
 
     def run(folder: Path) -> torch.Tensor:
+        try:
+            quantized = "quantization_config" in json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            quantized = False  # from_pretrained says what is wrong
+        if quantized:
+            # import bitsandbytes before transformers does, without its Hub kernel request
+            with contextlib.suppress(ImportError), no_hub_kernels():
+                import bitsandbytes  # noqa: F401
         model = AutoModelForCausalLM.from_pretrained(folder, **dtype_kwargs(torch.float32)).eval()
         vocab = model.config.get_text_config().vocab_size
         ids = (torch.arange(16).reshape(2, 8) * 7919) % vocab

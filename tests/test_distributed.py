@@ -280,6 +280,21 @@ def test_two_nodes_c10d_rendezvous(qwen2_fp32_ws2, fsdp_single, tmp_path):
 
 
 @pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
+def test_every_rank_writing_shows_no_bar_without_a_terminal(qwen2_fp32_ws2, fsdp_single, tmp_path):
+    """`torchrun --nproc-per-node 2 -m hf_merge merge ... --dist-writers rank 2>log`: progress bars
+    left on (no HF_HUB_DISABLE_PROGRESS_BARS), the output a pipe. Rank 0's bar follows the same
+    terminal check as a one-process merge: no tqdm lines (``\\rMerging: 0%|...``) in the log."""
+    target = tmp_path / "merged"
+    env = {k: v for k, v in _env().items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    proc = _run(_torchrun("--nproc-per-node", "2", "-m", "hf_merge", "merge", str(qwen2_fp32_ws2.actor), str(target),
+                          "--max-shard-size", SHARD, "--dist-writers", "rank"), timeout=600, env=env)
+    assert proc.returncode == 0, proc.output
+    assert "every rank writes a share of the files" in proc.output, proc.output
+    assert "Merging" not in proc.output and "%|" not in proc.output, proc.output  # (text mode reads \r as \n)
+    assert_same_folder(target, fsdp_single)
+
+
+@pytest.mark.slow  # a torchrun job: a launcher and 2-4 ranks, each importing torch
 def test_three_ranks_fsdp_megatron_quantized(qwen2_fp32_ws2, fsdp_single, megatron_root, tmp_path):
     """One torchrun --nproc-per-node 3 job: FSDP, Megatron and nf4 merges, then a rank without the source."""
     pytest.importorskip("bitsandbytes")

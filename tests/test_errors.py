@@ -236,3 +236,25 @@ def test_stale_temporary_from_dead_process_is_removed(qwen2_fp32_ws2, tmp_path):
     proc = run_cli("merge", qwen2_fp32_ws2.actor, target)
     assert proc.returncode == 0, proc.stderr
     assert not stale.exists()
+
+
+def test_json_failure_is_one_object_on_stdout(qwen2_fp32_ws2, lora_only_ckpt, tmp_path):
+    """With --json a failing merge / inspect prints one JSON object on stdout (a script reading it
+    learns of the failure); stderr keeps the one `error:` line."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    cases = [
+        (("merge", qwen2_fp32_ws2.actor, taken, "--json"), "TargetExistsError", "exists and is not empty"),
+        (("merge", tmp_path / "nope", tmp_path / "out", "--json"), "SourceNotFoundError", "does not exist"),
+        (("merge", lora_only_ckpt.actor, tmp_path / "out", "--json"), "LoraError", "holds only LoRA weights"),
+        (("inspect", tmp_path / "nope", "--json"), "SourceNotFoundError", "does not exist"),
+    ]
+    for argv, kind, says in cases:
+        proc = run_cli(*argv)
+        line = error_line(proc)
+        assert json.loads(proc.stdout) == {"error": line.removeprefix("error: "), "type": kind, "exit_code": proc.returncode}
+        assert proc.returncode == 2 and says in line, argv
+    assert not (tmp_path / "out").exists() and (taken / "keep.txt").read_text() == "mine"
+    proc = run_cli("merge", tmp_path / "nope", tmp_path / "out")  # without --json: nothing on stdout
+    assert proc.stdout == "" and error_line(proc)

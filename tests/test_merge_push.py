@@ -1,7 +1,9 @@
 """`hf-merge merge ... --hf_upload_path REPO --private` (verl's spelling) against the Hub stand-in.
 
 In this process (the ``inproc`` fixture points huggingface_hub at the stand-in): the process
-boundary is not what is tested; `test_hub.py` runs `hf-merge push` as a subprocess.
+boundary is not what is tested; `test_hub.py` runs `hf-merge push` as a subprocess. A merge
+without push runs in a fresh interpreter (what it imports first is what is tested) and must send
+the stand-in nothing.
 """
 
 from __future__ import annotations
@@ -94,3 +96,13 @@ def test_no_private_push_onto_a_private_repo_is_refused(inproc, lora_merged, tmp
     assert inproc.repos["tester/lora-model"].private is True and inproc.commits == []
     assert run_cli("push", folder, "tester/lora-model").returncode == 0  # without the flag: pushed, still private
     assert inproc.repos["tester/lora-model"].private is True and len(inproc.commits) == 1
+
+
+@pytest.mark.parametrize("fixture, extra", [("lora_ckpt", []), ("qwen2_fp32_ws2", ["--quantize", "nf4"])])
+def test_merge_without_push_sends_no_request(hub, checkpoint, tmp_path, fixture, extra):  # noqa: F811
+    """bitsandbytes (imported by peft for the adapter config, or for --quantize) asked the Hub
+    (GET /api/organizations/kernels-community/overview) for an optional CPU kernel at import."""
+    proc = run_cli("merge", checkpoint(fixture).actor, tmp_path / "out", *extra, env=hub.env(str(tmp_path / "home")))
+    assert proc.returncode == 0, proc.stderr
+    assert hub.requests == []
+    assert "kernels-community" not in proc.stderr

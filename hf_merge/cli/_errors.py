@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
+import os
 import sys
 import traceback
 import zipfile
@@ -44,13 +47,20 @@ CLI_ERROR_MAPPINGS = [
 ]
 
 
-def report(e: BaseException) -> int:
-    """Print one line for ``e`` on stderr and return the exit code."""
+def report(e: BaseException, *, as_json: bool = False) -> int:
+    """Print one line for ``e`` on stderr and return the exit code. ``as_json`` (``--json``): also one
+    JSON object on stdout, ``{"error": line, "type": class name, "exit_code": code}`` (rank 0 only
+    under torchrun, as a result is), so that a script reading stdout learns of the failure."""
     if debug():
         traceback.print_exception(e, file=sys.stderr)
     for cls, message, code in CLI_ERROR_MAPPINGS:
         if isinstance(e, cls):
-            print(f"error: {one_line(message(e))}", file=sys.stderr)
-            return code if code is not None else getattr(e, "exit_code", 2)
-    print(one_line(f"error: unexpected {type(e).__name__}: {e} (set {DEBUG_VAR}=1 for the traceback, and please report it)"), file=sys.stderr)
-    return 1
+            line, code = one_line(message(e)), code if code is not None else getattr(e, "exit_code", 2)
+            break
+    else:
+        line, code = one_line(f"unexpected {type(e).__name__}: {e} (set {DEBUG_VAR}=1 for the traceback, and please report it)"), 1
+    print(f"error: {line}", file=sys.stderr)
+    if as_json and os.environ.get("RANK", "0") == "0":
+        with contextlib.suppress(OSError, ValueError):  # stdout closed: the stderr line stands
+            print(json.dumps({"error": line, "type": type(e).__name__, "exit_code": code}), flush=True)
+    return code

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from . import _errors
 
-        return _errors.report(e)
+        return _errors.report(e, as_json=bool(getattr(args, "json", False)))
     finally:
         if args.quiet and not bars_were_off:  # -q is for this command only (main() may run again in-process)
             from huggingface_hub.utils import enable_progress_bars

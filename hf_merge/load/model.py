@@ -402,8 +402,11 @@ def _split_adapter(
 
 def _attach_adapter(model: "PreTrainedModel", adapter: AdapterParts):
     """Wrap ``model`` in a ``PeftModel`` with the adapter's settings and fill the adapter tensors."""
-    from peft import PeftConfig, PeftModel
-    from peft.utils import set_peft_model_state_dict
+    from .._quiet import no_hub_kernels
+
+    with no_hub_kernels():  # peft imports bitsandbytes
+        from peft import PeftConfig, PeftModel
+        from peft.utils import set_peft_model_state_dict
 
     settings = dict(adapter.config)
     settings.setdefault("peft_type", "LORA")

@@ -362,7 +362,10 @@ def _fused_alphas(layout: LoraLayout, r: int, alpha: float) -> dict[str, float]:
 
 def adapter_config(layout: LoraLayout, settings: LoraSettings) -> dict[str, Any]:
     """adapter_config.json content, produced by PEFT's own LoraConfig."""
-    from peft import LoraConfig
+    from .._quiet import no_hub_kernels
+
+    with no_hub_kernels():  # peft imports bitsandbytes
+        from peft import LoraConfig
 
     cfg = LoraConfig(
         r=settings.r,

@@ -38,7 +38,6 @@ runs in chunks of
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from collections import OrderedDict
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .._quiet import no_hub_kernels
 from ..checkpoint import ROW_CHUNK_BYTES, LazyCheckpoint
 from ..errors import QuantizationError
 from ..spec import TensorSpec, dtype_name, parse_dtype
@@ -119,32 +119,10 @@ class QuantizeOptions:
 # --------------------------------------------------------------------------------------------
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _quiet_import():
-    # bitsandbytes 0.50 logs a WARNING at import on AVX512-BF16 CPUs when the optional `kernels`
-    # package is missing; it falls back to its own kernel, so the warning is noise here.
-    target = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    f = _DropMessage("kernels-community")
-    target.addFilter(f)
-    try:
-        yield
-    finally:
-        target.removeFilter(f)
-
-
 def require_bitsandbytes():
     """Import bitsandbytes or raise a one-line :class:`QuantizationError` saying what to install."""
     try:
-        with _quiet_import():
+        with no_hub_kernels():  # no Hub request for bitsandbytes' optional CPU kernel
             import bitsandbytes
             import bitsandbytes.functional  # noqa: F401
     except ImportError:

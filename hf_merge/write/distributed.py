@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .. import forks
 from ..errors import DistributedError, HfMergeError
-from ..progress import count
+from ..progress import count, progress_bar
 from ..settings import DIST_TIMEOUT_VAR as TIMEOUT_VAR
 from ..settings import DISTRIBUTED_VAR as SWITCH_VAR  # "1": share merges across the ranks of a running job; "0": never
 from ..settings import dist_timeout_s, distributed as distributed_from_environment
@@ -522,10 +522,8 @@ class _Progress:
         self._bar = self._thread = None
 
     def __enter__(self) -> "_Progress":
-        if self._show:
-            from huggingface_hub.utils import tqdm
-
-            self._bar = tqdm(total=self._total, unit="B", unit_scale=True, desc="Merging")
+        if self._show:  # a bar on a terminal only, plain lines elsewhere (as a one-process merge)
+            self._bar = progress_bar(total=self._total, desc="Merging")
             if self._store is not None:
                 self._thread = threading.Thread(target=self._poll, name="hf-merge progress", daemon=True)
                 self._thread.start()
