@@ -252,6 +252,12 @@ def test_a_generic_backend_still_reads_a_folder_the_specific_one_cannot(dcp_root
 
     step = shutil.copytree(dcp_root / "dcp_plain" / "ckpt", tmp_path / "run" / "step-5")
     assert formats.detect(step).chosen.name == "torchtitan"
+    # auto: the torchtitan reader's refusal names the other format that matched (before: it did not)
+    assert main(["merge", str(step), str(tmp_path / "auto")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: ") and "\n" not in line and line.endswith(
+        "(this folder also looks like dcp: pass --backend dcp if it is not a torchtitan checkpoint)"), line
+    assert not (tmp_path / "auto").exists()
     assert main(["merge", str(step), str(tmp_path / "o"), "--backend", "dcp"]) == 0, capsys.readouterr().err
     assert main(["merge", str(dcp_root / "dcp_plain" / "ckpt"), str(tmp_path / "plain")]) == 0
     assert_tensors_equal(folder_tensors(tmp_path / "o"), folder_tensors(tmp_path / "plain"))

@@ -382,7 +382,7 @@ def open_source(path: Path, name: str, config_dir: Path | None, options: dict[st
         try:
             ckpt = fmt.open(path, config_dir=config_dir, **{k: v for k, v in given.items() if k in fmt.options})
         except HfMergeError as e:
-            hinted = e if name == "auto" else _with_detected(e, path, fmt.name)
+            hinted = _with_others(e, detection) if name == "auto" else _with_detected(e, path, fmt.name)
             if hinted is e:
                 raise
             raise hinted from e
@@ -431,6 +431,19 @@ def _refuse_claimed(ckpt: "LazyCheckpoint", path: Path, asked: SourceFormat, con
             f"{path} is in the {other.name} format, not {asked.name}: pass --backend {other.name} or leave --backend out "
             f"({asked.name} would keep its {other.name} tensor names, which no Hugging Face model loads)"
         )
+
+
+def _with_others(error: "HfMergeError", detection: Detection) -> "HfMergeError":
+    """``error`` of the format detection chose, when the folder's names or layout are not that
+    format's and another format's probe matched too: the same error, naming the other format (a
+    plain DCP folder saved as ``step-N`` looks like a torchtitan step)."""
+    from ..errors import MappingError, UnsupportedCheckpointError
+
+    others = [m for m in detection.matched if m != detection.chosen.name]
+    if not others or type(error) not in (MappingError, UnsupportedCheckpointError):
+        return error
+    return type(error)(f"{error} (this folder also looks like {', '.join(others)}: pass --backend {others[0]} if it "
+                       f"is not a {detection.chosen.name} checkpoint)")
 
 
 def _with_detected(error: "HfMergeError", path: Path, asked: str) -> "HfMergeError":
