@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import redact_credentials
-from ..progress import human_bytes
+from ..progress import count, human_bytes
 from ._args import dtype_arg, float_dtype_arg, positive_int, size_arg
 
 from ._formats import add_backend_argument, add_source_option_arguments, source_options
@@ -166,7 +166,7 @@ def unused_options(args: argparse.Namespace, *, torchrun: bool) -> list[str]:
 def summary_line(result) -> str:
     """``wrote TARGET (27 tensors, 1.23 GB, 1 file, dtype bfloat16)``, plus the adapter of a LoRA
     ``both`` merge, the quantization, and how to halve a float32 output."""
-    files = f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}"
+    files = count(len(result.files), "file")
     if (result.provenance.get("quantization") or {}).get("method") == "gguf":
         dtype = f"GGUF {result.quantization}"
     elif result.quantization:

@@ -687,7 +687,7 @@ def _load_model(
 
     requested_map = device_map
     device_map = compat.check_device_map(device_map)
-    on_meta = sorted(k for k, d in (device_map or {}).items() if str(d) == "meta") if isinstance(device_map, dict) else []
+    on_meta = sorted(k for k, d in device_map.items() if str(d) == "meta") if isinstance(device_map, dict) else []
     if on_meta or str(device_map) == "meta":  # from_pretrained refuses it too ("Unsupported device type 'meta'")
         raise MappingError(f"device_map sends {', '.join(on_meta[:3]) or 'the model'} to 'meta', which holds no "
                            "weights; use 'disk' (with offload_folder=) to keep them out of memory, or 'cpu'")

@@ -79,6 +79,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import HubError, folded
+from ..progress import count
 from ..write.atomic import PROVENANCE_FILE
 
 __all__ = ["render_model_card", "render_adapter_card", "write_card", "card_text", "SECTION_BEGIN", "SECTION_END"]
@@ -469,7 +470,7 @@ def _dtype_text(info: dict[str, Any], adapter: bool) -> str | None:
     gguf = _gguf(info)
     counts = (gguf or {}).get("tensor_counts", {}).get((gguf or {}).get("file"))
     if counts and not adapter:  # what the file holds: 1-D tensors (norms, biases) stay F32 whatever the type
-        return f"GGUF `{dtype}`: " + ", ".join(f"{n} tensor{'s' if n != 1 else ''} `{t}`" for t, n in counts.items())
+        return f"GGUF `{dtype}`: " + ", ".join(f"{count(n, 'tensor')} `{t}`" for t, n in counts.items())
     quant = info.get("quantization")
     if quant and not adapter:
         return f"`{quant.get('mode')}` weights ({quant.get('method')}), other tensors `{dtype}`"
